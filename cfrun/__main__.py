@@ -1,0 +1,3 @@
+from cfrun.cli import main
+
+main()

@@ -1,0 +1,208 @@
+"""The ``cfrun`` command line (typer).
+
+``cfrun [OPTIONS] SCRIPT [SCRIPT_ARGS]...`` runs a training script under cfrun; it is short for
+``cfrun run``. Everything after SCRIPT goes to the script untouched, even words that look like
+cfrun options. Every option can also be set by the environment variable shown in ``--help``;
+a flag wins over the environment.
+
+Errors in what the user gave are one line, ``cfrun: error: ...``, plus a hint, and a distinct
+exit code (README, "Exit codes"); nothing is created or changed before the input is valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+try:  # typer < 0.22 uses click; newer typer vendors it and raises its own exceptions
+    import click
+
+    _EXIT: tuple[type[BaseException], ...] = (typer.Exit, click.exceptions.Exit)
+    _USAGE: tuple[type[BaseException], ...] = (click.UsageError,)
+    _ABORT: tuple[type[BaseException], ...] = (typer.Abort, click.Abort)
+except ImportError:
+    _EXIT = (typer.Exit,)
+    _USAGE = (typer.TyperException,)
+    _ABORT = (typer.Abort,)
+
+from cfrun import __version__
+from cfrun import env as E
+from cfrun.config import (
+    RunConfig,
+    default_job_dir,
+    parse_inject_crash,
+    parse_interval,
+    parse_overhead,
+    parse_positive_int,
+)
+from cfrun.errors import EXIT_BAD_INPUT, BadInputError, CfrunError
+
+app = typer.Typer(
+    name="cfrun",
+    help="Make an unmodified PyTorch training script fault-tolerant.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+SUBCOMMANDS = {"run", "resume"}
+_RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "PYTHON", "NCCL_", "MKL_")
+
+log = logging.getLogger("cfrun")
+
+
+def _setup_logging() -> None:
+    if log.handlers:
+        return
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False,
+                          markup=False)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _resolve_script(script: str) -> Path:
+    path = Path(script)
+    if not path.exists():
+        raise BadInputError(f"script {script!r} does not exist; give the path of a Python "
+                            "training script, e.g. cfrun train.py")
+    if path.is_dir():
+        raise BadInputError(f"script {script!r} is a directory; give the path of a Python "
+                            "training script inside it")
+    return path.resolve()
+
+
+def _recorded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(_RECORDED_ENV_PREFIXES) and not k.startswith("CFRUN_RANK_")}
+
+
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False},
+)
+def run_cmd(
+    script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
+    script_args: Annotated[Optional[list[str]], typer.Argument(
+        help="Arguments for the script, passed through untouched.")] = None,
+    job_dir: Annotated[Optional[str], typer.Option(
+        "--job-dir", envvar=E.JOB_DIR,
+        help="Job directory (checkpoints, events, config). Default: ./cfrun-jobs/<script name>."
+    )] = None,
+    interval: Annotated[Optional[str], typer.Option(
+        "--interval", envvar=E.INTERVAL,
+        help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
+    overhead: Annotated[str, typer.Option(
+        "--overhead", envvar=E.OVERHEAD,
+        help="Overhead budget: 3.5%, 3.5 (percent) or 0.035 (fraction).")] = "3.5%",
+    nproc_per_node: Annotated[str, typer.Option(
+        "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node (torchrun).")] = "1",
+    max_restarts: Annotated[str, typer.Option(
+        "--max-restarts", envvar=E.MAX_RESTARTS,
+        help="Restarts after failures before giving up (exit code 4).")] = "5",
+    keep: Annotated[str, typer.Option(
+        "--keep", envvar=E.KEEP, help="Committed checkpoints to keep.")] = "2",
+    grace: Annotated[str, typer.Option(
+        "--grace", envvar=E.GRACE,
+        help="Seconds the ranks get after SIGTERM before SIGKILL.")] = "25",
+    inject_crash: Annotated[str, typer.Option(
+        "--inject-crash", envvar=E.INJECT_CRASH,
+        help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
+) -> None:
+    """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
+    script_path = _resolve_script(script)
+    cwd = Path.cwd()
+    jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
+    try:
+        grace_s = float(grace)
+    except ValueError:
+        raise BadInputError(f"--grace {grace!r} is not a number of seconds, e.g. --grace 25") \
+            from None
+    cfg = RunConfig(
+        script=str(script_path),
+        script_args=list(script_args or []),
+        job_dir=str(jd),
+        cwd=str(cwd),
+        interval=parse_interval(interval) if interval is not None else None,
+        overhead=parse_overhead(overhead),
+        nproc_per_node=parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1),
+        max_restarts=parse_positive_int("--max-restarts", max_restarts, minimum=0),
+        keep=parse_positive_int("--keep", keep, minimum=1),
+        grace_s=grace_s,
+        inject_crash=inject_crash if parse_inject_crash(inject_crash) or True else "",
+        env=_recorded_env(),
+    )
+    _run(cfg)
+
+
+@app.command("resume")
+def resume_cmd(
+    job_dir: Annotated[str, typer.Argument(help="A job dir written by an earlier cfrun run.")],
+) -> None:
+    """Continue a stopped, failed or preempted job with its recorded command and settings."""
+    jd = Path(job_dir).expanduser().absolute()
+    cfg_path = jd / "config.json"
+    if not jd.is_dir():
+        raise BadInputError(f"job dir {job_dir!r} does not exist; give the --job-dir of an "
+                            "earlier run (default ./cfrun-jobs/<script name>)")
+    if not cfg_path.is_file():
+        raise BadInputError(f"{job_dir!r} is not a cfrun job dir (no config.json)")
+    try:
+        cfg = RunConfig.from_json(json.loads(cfg_path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise BadInputError(f"{cfg_path} is unreadable ({e}); start a new job dir") from None
+    for k, v in cfg.env.items():
+        os.environ.setdefault(k, v)
+    _run(cfg)
+
+
+def _run(cfg: RunConfig) -> None:
+    from cfrun.supervisor import Supervisor
+
+    log.info("cfrun %s: %s -> job dir %s (interval %s)", __version__, Path(cfg.script).name,
+             cfg.job_dir, cfg.effective_interval)
+    code = Supervisor(cfg).run()
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["--help"]
+    if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
+        args = ["run", *args]
+    if args == ["--version"]:
+        print(f"cfrun {__version__}")
+        sys.exit(0)
+    _setup_logging()
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=args, prog_name="cfrun", standalone_mode=False)
+    except _EXIT as e:
+        sys.exit(e.exit_code)  # type: ignore[attr-defined]
+    except _USAGE as e:
+        print(f"cfrun: error: {e.format_message()}; see cfrun --help",  # type: ignore[attr-defined]
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except _ABORT:
+        sys.exit(EXIT_BAD_INPUT)
+    except CfrunError as e:
+        if os.environ.get(E.DEBUG):
+            raise
+        print(f"cfrun: error: {e}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    sys.exit(0)

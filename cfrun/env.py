@@ -1,0 +1,34 @@
+"""Every ``CFRUN_*`` environment variable, in one place.
+
+Precedence, for every setting: command-line flag > environment variable > ``config.json`` of the
+job dir (``cfrun resume``) > default. The launcher passes the resolved values to the ranks through
+the ``CFRUN_RANK_*`` variables below; users do not set those.
+"""
+
+from __future__ import annotations
+
+# User-facing settings (each is also a flag of `cfrun`).
+JOB_DIR = "CFRUN_JOB_DIR"
+INTERVAL = "CFRUN_INTERVAL"
+OVERHEAD = "CFRUN_OVERHEAD"
+NPROC_PER_NODE = "CFRUN_NPROC_PER_NODE"
+MAX_RESTARTS = "CFRUN_MAX_RESTARTS"
+KEEP = "CFRUN_KEEP"
+GRACE = "CFRUN_GRACE"
+INJECT_CRASH = "CFRUN_INJECT_CRASH"
+DEBUG = "CFRUN_DEBUG"
+FF_EVAL = "CFRUN_FF_EVAL"
+
+# Set by the launcher for the ranks (the hook activates only where ACTIVE is set).
+RANK_ACTIVE = "CFRUN_RANK_ACTIVE"
+RANK_JOB_DIR = "CFRUN_RANK_JOB_DIR"
+RANK_INTERVAL = "CFRUN_RANK_INTERVAL"
+RANK_KEEP = "CFRUN_RANK_KEEP"
+RANK_SCRIPT = "CFRUN_RANK_SCRIPT"
+RANK_ATTEMPT = "CFRUN_RANK_ATTEMPT"
+RANK_INJECT_CRASH = "CFRUN_RANK_INJECT_CRASH"
+RANK_FF_EVAL = "CFRUN_RANK_FF_EVAL"
+HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
+"""Pid of the rank process whose hook is live; children that inherit it stay inert."""
+PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"
+"""The PYTHONPATH the user had, so the hook can chain the user's own sitecustomize."""

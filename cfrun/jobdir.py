@@ -1,0 +1,159 @@
+"""The job directory: the on-disk contract between the supervisor, the ranks and later commands.
+
+Layout::
+
+    <job_dir>/
+      job.lock                  filelock held by the live supervisor (released by the OS on death)
+      config.json               resolved RunConfig, cfrun version, format version
+      events.jsonl              one JSON object per line: attempts, checkpoints, resumes, warnings
+      checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
+      checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from cfrun.errors import BadInputError, JobDirLockedError
+
+CHECKPOINTS = "checkpoints"
+STAGING_PREFIX = ".staging-"
+STEP_PREFIX = "step-"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so renames and new entries in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Mapping[str, Any] | list[Any]) -> None:
+    """Write ``obj`` as JSON so readers see the old file or the new one, never a torn one.
+
+    Writes a temporary file beside ``path``, fsyncs it, renames it over ``path`` and fsyncs the
+    directory.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def step_dir_name(step: int) -> str:
+    """``step-000120`` for step 120: names sort in step order."""
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+class JobDir:
+    """Paths and small operations on one job directory.
+
+    Any process may construct it; only the supervisor calls :meth:`lock`.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).absolute()
+        self._lock: filelock.BaseFileLock | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "job.lock"
+
+    def check_usable(self) -> None:
+        """Raise if ``root`` exists but cannot be a job dir (a file, or a foreign directory).
+
+        Raises:
+            BadInputError: ``root`` is a file, or a non-empty directory without ``config.json``
+                that is not a job dir (cfrun never writes into someone else's directory).
+        """
+        if self.root.exists() and not self.root.is_dir():
+            raise BadInputError(
+                f"--job-dir {str(self.root)!r} is a file; give a directory path (it is created)"
+            )
+        if self.root.is_dir() and any(self.root.iterdir()) and not self.config_path.exists():
+            raise BadInputError(
+                f"--job-dir {str(self.root)!r} is a non-empty directory that is not a cfrun job dir;"
+                " give a new or empty directory"
+            )
+
+    def create(self) -> None:
+        """Create the directory tree (idempotent)."""
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+
+    def lock(self) -> None:
+        """Take the job dir's lock for this process's lifetime.
+
+        The lock is an OS file lock (``flock``), so a cfrun that died leaves no stale lock.
+
+        Raises:
+            JobDirLockedError: another live process holds it.
+        """
+        lock = filelock.FileLock(str(self.lock_path), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise JobDirLockedError(f"job dir {str(self.root)!r} is in use by another cfrun") from None
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def is_locked(self) -> bool:
+        """True when a live process holds the lock (tries it without blocking)."""
+        if not self.lock_path.exists():
+            return False
+        probe = filelock.FileLock(str(self.lock_path), timeout=0)
+        try:
+            probe.acquire()
+        except filelock.Timeout:
+            return True
+        probe.release()
+        return False
+
+    def emit_event(self, kind: str, **fields: Any) -> None:
+        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes)."""
+        record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
+        line = json.dumps(record, sort_keys=True, default=str) + "\n"
+        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def read_events(self) -> list[dict[str, Any]]:
+        """All events, oldest first; a torn last line (a crash mid-append) is skipped."""
+        if not self.events_path.exists():
+            return []
+        out = []
+        for line in self.events_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out

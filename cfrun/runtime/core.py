@@ -1,0 +1,671 @@
+"""The Runtime: what cfrun does inside each rank process.
+
+One ``Runtime`` per rank, created by :func:`cfrun.runtime.install` when the script imports torch.
+It sees the script's optimizers (torch's global optimizer step hooks), LR schedulers and AMP
+GradScalers (their ``__init__``), DataLoaders (:mod:`cfrun.runtime.data`) and its variables
+(:mod:`cfrun.runtime.frames`), and
+
+* counts steps and, every ``interval`` steps, takes a checkpoint at the next *boundary*: the next
+  ``next()`` on the training DataLoader (loader loops) or the next arrival at the head of the loop
+  around ``optimizer.step()`` (step loops). At the boundary the iteration's remaining code
+  (``scheduler.step()``, ``running_loss += ...``) has run and the next forward has not, so model,
+  optimizer, scheduler, RNG, data position and script variables all describe the same moment:
+  right after step s (CheckFreq §4.3's consistency point, extended to the script's own state);
+* on resume, fast-forwards the script to that moment (README, "Resume semantics").
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import itertools
+import logging
+import os
+import signal
+import sys
+import time
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from cfrun import env as E
+from cfrun.checkpoint import commit, load_newest, shard_names, staging_dir, write_shard
+from cfrun.config import parse_inject_crash
+from cfrun.format import UnsupportedValueError, decode, encode
+from cfrun.jobdir import JobDir, atomic_write_json
+from cfrun.runtime import frames as F
+from cfrun.runtime.data import loader_fingerprint, set_epoch_rng
+from cfrun.runtime.rng import get_global_rng, set_global_rng
+
+logger = logging.getLogger("cfrun.rank")
+
+
+def say(msg: str) -> None:
+    """A cfrun line on the rank's stderr, prefixed so it is told apart from the script's."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        sys.__stderr__.write(f"[cfrun rank {rank}] {msg}\n")  # type: ignore[union-attr]
+        sys.__stderr__.flush()  # type: ignore[union-attr]
+    except Exception:
+        pass
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What the launcher told this rank, from ``CFRUN_RANK_*`` and torchrun's variables."""
+
+    job_dir: Path
+    script: str
+    """Realpath of the training script."""
+    rank: int
+    world_size: int
+    local_rank: int
+    attempt: int
+    """cfrun's attempt number (0 = first start), across restarts."""
+    interval: int
+    keep: int
+    inject_crash: list[tuple[int, int]]
+    ff_eval: str
+    """``one``: other loaders yield one batch while fast-forwarding; ``run``: all of them."""
+
+    @classmethod
+    def from_env(cls) -> RankSettings:
+        env = os.environ
+        return cls(
+            job_dir=Path(env[E.RANK_JOB_DIR]),
+            script=os.path.realpath(env[E.RANK_SCRIPT]),
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            attempt=int(env.get(E.RANK_ATTEMPT, "0")),
+            interval=max(1, int(env.get(E.RANK_INTERVAL, "50"))),
+            keep=max(1, int(env.get(E.RANK_KEEP, "2"))),
+            inject_crash=parse_inject_crash(env.get(E.RANK_INJECT_CRASH, "")),
+            ff_eval=env.get(E.RANK_FF_EVAL, "one"),
+        )
+
+
+@dataclass
+class ResumePlan:
+    """The newest verified checkpoint and where the script must arrive to restore it."""
+
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def mode(self) -> str:
+        return str(self.meta.get("mode", "loader"))
+
+
+class _NullWriter(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+class Runtime:
+    """Per-rank checkpoint/resume machinery. Lives on the training thread; not thread-safe."""
+
+    def __init__(self, settings: RankSettings) -> None:
+        self.s = settings
+        self.jobdir = JobDir(settings.job_dir)
+        self.step = 0
+        self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self.schedulers: list[weakref.ref[Any]] = []
+        self.scalers: list[weakref.ref[Any]] = []
+        self.loaders: list[weakref.ref[Any]] = []
+        self.mode: str | None = None
+        self._last_next_iter: weakref.ref[Any] | None = None
+        self._next_since_step = False
+        self._train_iter: weakref.ref[Any] | None = None
+        self._pending: tuple[int, bool, bool] | None = None
+        self._loop: F.LoopInfo | None = None
+        self._roots: list[torch.nn.Module] = []
+        self._roots_key: int = -1
+        self._warned: set[str] = set()
+        self.not_exact: list[str] = []
+        self.plan: ResumePlan | None = None
+        self.resumed = False
+        self.fast_forwarding = False
+        self._saved_stdout: Any = None
+        self._enum_fix: tuple[weakref.ref[Any], int] | None = None
+        self._start_epoch: Callable[..., Any]
+        self._orig_loader_iter: Callable[..., Any]
+        self._resume_kind = "replay"
+        self._jumped = False
+        self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
+        self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
+
+    # ---------------------------------------------------------------- discovery
+
+    def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.append(weakref.ref(opt))
+
+    def register_scheduler(self, sched: Any) -> None:
+        self.schedulers.append(weakref.ref(sched))
+
+    def register_scaler(self, scaler: Any) -> None:
+        self.scalers.append(weakref.ref(scaler))
+
+    def register_loader(self, loader: Any) -> int:
+        self.loaders.append(weakref.ref(loader))
+        return len(self.loaders) - 1
+
+    @staticmethod
+    def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
+        return [o for o in (r() for r in refs) if o is not None]
+
+    def model_roots(self) -> list[torch.nn.Module]:
+        """Modules that own the optimizers' parameters, outermost only, unwrapped from DDP.
+
+        Ordered by the position of their first parameter in the optimizers' param groups, which
+        is the same in every run of the same script. Found once by a scan of live objects
+        (``gc.get_objects``) and cached until the optimizers' parameters change.
+        """
+        order: dict[int, int] = {}
+        for opt in self._alive(self.optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    order.setdefault(id(p), len(order))
+        key = hash(tuple(order))
+        if key == self._roots_key:
+            return self._roots
+        with warnings.catch_warnings():  # isinstance() on deprecated torch proxies warns
+            warnings.simplefilter("ignore")
+            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        children = {id(c) for m in mods for c in m._modules.values() if c is not None}
+        ranked = []
+        for m in mods:
+            if id(m) in children:
+                continue
+            first = min((order[id(p)] for p in m.parameters() if id(p) in order), default=None)
+            if first is not None:
+                ranked.append((first, m))
+        ranked.sort(key=lambda x: x[0])
+        self._roots = [_unwrap(m) for _, m in ranked]
+        self._roots_key = key
+        return self._roots
+
+    # ---------------------------------------------------------------- steps and boundaries
+
+    def on_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step post-hook (``register_optimizer_step_post_hook``)."""
+        count = opt.__dict__.get("_cfrun_steps", 0) + 1
+        opt.__dict__["_cfrun_steps"] = count
+        if count <= self.step:  # a second optimizer in the same iteration (GAN)
+            return
+        self.step = count
+        if self._next_since_step and self._last_next_iter is not None:
+            self._train_iter = self._last_next_iter
+            self.mode = "loader"
+        elif self.mode is None:
+            self.mode = "loop"
+        self._next_since_step = False
+        due = self.step % self.s.interval == 0
+        kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
+        if not (due or kill):
+            return
+        self._pending = (self.step, due, kill)
+        if self.mode == "loop":
+            self._arm_loop_boundary()
+
+    def on_loader_next(self, it: Any, caller: types.FrameType) -> None:
+        """Called before every ``next()`` on a tracked DataLoader iterator."""
+        if self._enum_fix is not None and self._enum_fix[0]() is it:
+            consumed = self._enum_fix[1]
+            self._enum_fix = None
+            if consumed and not F.fix_enumerate(it, consumed):
+                pass  # no enumerate around the loader: nothing to fix
+        self._last_next_iter = weakref.ref(it)
+        self._next_since_step = True
+        if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
+                and self._train_iter() is it):
+            loader = it._cfrun_loader
+            if not _is_for_header(caller):
+                self._flag("the training DataLoader is advanced with next() outside a for "
+                           "statement; its position resumes, the loop around it may not")
+            epoch_loop, epoch_value = self._epoch_loop(caller)
+            data = {
+                "loader": loader._cfrun_ordinal,
+                "fingerprint": loader_fingerprint(loader),
+                "iter_index": it._cfrun_iter_index,
+                "batches": it._cfrun_consumed,
+                "epoch_rng": loader._cfrun_epoch_rng,
+                "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
+                "epoch_value": epoch_value,
+            }
+            if loader._dataset_kind != 0:  # _DatasetKind.Iterable
+                self._flag("the training DataLoader reads an IterableDataset; cfrun cannot skip "
+                           "to the batch position inside an epoch")
+            self._boundary(caller, data)
+
+    def _epoch_loop(self, caller: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
+        """The loop around the training loader's ``for`` (the epoch loop) and its variable."""
+        frames = F.script_frames(caller, self.s.script)
+        loop, frame = None, None
+        if frames and frames[0] is caller:
+            loop, frame = F.find_loop(caller, outside=True), caller
+        if loop is None:
+            for f in frames[1:] if frames and frames[0] is caller else frames:
+                loop, frame = F.find_loop(f), f
+                if loop is not None:
+                    break
+        if loop is None or frame is None:
+            return None, None
+        value = frame.f_locals.get(loop.target) if loop.target else None
+        if loop.kind == "for_range" and type(value) is not int:
+            return F.LoopInfo(loop.code, loop.header_line, loop.body_line, "for_other",
+                              loop.target), None
+        return loop, value
+
+    def _arm_loop_boundary(self) -> None:
+        frames = F.script_frames(sys._getframe(2), self.s.script)
+        loop_frame, loop = None, None
+        for f in frames:
+            loop = F.find_loop(f)
+            if loop is not None:
+                loop_frame = f
+                break
+        if loop_frame is None or loop is None or sys.gettrace() is not None:
+            self._flag("no loop around optimizer.step() was found in the script (or a tracer "
+                       "is active); script variables are captured at the step")
+            self._loop = None
+            self._boundary(frames[0] if frames else sys._getframe(2), None)
+            return
+        self._loop = loop
+        targets = (loop.header_line, loop.body_line)
+
+        def tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno in targets:
+                sys.settrace(None)
+                frame.f_trace = None
+                self._boundary(frame, None)
+                return None
+            return tracer
+
+        sys.settrace(_ignore_calls)
+        loop_frame.f_trace = tracer
+        loop_frame.f_trace_lines = True
+
+    def _boundary(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
+        if self._pending is None:
+            return
+        step, due, kill = self._pending
+        self._pending = None
+        if due:
+            try:
+                self.checkpoint(step, frame, data)
+            except Exception as e:  # never break the user's job
+                say(f"WARNING: checkpoint at step {step} failed: {e!r}")
+                self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
+                                       rank=self.s.rank)
+        if kill:
+            say(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _flag(self, reason: str) -> None:
+        """Record and loudly report (once) that the resume of this run may not be exact."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            self.not_exact.append(reason)
+            say(f"WARNING: resume may not be exact: {reason}")
+            if self.s.rank == 0:
+                self.jobdir.emit_event("not_exact", reason=reason, step=self.step)
+
+    # ---------------------------------------------------------------- checkpoint
+
+    def capture(self, frame: types.FrameType, data: dict[str, Any] | None
+                ) -> tuple[Any, list[torch.Tensor]]:
+        """The rank's state right after the current step, as a JSON tree and its tensors."""
+        roots = self.model_roots()
+        tensors: list[torch.Tensor] = []
+        tree: dict[str, Any] = {
+            "modules": encode([m.state_dict() for m in roots], tensors),
+            "optimizers": encode([o.state_dict() for o in self._alive(self.optimizers)], tensors),
+            "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self._alive(self.optimizers)],
+            "rng": encode(get_global_rng(), tensors),
+            "data": encode(data, tensors),
+        }
+        for kind, refs in (("schedulers", self.schedulers), ("scalers", self.scalers)):
+            items = []
+            for obj in self._alive(refs):
+                try:
+                    items.append(encode(obj.state_dict(), tensors))
+                except UnsupportedValueError as e:
+                    self._flag(f"{type(obj).__name__} state cannot be stored ({e})")
+                    items.append(None)
+            tree[kind] = items
+        frames = F.script_frames(frame, self.s.script)
+        saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
+        cap = F.capture_frames(frames, tensors, saved)
+        for name in cap.skipped:
+            self._flag(f"script variable {name} cannot be stored")
+        tree["script"] = cap.records
+        return tree, tensors
+
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None) -> None:
+        """Capture and durably write step ``step`` (synchronous persist). Every rank calls it."""
+        t0 = time.perf_counter()
+        tree, tensors = self.capture(frame, data)
+        meta = {
+            "step": step,
+            "mode": self.mode,
+            "loop": self._loop.to_json() if self._loop else None,
+            "epoch": data["iter_index"] if data else None,
+            "batches": data["batches"] if data else None,
+            "not_exact": list(self.not_exact),
+            "world_size": self.s.world_size,
+        }
+        t1 = time.perf_counter()
+        staging = staging_dir(self.jobdir.checkpoints, step)
+        files = write_shard(staging, self.s.rank, tree, tensors, meta)
+        nbytes = sum(f.nbytes for f in files)
+        if self.s.world_size > 1:
+            atomic_write_json(staging / f"rank-{self.s.rank:05d}.ok",
+                              {"files": [vars(f) for f in files]})
+        if self.s.rank == 0:
+            if self.s.world_size > 1:
+                files = self._gather_rank_files(staging)
+                nbytes = sum(f.nbytes for f in files)
+            commit(self.jobdir.checkpoints, step, files, world_size=self.s.world_size,
+                   meta={k: meta[k] for k in ("step", "mode", "epoch", "batches", "not_exact")},
+                   keep=self.s.keep)
+            t2 = time.perf_counter()
+            self.jobdir.emit_event(
+                "checkpoint", step=step, bytes=nbytes, stall_s=round(t2 - t0, 6),
+                snapshot_s=round(t1 - t0, 6), persist_s=round(t2 - t1, 6),
+                pgt_s=round(t2 - t0, 6), bandwidth_bytes_per_s=round(nbytes / max(t2 - t1, 1e-9)),
+                attempt=self.s.attempt, mode=self.mode)
+
+    def _gather_rank_files(self, staging: Path) -> list[Any]:
+        from cfrun.checkpoint import FileEntry
+        import json
+
+        deadline = time.monotonic() + 600.0
+        files: list[FileEntry] = []
+        for r in range(self.s.world_size):
+            marker = staging / f"rank-{r:05d}.ok"
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {r} did not write its shard")
+                time.sleep(0.01)
+            files += [FileEntry(**f) for f in json.loads(marker.read_text())["files"]]
+            marker.unlink()
+        return files
+
+    # ---------------------------------------------------------------- resume
+
+    def load_plan(self) -> None:
+        """Find the newest verified checkpoint and prepare to fast-forward to it."""
+        got = load_newest(self.jobdir.checkpoints, self.s.rank)
+        if got is None:
+            return
+        step, state, meta = got
+        if meta.get("world_size", 1) != self.s.world_size:
+            self.fatal(f"checkpoint step {step} was written by {meta.get('world_size')} ranks, "
+                       f"this run has {self.s.world_size}; run with the same --nproc-per-node")
+        self.plan = ResumePlan(step, state, meta)
+        say(f"resuming from checkpoint step {step}")
+        if self.plan.mode == "loop":
+            loop = F.LoopInfo.from_json(meta["loop"]) if meta.get("loop") else None
+            if loop is None or sys.gettrace() is not None:
+                self._flag("the checkpoint has no loop position (or a tracer is active); "
+                           "the step loop restarts")
+                return
+            self._arm_loop_resume(loop, self._arrive_step_loop)
+            return
+        data = state["data"]
+        epoch_loop = F.LoopInfo.from_json(data["epoch_loop"]) if data.get("epoch_loop") else None
+        if epoch_loop is not None and epoch_loop.kind in ("for_range", "while") \
+                and sys.gettrace() is None:
+            self._resume_kind = "jump"
+            self._arm_loop_resume(epoch_loop, self._arrive_epoch_loop)
+        else:
+            self._resume_kind = "replay"
+
+    def on_loader_iter(self, loader: Any, n: int, start: Callable[[], Any]) -> Any:
+        """Called for ``iter(loader)``; ``n`` counts earlier ``iter()`` calls on this loader."""
+        plan = self.plan
+        if plan is not None and not self.resumed and plan.mode == "loader" \
+                and self._resume_kind == "jump":
+            if self._jumped and loader_fingerprint(loader) == plan.state["data"]["fingerprint"]:
+                return self._resume_at_loader(loader, n, sys._getframe(2))
+        elif plan is not None and not self.resumed and plan.mode == "loader":
+            data = plan.state["data"]
+            if loader._cfrun_ordinal == data["loader"]:
+                if loader_fingerprint(loader) != data["fingerprint"]:
+                    self.fatal(f"the training DataLoader changed since the checkpoint "
+                               f"({data['fingerprint']} -> {loader_fingerprint(loader)}); "
+                               "resume with the same script and arguments, or a new --job-dir")
+                if n < data["iter_index"]:
+                    self._enter_fast_forward(data["iter_index"])
+                    return iter(())
+                if n == data["iter_index"]:
+                    return self._resume_at_loader(loader, n, sys._getframe(2))
+            elif self.fast_forwarding and self.ff_eval == "one":
+                it = start()  # one batch: cheap, and no division by an empty count
+                it._cfrun_iter_index = n
+                return itertools.islice(it, 1)
+        it = start()
+        it._cfrun_iter_index = n
+        return it
+
+    def _resume_at_loader(self, loader: Any, n: int, caller: types.FrameType) -> Any:
+        plan = self.plan
+        assert plan is not None
+        data = plan.state["data"]
+        set_epoch_rng(loader, data["epoch_rng"])
+        loader.__dict__["_cfrun_skip"] = data["batches"]
+        loader.__dict__["_cfrun_skip_done"] = data["batches"]
+        it = self._start_epoch(loader, self._orig_loader_iter)
+        it._cfrun_iter_index = n
+        self._apply(plan, caller, in_tracer=False)
+        self._enum_fix = (weakref.ref(it), data["batches"])
+        return it
+
+    def _arm_loop_resume(self, loop: F.LoopInfo,
+                         arrive: Callable[[types.FrameType, F.LoopInfo], None]) -> None:
+        """Call ``arrive(frame, loop)`` when the script first reaches the head of ``loop``.
+
+        Uses ``sys.settrace`` until then: the global tracer only looks at the code object of
+        new frames and hands line events of the one matching function to a local tracer.
+        """
+        key = tuple(loop.code)
+        targets = (loop.header_line, loop.body_line)
+
+        def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno in targets:
+                sys.settrace(None)
+                frame.f_trace = None
+                try:
+                    arrive(frame, loop)
+                except Exception as e:
+                    say(f"WARNING: resume failed at the loop head: {e!r}")
+                return None
+            return local
+
+        def global_tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+            code = frame.f_code
+            if event == "call" and code.co_name == key[1] and code.co_firstlineno == key[2] \
+                    and os.path.realpath(code.co_filename) == key[0]:
+                return local
+            return None
+
+        sys.settrace(global_tracer)
+        f: types.FrameType | None = sys._getframe()
+        while f is not None:  # a loop at module level: its frame is already running
+            code = f.f_code
+            if code.co_name == key[1] and code.co_firstlineno == key[2] \
+                    and os.path.realpath(code.co_filename) == key[0]:
+                f.f_trace = local
+                f.f_trace_lines = True
+            f = f.f_back
+
+    def _arrive_step_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
+        assert self.plan is not None
+        self._apply(self.plan, frame, in_tracer=True)
+        if loop.kind == "for_range":
+            done = self._saved_value(loop)
+            self._install_range_shim(frame, lambda r: r[r.index(done) + 1:]
+                                     if done in r else None)
+        elif loop.kind == "for_other":
+            self._flag("the loop around optimizer.step() is a for loop over something "
+                       "other than range(); its position restarts")
+
+    def _arrive_epoch_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
+        """Jump the epoch loop to the checkpoint's epoch; skipped epochs never run."""
+        assert self.plan is not None
+        data = self.plan.state["data"]
+        records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
+        F.restore_frames(records, records, [frame], in_tracer=True)
+        if loop.kind == "for_range":
+            epoch = data["epoch_value"]
+            self._install_range_shim(frame, lambda r: r[r.index(epoch):] if epoch in r else None)
+        self._jumped = True
+        say(f"jumped to epoch index {data.get('epoch_value')} of the epoch loop "
+            f"(line {loop.header_line}); completed epochs are not run again")
+
+    def _saved_value(self, loop: F.LoopInfo) -> Any:
+        assert self.plan is not None
+        for rec in self.plan.state["script"]:
+            if rec["code"] == loop.code and loop.target in rec["values"]:
+                return rec["values"][loop.target]["v"]
+        return None
+
+    def _install_range_shim(self, frame: types.FrameType,
+                            cut: Callable[[range], range | None]) -> None:
+        """Make the next ``range(...)`` call in ``frame``'s module return ``cut(range(...))``.
+
+        Installed at the loop head before its ``range(...)`` is evaluated; removes itself on
+        first use. If ``cut`` returns ``None`` (the saved value is not in the range), the loop
+        runs unchanged and the resume is flagged.
+        """
+        import builtins
+
+        g = frame.f_globals
+        if "range" in g:
+            self._flag("the script defines its own range(); the loop position restarts")
+            return
+
+        def range_shim(*args: int) -> range:
+            g.pop("range", None)
+            r = builtins.range(*args)
+            got = cut(r)
+            if got is None:
+                self._flag("the loop's range() changed since the checkpoint")
+                return r
+            return got
+
+        g["range"] = range_shim
+
+    def _apply(self, plan: ResumePlan, frame: types.FrameType, *, in_tracer: bool) -> None:
+        """Load the checkpoint into the live objects, RNG and script frames."""
+        st = plan.state
+        roots = self.model_roots()
+        opts = self._alive(self.optimizers)
+        if len(roots) != len(st["modules"]) or len(opts) != len(st["optimizers"]):
+            self.fatal(f"the script built {len(roots)} models / {len(opts)} optimizers, the "
+                       f"checkpoint holds {len(st['modules'])} / {len(st['optimizers'])}; resume "
+                       "with the same script and arguments, or a new --job-dir")
+        with torch.no_grad():
+            for m, sd in zip(roots, st["modules"]):
+                m.load_state_dict(sd)
+        for o, sd, count in zip(opts, st["optimizers"], st["opt_steps"]):
+            o.load_state_dict(sd)
+            o.__dict__["_cfrun_steps"] = count
+        for kind, refs in (("schedulers", self.schedulers), ("scalers", self.scalers)):
+            for obj, sd in zip(self._alive(refs), st[kind]):
+                if sd is not None:
+                    obj.load_state_dict(sd)
+        set_global_rng(st["rng"])
+        restored = F.restore_frames(st["script"], st["script"],
+                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+        self.step = plan.step
+        self.mode = plan.mode
+        self.resumed = True
+        self._exit_fast_forward()
+        say(f"resumed at step {plan.step} ({len(restored)} script variables restored)")
+        if self.s.rank == 0:
+            self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
+                                   variables=sorted(restored))
+
+    def _enter_fast_forward(self, epochs: int) -> None:
+        if self.fast_forwarding:
+            return
+        self.fast_forwarding = True
+        say(f"fast-forwarding {epochs} completed epoch(s) without loading data "
+            "(script output suppressed until the resume point)")
+        self._saved_stdout = sys.stdout
+        sys.stdout = _NullWriter()
+        self._warn_filters = warnings.filters[:]
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+
+    def _exit_fast_forward(self) -> None:
+        if self.fast_forwarding:
+            self.fast_forwarding = False
+            if self._saved_stdout is not None:
+                sys.stdout = self._saved_stdout
+                self._saved_stdout = None
+                warnings.filters[:] = self._warn_filters
+
+    # ---------------------------------------------------------------- failures
+
+    def fatal(self, message: str) -> None:
+        """Stop the job: the resume would be wrong. The supervisor exits with code 5."""
+        say(f"FATAL: {message}")
+        try:
+            atomic_write_json(self.jobdir.root / "fatal.json",
+                              {"message": message, "attempt": self.s.attempt, "rank": self.s.rank})
+        finally:
+            os._exit(1)
+
+    def on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """sys.excepthook: a script that breaks while fast-forwarding gets a fallback."""
+        if self.fast_forwarding and self.ff_eval == "one":
+            self._exit_fast_forward()
+            say("the script failed while fast-forwarding with evaluation loaders cut to one "
+                "batch; the next attempt runs them in full (fallback)")
+            self._ff_fallback_path.touch()
+
+    def at_exit(self) -> None:
+        self._exit_fast_forward()
+        if self.plan is not None and not self.resumed:
+            say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
+                "it was not restored")
+
+
+def _ignore_calls(frame: types.FrameType, event: str, arg: Any) -> None:
+    return None
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    while True:
+        inner = getattr(m, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, torch.nn.Module):
+            m = inner
+            continue
+        if type(m).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+                getattr(m, "module", None), torch.nn.Module):
+            m = m.module  # type: ignore[assignment]
+            continue
+        return m
+
+
+def _is_for_header(frame: types.FrameType) -> bool:
+    import ast
+
+    tree = F._parse(os.path.realpath(frame.f_code.co_filename))
+    if tree is None:
+        return True
+    return any(isinstance(n, ast.For) and n.lineno == frame.f_lineno for n in ast.walk(tree))

@@ -1,0 +1,354 @@
+"""Progress kept in the script's own variables: capture it at a checkpoint, put it back on resume.
+
+An unmodified script restarts from its first line, so counters, running sums, best-so-far values
+and prefetched batches in its frames (``main()``'s locals, module globals) would start over. At
+each checkpoint cfrun records the script frames on the stack (those whose code lives in the
+script file) and, for each, the values it can store without pickle: Python scalars, containers
+of them, tensors, ``torch.Generator``/``numpy`` generator states, ``nn.Module`` state dicts, and
+the ``__dict__`` of plain objects of classes the script defines (``AverageMeter``...). On resume
+the same frames, found by code identity (file, function, first line), get the values back.
+
+Python 3.11/3.12 need ``PyFrame_LocalsToFast`` to write a function's locals; 3.13+ frames expose
+a write-through ``f_locals`` (PEP 667).
+
+The module also finds the loop around an optimizer step in the script's source (``ast``), which
+the step-loop resume needs (README, "Resume semantics").
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import functools
+import json
+import logging
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cfrun.format import UnsupportedValueError, encode
+
+logger = logging.getLogger(__name__)
+
+MAX_VALUE_JSON_BYTES = 4 << 20
+"""A single variable larger than this (as JSON) is not captured; the resume is flagged inexact."""
+MAX_FRAME_TENSOR_BYTES = 256 << 20
+"""Tensors held in script variables beyond this total are not captured (flagged inexact)."""
+
+_SKIP_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+               type, types.GeneratorType, types.CodeType, types.FrameType)
+
+
+def code_key(code: types.CodeType) -> list[Any]:
+    """Identity of a function across runs: ``[file, name, first line]``."""
+    return [os.path.realpath(code.co_filename), code.co_name, code.co_firstlineno]
+
+
+def script_frames(start: types.FrameType | None, script_path: str) -> list[types.FrameType]:
+    """Frames from ``start`` outwards whose code is in ``script_path``, innermost first."""
+    out = []
+    f = start
+    while f is not None:
+        if os.path.realpath(f.f_code.co_filename) == script_path:
+            out.append(f)
+        f = f.f_back
+    return out
+
+
+def _is_module_frame(frame: types.FrameType) -> bool:
+    return frame.f_code.co_name == "<module>"
+
+
+class FrameCapture:
+    """Values of script variables prepared for the checkpoint tree.
+
+    ``records`` is a JSON-able list (tensors appended to the caller's tensor list by ``encode``);
+    ``skipped`` names variables that could not be stored (reported as inexact).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.skipped: list[str] = []
+
+
+def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
+                  saved_modules: set[int]) -> tuple[str, Any] | None:
+    """``(kind, encoded)`` for a capturable value, ``None`` to ignore it silently.
+
+    Raises:
+        UnsupportedValueError: the value matters but cannot be stored.
+    """
+    if isinstance(value, _SKIP_TYPES):
+        return None
+    if isinstance(value, torch.nn.Module):
+        if id(value) in saved_modules:
+            return None
+        local: list[torch.Tensor] = []
+        enc = encode(value.state_dict(), local)
+        return _with_tensors("module", enc, local, tensors, budget)
+    if isinstance(value, torch.Generator):
+        return _with_tensors("torch_generator", {"__t__": 0}, [value.get_state()], tensors, budget)
+    if isinstance(value, np.random.Generator):
+        return "np_generator", encode(value.bit_generator.state, tensors)
+    if isinstance(value, (torch.optim.Optimizer, torch.utils.data.DataLoader)):
+        return None
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.nn.Parameter):
+            return None
+        local = [value.detach().clone()]
+        return _with_tensors("value", {"__t__": 0}, local, tensors, budget)
+    cls = type(value)
+    if (cls.__module__ == "__main__" and hasattr(value, "__dict__")
+            and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler))):
+        local = []
+        attrs = {k: v for k, v in vars(value).items()
+                 if not isinstance(v, _SKIP_TYPES + (torch.nn.Module,))}
+        enc = encode(_detach_tree(attrs), local)
+        return _with_tensors("object", enc, local, tensors, budget)
+    if _is_plain(value):
+        local = []
+        enc = encode(_detach_tree(value), local)
+        if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
+            raise UnsupportedValueError("too large")
+        return _with_tensors("value", enc, local, tensors, budget)
+    return None
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        return True
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _detach_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_detach_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_detach_tree(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach_tree(v) for k, v in value.items()}
+    return value
+
+
+def _with_tensors(kind: str, enc: Any, local: list[torch.Tensor], tensors: list[torch.Tensor],
+                  budget: list[int]) -> tuple[str, Any]:
+    nbytes = sum(t.numel() * t.element_size() for t in local)
+    if nbytes > budget[0]:
+        raise UnsupportedValueError(f"tensors too large ({nbytes} bytes)")
+    budget[0] -= nbytes
+    base = len(tensors)
+    tensors.extend(local)
+    return kind, _shift(enc, base)
+
+
+def _shift(tree: Any, base: int) -> Any:
+    if base == 0:
+        return tree
+    if isinstance(tree, list):
+        return [_shift(v, base) for v in tree]
+    if isinstance(tree, dict):
+        if "__t__" in tree and len(tree) == 1:
+            return {"__t__": tree["__t__"] + base}
+        return {k: _shift(v, base) for k, v in tree.items()}
+    return tree
+
+
+def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
+                   saved_modules: set[int], exclude: set[str] | None = None) -> FrameCapture:
+    """Record the storable variables of ``frames`` (innermost first).
+
+    Called on the training thread at a checkpoint boundary. Tensors are cloned (the script may
+    reuse them in place) and appended to ``tensors``; modules already saved as models
+    (``saved_modules``, by ``id``) are skipped.
+    """
+    cap = FrameCapture()
+    budget = [MAX_FRAME_TENSOR_BYTES]
+    for frame in frames:
+        values: dict[str, Any] = {}
+        for name, value in list(frame.f_locals.items()):
+            if name.startswith("__") or (exclude and name in exclude):
+                continue
+            try:
+                got = _encode_value(value, tensors, budget, saved_modules)
+            except (UnsupportedValueError, RuntimeError, ValueError, TypeError) as e:
+                cap.skipped.append(f"{frame.f_code.co_name}:{name} ({e})")
+                continue
+            if got is not None:
+                values[name] = {"kind": got[0], "v": got[1]}
+        cap.records.append({"code": code_key(frame.f_code), "values": values})
+    return cap
+
+
+def _locals_to_fast(frame: types.FrameType) -> None:
+    if sys.version_info < (3, 13) and not _is_module_frame(frame):
+        ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
+                   frames: list[types.FrameType], *, in_tracer: bool = False) -> list[str]:
+    """Put captured values back into the live ``frames`` with the same code identity.
+
+    ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.format.decode`). Objects
+    that must keep their identity (generators, modules, script-class instances) are updated in
+    place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
+    ``f_locals`` back itself on return.
+    """
+    restored = []
+    live = {tuple(code_key(f.f_code)): f for f in reversed(frames)}
+    for rec in decoded:
+        frame = live.get(tuple(rec["code"]))
+        if frame is None:
+            continue
+        f_locals = frame.f_locals
+        for name, item in rec["values"].items():
+            kind, value = item["kind"], item["v"]
+            current = f_locals.get(name)
+            try:
+                if kind == "module":
+                    if isinstance(current, torch.nn.Module):
+                        current.load_state_dict(value)
+                elif kind == "torch_generator":
+                    if isinstance(current, torch.Generator):
+                        current.set_state(value)
+                elif kind == "np_generator":
+                    if isinstance(current, np.random.Generator):
+                        current.bit_generator.state = value
+                elif kind == "object":
+                    if current is not None and type(current).__module__ == "__main__":
+                        vars(current).update(_to_device_like(value, current))
+                else:
+                    f_locals[name] = _to_device_like(value, current)
+            except Exception as e:  # a value that no longer fits: leave it, say so
+                logger.warning("cfrun: could not restore %s: %s", name, e)
+                continue
+            restored.append(name)
+        if not in_tracer:
+            _locals_to_fast(frame)
+    return restored
+
+
+def _to_device_like(value: Any, current: Any) -> Any:
+    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+        return value.to(current.device)
+    return value
+
+
+def fix_enumerate(iterator: Any, consumed: int) -> bool:
+    """Advance the counter of the ``enumerate`` object wrapping ``iterator`` by ``consumed``.
+
+    ``for i, batch in enumerate(loader)`` restarts ``i`` at its start value when the loader
+    resumes mid-epoch; scripts use ``i`` for logging and per-iteration LR schedules. CPython
+    keeps the count in ``en_index`` right after the object header; the write is checked through
+    ``__reduce__``. Returns whether an enumerate was found and fixed.
+    """
+    import gc
+
+    for ref in gc.get_referrers(iterator):
+        if type(ref) is enumerate:
+            _, (sit, index) = ref.__reduce__()
+            if sit is not iterator:
+                continue
+            cell = ctypes.c_ssize_t.from_address(id(ref) + object.__basicsize__)
+            if cell.value != index:
+                return False
+            cell.value = index + consumed
+            return ref.__reduce__()[1][1] == index + consumed
+    return False
+
+
+@dataclass(frozen=True)
+class LoopInfo:
+    """The loop around a step in the script's source."""
+
+    code: list[Any]
+    """``code_key`` of the function holding the loop."""
+    header_line: int
+    body_line: int
+    """Line of the first statement in the loop body."""
+    kind: str
+    """``while``, ``for_range`` (``for v in range(...)``) or ``for_other``."""
+    target: str | None
+    """Name of the ``for`` loop variable, if a plain name."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "header_line": self.header_line, "body_line": self.body_line,
+                "kind": self.kind, "target": self.target}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LoopInfo:
+        return cls(list(d["code"]), int(d["header_line"]), int(d["body_line"]), str(d["kind"]),
+                   d.get("target"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(path: str) -> ast.Module | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def find_loop(frame: types.FrameType, *, outside: bool = False) -> LoopInfo | None:
+    """The innermost ``for``/``while`` loop of ``frame``'s function enclosing its current line.
+
+    ``outside``: the current line is a loop header; find the loop around that loop instead.
+    """
+    tree = _parse(os.path.realpath(frame.f_code.co_filename))
+    if tree is None:
+        return None
+    line = frame.f_lineno
+    first = frame.f_code.co_firstlineno
+    best: ast.AST | None = None
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.For, ast.While))
+                and (node.lineno < line if outside else node.lineno <= line)
+                and line <= (node.end_lineno or 0)):
+            if not _in_same_function(tree, node, first, frame.f_code.co_name):
+                continue
+            if best is None or node.lineno > best.lineno:  # type: ignore[attr-defined]
+                best = node
+    if best is None:
+        return None
+    body_line = best.body[0].lineno  # type: ignore[attr-defined]
+    target = None
+    if isinstance(best, ast.While):
+        kind = "while"
+    else:
+        assert isinstance(best, ast.For)
+        target = best.target.id if isinstance(best.target, ast.Name) else None
+        it = best.iter
+        is_range = (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
+                    and it.func.id == "range" and target is not None)
+        kind = "for_range" if is_range else "for_other"
+    return LoopInfo(code_key(frame.f_code), best.lineno, body_line, kind, target)  # type: ignore[attr-defined]
+
+
+def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: str) -> bool:
+    """True if ``node``'s innermost enclosing function is the one starting at ``firstlineno``."""
+    owner: ast.AST | None = None
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if fn.lineno <= node.lineno <= (fn.end_lineno or 0):  # type: ignore[attr-defined]
+                if owner is None or fn.lineno > owner.lineno:  # type: ignore[attr-defined]
+                    owner = fn
+    if owner is None:
+        return name == "<module>"
+    assert isinstance(owner, (ast.FunctionDef, ast.AsyncFunctionDef))
+    starts = {owner.lineno} | {d.lineno for d in owner.decorator_list}
+    return owner.name == name and firstlineno in starts

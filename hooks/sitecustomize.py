@@ -1,0 +1,53 @@
+"""cfrun's hook, on the PYTHONPATH of rank processes only (see cfrun.launcher).
+
+Activates cfrun's runtime in torchrun's worker processes and nowhere else: not in torchrun's own
+agent (no RANK), not in DataLoader workers or other subprocesses of a rank (they inherit
+CFRUN_HOOK_OWNER_PID, which names their parent). Imports nothing heavy: the runtime installs
+itself only once the script imports torch. Then it runs the sitecustomize that this one shadows,
+if any. It never raises.
+"""
+
+import os
+import sys
+
+
+def _cfrun_activate():
+    env = os.environ
+    if env.get("CFRUN_RANK_ACTIVE") != "1" or "RANK" not in env or "LOCAL_RANK" not in env:
+        return
+    owner = env.get("CFRUN_HOOK_OWNER_PID")
+    if owner and owner != str(os.getpid()):
+        return
+    env["CFRUN_HOOK_OWNER_PID"] = str(os.getpid())
+    try:
+        from cfrun.runtime import arm
+
+        arm()
+    except Exception as e:
+        sys.stderr.write(f"[cfrun] WARNING: cfrun's hook failed ({e!r}); this job runs "
+                         "UNPROTECTED: no checkpoints, no resume\n")
+
+
+def _cfrun_chain():
+    here = os.path.dirname(os.path.abspath(__file__))
+    me = sys.modules.get("sitecustomize")
+    saved = list(sys.path)
+    try:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+        sys.modules.pop("sitecustomize", None)
+        import importlib
+
+        importlib.import_module("sitecustomize")
+    except ImportError:
+        if me is not None:
+            sys.modules["sitecustomize"] = me
+    except Exception as e:
+        sys.stderr.write(f"[cfrun] WARNING: your sitecustomize raised {e!r}\n")
+    finally:
+        sys.path[:] = saved
+
+
+try:
+    _cfrun_activate()
+finally:
+    _cfrun_chain()
