@@ -18,6 +18,9 @@ GRACE = "CFRUN_GRACE"
 INJECT_CRASH = "CFRUN_INJECT_CRASH"
 DEBUG = "CFRUN_DEBUG"
 FF_EVAL = "CFRUN_FF_EVAL"
+TEST_KILL_BEFORE_COMMIT = "CFRUN_TEST_KILL_BEFORE_COMMIT"
+"""Testing aid: in attempt 0, SIGKILL the rank after its shard of this step is written and
+before the checkpoint commits (a crash in the middle of a checkpoint)."""
 
 # Set by the launcher for the ranks (the hook activates only where ACTIVE is set).
 RANK_ACTIVE = "CFRUN_RANK_ACTIVE"

@@ -131,10 +131,10 @@ class Supervisor:
                     "format_version": FORMAT_VERSION}
         atomic_write_json(jd.config_path, cfg_json)
         (jd.root / "fatal.json").unlink(missing_ok=True)
-        removed = remove_staging(jd.checkpoints)
         attempt = self._first_attempt_number()
         restarts = 0
         while True:
+            removed = remove_staging(jd.checkpoints)  # no writer runs between attempts
             steps = committed_steps(jd.checkpoints)
             self._set(SupervisorState.RUNNING, attempt=attempt,
                       resume_step=steps[0] if steps else None, staging_removed=removed)

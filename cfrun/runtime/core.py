@@ -371,6 +371,9 @@ class Runtime:
         staging = staging_dir(self.jobdir.checkpoints, step)
         files = write_shard(staging, self.s.rank, tree, tensors, meta)
         nbytes = sum(f.nbytes for f in files)
+        if os.environ.get(E.TEST_KILL_BEFORE_COMMIT) == str(step) and self.s.attempt == 0:
+            say(f"injected crash: SIGKILL while writing checkpoint step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.s.world_size > 1:
             atomic_write_json(staging / f"rank-{self.s.rank:05d}.ok",
                               {"files": [vars(f) for f in files]})

@@ -1,0 +1,88 @@
+"""Real ranks SIGKILLed at chosen points; the resumed run must equal an uninterrupted one.
+
+Every case compares the final model, optimizer and scheduler state bit for bit and the script's
+printed final metrics, and bounds the training iterations executed (at most K+1 extra per kill).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun
+
+K = 10
+EPOCHS = 4
+STEPS_PER_EPOCH = 23  # 1500 samples, batch 64, drop_last
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _train(cwd: Path, name: str, *extra: str, env: dict[str, str] | None = None):
+    iter_log = cwd / f"{name}.iters"
+    run = run_cfrun(["--interval", str(K), "--job-dir", name, *extra,
+                     str(SCRIPTS / "train_tiny.py"), "--epochs", str(EPOCHS),
+                     "--out", f"{name}.pt"],
+                    cwd=cwd, env={"ITER_LOG": str(iter_log), **(env or {})})
+    assert run.returncode == 0, run.stderr[-3000:]
+    iters = len(iter_log.read_text().splitlines())
+    return run, torch.load(cwd / f"{name}.pt", weights_only=True), iters
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    cwd = tmp_path_factory.mktemp("ref")
+    run, state, iters = _train(cwd, "ref")
+    assert iters == TOTAL
+    assert not run.events("attempt_end")[0]["returncode"]
+    return run, state
+
+
+@pytest.mark.parametrize("inject, kills, why", [
+    ("35", 1, "mid-epoch"),
+    ("40", 1, "right after a checkpoint"),
+    (str(2 * STEPS_PER_EPOCH), 1, "at an epoch boundary (last step of an epoch)"),
+    ("35@0,70@1", 2, "twice in one run"),
+])
+def test_sigkill_resume_is_bit_identical(reference, tmp_path, inject, kills, why):
+    ref_run, ref_state = reference
+    run, state, iters = _train(tmp_path, "crash", "--inject-crash", inject)
+    assert len(run.events("resumed")) == kills, why
+    assert_bit_identical(ref_state, state)
+    assert final_line(run.stdout) == final_line(ref_run.stdout)
+    assert TOTAL <= iters <= TOTAL + kills * (K + 1), (why, iters)
+
+
+def test_sigkill_during_validation(reference, tmp_path):
+    ref_run, ref_state = reference
+    run, state, iters = _train(tmp_path, "val", env={"DIE_IN_VAL_EPOCH": "1",
+                                                     "DIE_MARKER": str(tmp_path / "marker")})
+    assert (tmp_path / "marker").exists()
+    assert len(run.events("resumed")) == 1
+    assert_bit_identical(ref_state, state)
+    assert final_line(run.stdout) == final_line(ref_run.stdout)
+    assert TOTAL < iters <= TOTAL + K + 1
+
+
+def test_sigkill_while_checkpoint_is_written(reference, tmp_path):
+    """The rank dies after writing its shard of step 30, before the commit: never used."""
+    ref_run, ref_state = reference
+    run, state, iters = _train(tmp_path, "mid", env={"CFRUN_TEST_KILL_BEFORE_COMMIT": "30"})
+    resumed = run.events("resumed")
+    assert [e["step"] for e in resumed] == [20]  # step 30 was never committed
+    assert_bit_identical(ref_state, state)
+    assert final_line(run.stdout) == final_line(ref_run.stdout)
+    assert not list((tmp_path / "mid" / "checkpoints").glob(".staging-*"))
+
+
+def test_completed_epochs_are_not_run_again(reference, tmp_path):
+    """Resuming in epoch 3 must not iterate epochs 0-2 (no validation, no output for them)."""
+    ref_run, _ = reference
+    run, _, _ = _train(tmp_path, "jump", "--inject-crash", str(3 * STEPS_PER_EPOCH + 5))
+    epoch_lines = [l for l in run.stdout.splitlines() if l.startswith("epoch ")]
+    ref_lines = [l for l in ref_run.stdout.splitlines() if l.startswith("epoch ")]
+    assert epoch_lines == ref_lines  # each epoch printed once, identical
+    assert "jumped to epoch index 3" in run.stderr

@@ -1,0 +1,3 @@
+import sys
+print("about to fail", flush=True)
+sys.exit(7)

@@ -1,0 +1,11 @@
+"""A script that never imports torch: cfrun's hook must not import it either."""
+import subprocess
+import sys
+
+print("torch imported:", "torch" in sys.modules)
+print("cfrun.runtime imported:", "cfrun.runtime" in sys.modules)
+child = subprocess.run(
+    [sys.executable, "-c", "import sys; print('child cfrun.runtime imported:', "
+     "'cfrun.runtime' in sys.modules, 'torch' in sys.modules)"],
+    capture_output=True, text=True, check=True)
+print(child.stdout.strip())
