@@ -1,0 +1,123 @@
+"""The command line with real processes: bad input, pass-through, env vars, lock, give-up."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, clean_env, run_cfrun
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def existing_job(tmp_path: Path) -> Path:
+    """A job dir with a committed checkpoint, made by a real run."""
+    run = run_cfrun(["--interval", "5", "--job-dir", "job", str(SCRIPTS / "train_steps_for.py"),
+                     "12", "out.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert list((tmp_path / "job" / "checkpoints").glob("step-*/manifest.json"))
+    return tmp_path / "job"
+
+
+BAD = [
+    (["missing.py"], "'missing.py'"),
+    (["{dir}"], "is a directory"),
+    (["--interval", "0", "{script}"], "--interval '0'"),
+    (["--interval", "abc", "{script}"], "--interval 'abc'"),
+    (["--overhead", "150%", "{script}"], "--overhead '150%'"),
+    (["--overhead", "fast", "{script}"], "--overhead 'fast'"),
+    (["--overhead", "-1", "{script}"], "--overhead '-1'"),
+    (["--bogus", "{script}"], "--bogus"),
+    (["--nproc-per-node", "0", "{script}"], "--nproc-per-node '0'"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD)
+def test_bad_input_is_one_line_and_changes_nothing(existing_job, tmp_path, args, needle):
+    before = _tree_digest(existing_job)
+    script = str(SCRIPTS / "print_argv.py")
+    argv = [a.format(dir=str(SCRIPTS), script=script) for a in args]
+    run = run_cfrun(["--job-dir", str(existing_job), *argv], cwd=tmp_path)
+    assert run.returncode == 2
+    lines = [l for l in run.stderr.splitlines() if l.strip()]
+    assert lines[0].startswith("cfrun: error:") and needle in lines[0], run.stderr
+    assert len(lines) <= 2 and "Traceback" not in run.stderr
+    assert _tree_digest(existing_job) == before
+    assert not (tmp_path / "cfrun-jobs").exists()
+
+
+def test_bad_value_from_environment_is_named(tmp_path):
+    run = run_cfrun([str(SCRIPTS / "print_argv.py")], cwd=tmp_path,
+                    env={"CFRUN_INTERVAL": "abc"})
+    assert run.returncode == 2 and "--interval 'abc'" in run.stderr
+    assert not (tmp_path / "cfrun-jobs").exists()
+
+
+def test_foreign_directory_is_not_used_as_job_dir(tmp_path):
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"meow")
+    run = run_cfrun(["--job-dir", "photos", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
+    assert run.returncode == 2 and "not a cfrun job dir" in run.stderr
+    assert sorted(p.name for p in foreign.iterdir()) == ["cat.jpg"]
+
+
+def test_script_args_pass_through_untouched_and_env_sets_options(tmp_path):
+    passthrough = ["--interval", "5", "--job-dir", "elsewhere", "-x", "--", "plain"]
+    run = run_cfrun([str(SCRIPTS / "print_argv.py"), *passthrough], cwd=tmp_path,
+                    env={"CFRUN_INTERVAL": "3", "CFRUN_MAX_RESTARTS": "2"})
+    assert run.returncode == 0, run.stderr
+    assert f"ARGV {json.dumps(passthrough)}" in run.stdout.splitlines()
+    job = tmp_path / "cfrun-jobs" / "print_argv"  # the default job dir
+    config = json.loads((job / "config.json").read_text())
+    assert config["interval"] == 3 and config["max_restarts"] == 2
+    assert config["script_args"] == passthrough
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_restarts_run_out_exit_4_with_cause(tmp_path):
+    run = run_cfrun(["--max-restarts", "1", "--job-dir", "j", str(SCRIPTS / "fail_always.py")],
+                    cwd=tmp_path)
+    assert run.returncode == 4
+    assert "exit code" in run.stderr and "--max-restarts 1" in run.stderr
+    assert run.stdout.count("about to fail") == 2
+    assert [e["attempt"] for e in run.events("attempt_start")] == [0, 1]
+
+
+def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
+    release, started = tmp_path / "release", tmp_path / "started"
+    args = [sys.executable, "-m", "cfrun", "--job-dir", "j", str(SCRIPTS / "wait_for_file.py"),
+            str(release), str(started)]
+    first = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not started.exists():
+            assert time.time() < deadline and first.poll() is None, "first cfrun did not start"
+            time.sleep(0.05)
+        second = run_cfrun(["--job-dir", "j", str(SCRIPTS / "wait_for_file.py"), str(release),
+                            str(tmp_path / "started2")], cwd=tmp_path)
+        assert second.returncode == 3 and "in use by another cfrun" in second.stderr
+        assert not (tmp_path / "started2").exists()
+        release.touch()
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert "done waiting" in out
+    # the lock died with its owner: a new run on the same job dir is accepted
+    again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr

@@ -1,0 +1,48 @@
+"""The sitecustomize hook: ranks only, no torch import of its own, chaining, never fatal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, clean_env, run_cfrun
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_inert_without_torch_and_in_child_processes(tmp_path):
+    run = run_cfrun(["--job-dir", "j", str(SCRIPTS / "no_torch.py")], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "torch imported: False" in lines
+    assert "cfrun.runtime imported: True" in lines  # the rank's hook is armed, torch untouched
+    assert "child cfrun.runtime imported: False False" in lines
+
+
+def test_chains_user_sitecustomize_and_still_checkpoints(tmp_path):
+    user_site = tmp_path / "usersite"
+    user_site.mkdir()
+    (user_site / "sitecustomize.py").write_text("print('USER SITECUSTOMIZE RAN', flush=True)\n")
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", str(SCRIPTS / "train_steps_for.py"),
+                     "12", "out.pt"], cwd=tmp_path, env={"PYTHONPATH": str(user_site)})
+    assert run.returncode == 0, run.stderr
+    assert "USER SITECUSTOMIZE RAN" in run.stdout
+    assert [e["step"] for e in run.events("checkpoint")] == [5, 10]
+
+
+def test_runtime_failure_leaves_job_running_unprotected(tmp_path):
+    env = clean_env({
+        "PYTHONPATH": str(ROOT / "hooks"), "CFRUN_RANK_ACTIVE": "1", "RANK": "0",
+        "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CFRUN_RANK_JOB_DIR": str(tmp_path / "j"),
+        "CFRUN_RANK_SCRIPT": str(SCRIPTS / "train_steps_for.py"),
+        "CFRUN_RANK_INTERVAL": "not-a-number",
+    })
+    p = subprocess.run([sys.executable, str(SCRIPTS / "train_steps_for.py"), "5",
+                        str(tmp_path / "o.pt")], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "UNPROTECTED" in p.stderr
+    assert "FINAL" in p.stdout
+    assert not (tmp_path / "j" / "checkpoints").exists()

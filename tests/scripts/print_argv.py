@@ -1,0 +1,4 @@
+import json
+import sys
+
+print("ARGV " + json.dumps(sys.argv[1:]))
