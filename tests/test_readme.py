@@ -1,0 +1,36 @@
+"""README.md's quickstart: exactly two commands, and the demo it runs works and says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, clean_env
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("<!-- command: ") == 2
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "command_after demo" in ci and "command_after tests" in ci
+    out = subprocess.run(["bash", "-c", "source <(sed -n '/^command_after()/,/^}/p' .ci/run); "
+                          "command_after demo; command_after tests"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].endswith("bash examples/quickstart.sh")
+    assert out[1].endswith("python -m pytest")
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_demo_crashes_resumes_and_matches(tmp_path):
+    """The demo script of the README's first command, with this interpreter's cfrun."""
+    env = clean_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    p = subprocess.run(["bash", str(ROOT / "examples" / "quickstart.sh")], env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "injected crash: SIGKILL after step 110" in p.stderr
+    assert "resumed at step 100" in p.stderr
+    assert "IDENTICAL, bit for bit" in p.stdout
