@@ -145,9 +145,13 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
     fsync_dir(staging)
     atomic_write_json(staging / MANIFEST, manifest)
     final = checkpoints / step_dir_name(step)
-    if final.exists():  # an older attempt committed the same step: keep the first, drop ours
-        shutil.rmtree(staging, ignore_errors=True)
-        return final
+    if final.exists():  # an older attempt committed the same step: keep it if it verifies
+        try:
+            verify(final)
+            shutil.rmtree(staging, ignore_errors=True)
+            return final
+        except (CheckpointCorruptError, IncompatibleFormatError):
+            quarantine(checkpoints, step)
     os.rename(staging, final)
     fsync_dir(checkpoints)
     apply_retention(checkpoints, keep)
@@ -162,6 +166,21 @@ def apply_retention(checkpoints: Path, keep: int) -> list[int]:
         shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
         deleted.append(step)
     return deleted
+
+
+def quarantine(checkpoints: Path, step: int) -> Path | None:
+    """Move a committed checkpoint that failed verification aside (``corrupt-step-N-<t>``).
+
+    It no longer counts as committed (nor for retention), and stays for inspection.
+    """
+    src = checkpoints / step_dir_name(step)
+    dst = checkpoints / f"corrupt-{step_dir_name(step)}-{int(time.time() * 1000)}"
+    try:
+        os.rename(src, dst)
+    except OSError:
+        return None
+    fsync_dir(checkpoints)
+    return dst
 
 
 def remove_staging(checkpoints: Path) -> int:
@@ -259,8 +278,13 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     return decode(doc["tree"], tensors), doc.get("meta", {})
 
 
-def load_newest(checkpoints: Path, rank: int) -> tuple[int, Any, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, falling back to older ones with a log line.
+def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None
+                ) -> tuple[int, Any, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, falling back to older ones.
+
+    A checkpoint that fails verification is quarantined (:func:`quarantine`) so that neither
+    retention nor a later commit of the same step counts it; ``on_skip(step, error)`` is called
+    for each (the runtime logs it loudly).
 
     Returns:
         ``(step, state, meta)``, or ``None`` when no committed checkpoint verifies.
@@ -272,6 +296,10 @@ def load_newest(checkpoints: Path, rank: int) -> tuple[int, Any, dict[str, Any]]
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
             logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
                            step_dir.name, e)
+            if on_skip is not None:
+                on_skip(step, e)
+            if isinstance(e, CheckpointCorruptError):
+                quarantine(checkpoints, step)
             continue
         return step, state, meta
     return None

@@ -81,12 +81,14 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(obj)
         return {"__t__": len(tensors) - 1}
     if isinstance(obj, np.generic):
+        if obj.dtype.kind not in "biuf":
+            raise UnsupportedValueError(f"numpy {obj.dtype} values are not supported")
         return {"__np__": obj.dtype.str, "v": obj.item()}
     if isinstance(obj, (int, float)):
         return obj if type(obj) in (int, float) else (int(obj) if isinstance(obj, int) else float(obj))
     if isinstance(obj, np.ndarray):
-        if obj.dtype == object:
-            raise UnsupportedValueError("numpy object arrays are not supported")
+        if obj.dtype.kind not in "biuf":
+            raise UnsupportedValueError(f"numpy {obj.dtype} arrays are not supported")
         return {"__nd__": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
     if isinstance(obj, list):
         return [encode(v, tensors) for v in obj]
@@ -160,5 +162,5 @@ def tensor_from_buffer(buf: memoryview | bytearray | bytes, entry: TensorEntry) 
 
 
 def dumps_json(obj: Any) -> bytes:
-    """Canonical JSON bytes for shard metadata and manifests."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    """Compact JSON bytes for shard metadata; dict order is kept (scripts may depend on it)."""
+    return json.dumps(obj, separators=(",", ":")).encode()

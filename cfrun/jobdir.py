@@ -140,8 +140,11 @@ class JobDir:
         """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes)."""
         record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
         line = json.dumps(record, sort_keys=True, default=str) + "\n"
-        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line
+                line = "\n" + line
             os.write(fd, line.encode())
         finally:
             os.close(fd)

@@ -411,7 +411,13 @@ class Runtime:
 
     def load_plan(self) -> None:
         """Find the newest verified checkpoint and prepare to fast-forward to it."""
-        got = load_newest(self.jobdir.checkpoints, self.s.rank)
+        def skipped(step: int, error: Exception) -> None:
+            say(f"checkpoint step {step} failed verification ({error}); "
+                "falling back to the previous one")
+            if self.s.rank == 0:
+                self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
+
+        got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped)
         if got is None:
             return
         step, state, meta = got

@@ -273,10 +273,6 @@ def test_commit_same_step_twice_keeps_first(ckpts: Path) -> None:
     assert committed_steps(ckpts) == [10]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: after load_newest skips a corrupt newest checkpoint "
-                   "the job resumes from an older step, but commit's retention counts the corrupt "
-                   "step as one of the newest `keep`, so it deletes the fresh, valid checkpoint "
-                   "it has just committed (keep=1)")
 def test_new_commit_survives_retention_after_fallback(ckpts: Path) -> None:
     _save(ckpts, 20, keep=1)
     _flip_byte(ckpts / "step-000020" / "rank-00000.bin")
@@ -286,8 +282,6 @@ def test_new_commit_survives_retention_after_fallback(ckpts: Path) -> None:
     assert got is not None and got[0] == 10
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: commit keeps an existing step directory even when it "
-                   "is corrupt, dropping the valid re-written checkpoint of the same step")
 def test_recommit_replaces_corrupt_step(ckpts: Path) -> None:
     _save(ckpts, 10, keep=3)
     _save(ckpts, 20, keep=3)

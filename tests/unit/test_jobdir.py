@@ -149,9 +149,6 @@ def test_read_events_skips_torn_last_line(tmp_path: Path) -> None:
     assert [e["event"] for e in events] == ["a", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: emit_event appends right after a torn last line "
-                   "(no newline), so the first event written after a crash is glued to the torn "
-                   "fragment and read_events drops it too")
 def test_event_after_torn_line_is_kept(tmp_path: Path) -> None:
     jd = JobDir(tmp_path)
     jd.emit_event("a", n=1)
