@@ -38,8 +38,8 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list
     ]
 
 
-def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None
-                     ) -> dict[str, str]:
+def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
+                     agent: bool = True) -> dict[str, str]:
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O).
 
     ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched).
@@ -57,6 +57,7 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         E.RANK_KEEP: str(cfg.keep),
         E.RANK_INJECT_CRASH: cfg.inject_crash,
         E.RANK_FF_EVAL: env.get(E.FF_EVAL, "one"),
+        E.RANK_AGENT: "1" if agent else "0",
     })
     return env
 

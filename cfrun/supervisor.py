@@ -21,13 +21,14 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cfrun import __version__
-from cfrun.checkpoint import committed_steps, remove_staging
+from cfrun import __version__, ipc
+from cfrun.checkpoint import committed_steps
 from cfrun.config import RunConfig
 from cfrun.errors import (
     EXIT_PREEMPTED,
@@ -38,6 +39,7 @@ from cfrun.errors import (
 from cfrun.format import FORMAT_VERSION
 from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.launcher import build_torchrun_argv, build_worker_env, spawn
+from cfrun.snapshot import remove_slots
 
 logger = logging.getLogger("cfrun")
 
@@ -88,6 +90,7 @@ class Supervisor:
         self.spawn_fn = spawn_fn
         self.backoff_s = backoff_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -110,6 +113,7 @@ class Supervisor:
         jd.lock()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            self._start_agent()
             return self._run_locked()
         except SignalReceived as sig:
             self._shutdown(sig.signum)
@@ -118,9 +122,12 @@ class Supervisor:
                            self.cfg.job_dir)
             return EXIT_PREEMPTED
         finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            jd.unlock()
+            try:
+                self._stop_agent()
+            finally:
+                for s, h in old_handlers.items():
+                    signal.signal(s, h)
+                jd.unlock()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         raise SignalReceived(signum)
@@ -134,10 +141,9 @@ class Supervisor:
         attempt = self._first_attempt_number()
         restarts = 0
         while True:
-            removed = remove_staging(jd.checkpoints)  # no writer runs between attempts
             steps = committed_steps(jd.checkpoints)
             self._set(SupervisorState.RUNNING, attempt=attempt,
-                      resume_step=steps[0] if steps else None, staging_removed=removed)
+                      resume_step=steps[0] if steps else None)
             result = self._run_attempt(attempt)
             jd.emit_event("attempt_end", attempt=attempt, returncode=result.returncode,
                           duration_s=round(result.duration_s, 3))
@@ -169,13 +175,55 @@ class Supervisor:
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
         self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
-        rc = self.proc.wait()
+        while True:
+            try:
+                rc = self.proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                self._check_agent()
         try:  # stragglers of the attempt (workers of a killed rank): none may outlive it
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.proc = None
         return AttemptResult(attempt, rc, time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ persist agent
+
+    def _start_agent(self) -> None:
+        """Start the node's persist agent (its own process group: it outlives rank restarts)."""
+        argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
+                "--keep", str(self.cfg.keep)]
+        self.agent = subprocess.Popen(argv, start_new_session=True)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and self.agent.poll() is None:
+            try:
+                ipc.connect(self.cfg.job_dir, timeout_s=1.0).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise FatalJobError("the persist agent did not start (see its output above)")
+
+    def _check_agent(self) -> None:
+        """Restart the agent if it died; ranks reconnect at their next checkpoint."""
+        if self.agent is None or self.agent.poll() is None:
+            return
+        rc = self.agent.returncode
+        logger.warning("cfrun: the persist agent died (%s); restarting it", _describe(rc))
+        self.jobdir.emit_event("agent_restart", returncode=rc)
+        self._start_agent()
+
+    def _stop_agent(self) -> None:
+        """Let the agent finish queued persists (SIGTERM), then make sure it is gone."""
+        agent, self.agent = self.agent, None
+        if agent is not None and agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+        remove_slots(self.jobdir.root)
 
     def _shutdown(self, signum: int) -> None:
         """SIGTERM the torchrun process group, wait ``grace_s``, then SIGKILL it."""

@@ -35,7 +35,11 @@ def _install() -> Any:
 
     import torch
     import torch.optim.lr_scheduler as lrs
-    from torch.optim.optimizer import Optimizer, register_optimizer_step_post_hook
+    from torch.optim.optimizer import (
+        Optimizer,
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     from cfrun.runtime import data
     from cfrun.runtime.core import RankSettings, Runtime
@@ -47,6 +51,7 @@ def _install() -> Any:
     if not issubclass(lrs.ReduceLROnPlateau, lrs.LRScheduler):
         _wrap_init(lrs.ReduceLROnPlateau, rt.register_scheduler)
     _wrap_init(torch.amp.GradScaler, rt.register_scaler)
+    register_optimizer_step_pre_hook(rt.on_before_step)
     register_optimizer_step_post_hook(rt.on_optimizer_step)
     data.install(rt)
 
@@ -69,6 +74,7 @@ def _install() -> Any:
 
     sys.excepthook = excepthook
     atexit.register(rt.at_exit)
+    rt.connect_agent()
     rt.load_plan()
     return rt
 

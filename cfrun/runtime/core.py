@@ -42,6 +42,7 @@ from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.runtime import frames as F
 from cfrun.runtime.data import loader_fingerprint, set_epoch_rng
 from cfrun.runtime.rng import get_global_rng, set_global_rng
+from cfrun.snapshot import Snapshotter
 
 logger = logging.getLogger("cfrun.rank")
 
@@ -139,6 +140,8 @@ class Runtime:
         self._orig_loader_iter: Callable[..., Any]
         self._resume_kind = "replay"
         self._jumped = False
+        self._deferred = 0
+        self.snap: Snapshotter | None = None
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
 
@@ -207,7 +210,7 @@ class Runtime:
         elif self.mode is None:
             self.mode = "loop"
         self._next_since_step = False
-        due = self.step % self.s.interval == 0
+        due = self.step % self.s.interval == 0 or (self._pending is not None and self._pending[1])
         kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
         if not (due or kill):
             return
@@ -300,7 +303,9 @@ class Runtime:
         self._pending = None
         if due:
             try:
-                self.checkpoint(step, frame, data)
+                if not self.checkpoint(self.step, frame, data):
+                    self._pending = (step, True, False)  # previous one in flight: next boundary
+                    self._deferred += 1
             except Exception as e:  # never break the user's job
                 say(f"WARNING: checkpoint at step {step} failed: {e!r}")
                 self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
@@ -326,13 +331,20 @@ class Runtime:
     # ---------------------------------------------------------------- checkpoint
 
     def capture(self, frame: types.FrameType, data: dict[str, Any] | None
-                ) -> tuple[Any, list[torch.Tensor]]:
-        """The rank's state right after the current step, as a JSON tree and its tensors."""
+                ) -> tuple[Any, list[torch.Tensor], set[int]]:
+        """The rank's state right after the current step: a JSON tree, its tensors (live, not
+        copied), and the ids of those only ``optimizer.step()`` mutates (parameters, optimizer
+        state)."""
         roots = self.model_roots()
+        opts = self._alive(self.optimizers)
         tensors: list[torch.Tensor] = []
+        # only optimizer.step() changes these: they may be copied after the boundary
+        async_ids = {id(p) for m in roots for p in m.parameters()}
+        async_ids |= {id(v) for o in opts for st in o.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor)}
         tree: dict[str, Any] = {
-            "modules": encode([m.state_dict() for m in roots], tensors),
-            "optimizers": encode([o.state_dict() for o in self._alive(self.optimizers)], tensors),
+            "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
+            "optimizers": encode([o.state_dict() for o in opts], tensors),
             "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self._alive(self.optimizers)],
             "rng": encode(get_global_rng(), tensors),
             "data": encode(data, tensors),
@@ -352,12 +364,21 @@ class Runtime:
         for name in cap.skipped:
             self._flag(f"script variable {name} cannot be stored")
         tree["script"] = cap.records
-        return tree, tensors
+        return tree, tensors, async_ids
 
-    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None) -> None:
-        """Capture and durably write step ``step`` (synchronous persist). Every rank calls it."""
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None) -> bool:
+        """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
+
+        With the persist agent (the normal case): capture, snapshot into shared memory, hand
+        off (two-phase; :mod:`cfrun.snapshot`). Returns False, taking nothing, while the
+        previous checkpoint is still in flight (the caller retries at the next boundary).
+        Without an agent: capture and write synchronously.
+        """
         t0 = time.perf_counter()
-        tree, tensors = self.capture(frame, data)
+        if self.snap is not None and self.snap.busy():
+            return False
+        t_trigger = time.time()
+        tree, tensors, async_ids = self.capture(frame, data)
         meta = {
             "step": step,
             "mode": self.mode,
@@ -367,6 +388,9 @@ class Runtime:
             "not_exact": list(self.not_exact),
             "world_size": self.s.world_size,
         }
+        if self.snap is not None:
+            self.snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
+            return True
         t1 = time.perf_counter()
         staging = staging_dir(self.jobdir.checkpoints, step)
         files = write_shard(staging, self.s.rank, tree, tensors, meta)
@@ -389,7 +413,18 @@ class Runtime:
                 "checkpoint", step=step, bytes=nbytes, stall_s=round(t2 - t0, 6),
                 snapshot_s=round(t1 - t0, 6), persist_s=round(t2 - t1, 6),
                 pgt_s=round(t2 - t0, 6), bandwidth_bytes_per_s=round(nbytes / max(t2 - t1, 1e-9)),
-                attempt=self.s.attempt, mode=self.mode)
+                attempt=self.s.attempt, mode=self.mode, persist="sync")
+        return True
+
+    def _emit_checkpoint(self, fields: dict[str, Any]) -> None:
+        if self.s.rank == 0:
+            self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
+                                   persist="agent", **fields)
+
+    def on_before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
+        if self.snap is not None:
+            self.snap.gate()
 
     def _gather_rank_files(self, staging: Path) -> list[Any]:
         from cfrun.checkpoint import FileEntry
@@ -408,6 +443,21 @@ class Runtime:
         return files
 
     # ---------------------------------------------------------------- resume
+
+    def connect_agent(self) -> None:
+        """Use the node's persist agent if the launcher started one (else write synchronously).
+
+        Waits until the agent has committed what an earlier attempt of this rank handed it.
+        """
+        if os.environ.get(E.RANK_AGENT) != "1":
+            return
+        snap = Snapshotter(self.s.job_dir, self.s.rank, self.s.world_size, self.s.attempt,
+                           self._emit_checkpoint)
+        if snap.ready():
+            self.snap = snap
+        else:
+            say("WARNING: the persist agent does not answer; checkpoints are written "
+                "synchronously by the training process")
 
     def load_plan(self) -> None:
         """Find the newest verified checkpoint and prepare to fast-forward to it."""
@@ -649,6 +699,10 @@ class Runtime:
 
     def at_exit(self) -> None:
         self._exit_fast_forward()
+        if self.snap is not None:
+            self.snap.close()
+            if self.snap.last_error:
+                say(f"WARNING: last checkpoint problem: {self.snap.last_error}")
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
