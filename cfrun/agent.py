@@ -51,7 +51,8 @@ WRITE_CHUNK_BYTES = 16 << 20
 """Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
 
 ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
-"""Testing aid: the first agent SIGKILLs itself half-way through writing this step."""
+"""Testing aid: the agent SIGKILLs itself half-way through writing the first step >= this one
+(once per job dir)."""
 
 
 def _lower_priority() -> None:
@@ -192,17 +193,21 @@ class PersistAgent:
         """Write ``nbytes`` of the shared-memory slot to ``path``, fsynced, with its checksum."""
         kill_at = os.environ.get(ENV_TEST_KILL_AT)
         marker = self.jobdir.root / ".agent-kill-done"
+        kill = kill_at is not None and step >= int(kill_at) and not marker.exists()
         with open(slot, "rb") as f, mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
             view = memoryview(mm)
             try:
                 digest = xxhash.xxh3_64_hexdigest(view)
                 fd, direct = self._open(path)
                 try:
-                    for start in range(0, nbytes, WRITE_CHUNK_BYTES):
-                        if kill_at == str(step) and start > 0 and not marker.exists():
+                    chunk = WRITE_CHUNK_BYTES
+                    if kill:
+                        chunk = max(4096, nbytes // 2 // 4096 * 4096)  # die half-way through
+                    for start in range(0, nbytes, chunk):
+                        if kill and start > 0:
                             marker.touch()
                             os.kill(os.getpid(), signal.SIGKILL)
-                        piece = view[start:start + WRITE_CHUNK_BYTES]
+                        piece = view[start:start + chunk]
                         if direct and len(piece) % 4096:
                             os.close(fd)  # the unaligned tail goes through the page cache
                             fd, direct = os.open(path, os.O_WRONLY), False

@@ -126,15 +126,19 @@ class Snapshotter:
     Args:
         emit: called with a ``checkpoint`` event's fields when a checkpoint is committed and its
             stall is known (rank 0 writes it to events.jsonl).
+        on_lost: called (background thread) with a step whose hand-off failed because the agent
+            was unreachable or died; the next checkpoint reconnects.
     """
 
     def __init__(self, job_dir: Path, rank: int, world_size: int, attempt: int,
-                 emit: Callable[[dict[str, Any]], None]) -> None:
+                 emit: Callable[[dict[str, Any]], None],
+                 on_lost: Callable[[int, str], None] = lambda step, error: None) -> None:
         self.job_dir = job_dir
         self.rank = rank
         self.world_size = world_size
         self.attempt = attempt
         self.emit = emit
+        self.on_lost = on_lost
         self.slot = SnapshotSlot(job_dir, rank)
         self.sock: socket.socket | None = None
         self.copy_done = threading.Event()
@@ -302,6 +306,7 @@ class Snapshotter:
             reply = ipc.recv(self.sock)
         except (OSError, AssertionError) as e:
             self.last_error = f"persist agent unavailable: {e!r}"
+            self.on_lost(step, self.last_error)
             if self.sock is not None:
                 self.sock.close()
             self.sock = None  # reconnect (to a restarted agent) next time

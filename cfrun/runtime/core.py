@@ -421,6 +421,10 @@ class Runtime:
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
                                    persist="agent", **fields)
 
+    def _persist_lost(self, step: int, error: str) -> None:
+        say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")
+        self.jobdir.emit_event("persist_lost", step=step, rank=self.s.rank, error=error)
+
     def on_before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
         if self.snap is not None:
@@ -452,7 +456,7 @@ class Runtime:
         if os.environ.get(E.RANK_AGENT) != "1":
             return
         snap = Snapshotter(self.s.job_dir, self.s.rank, self.s.world_size, self.s.attempt,
-                           self._emit_checkpoint)
+                           self._emit_checkpoint, self._persist_lost)
         if snap.ready():
             self.snap = snap
         else:
