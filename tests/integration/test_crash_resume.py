@@ -91,3 +91,18 @@ def test_completed_epochs_are_not_run_again(reference, tmp_path):
     ref_lines = [l for l in ref_run.stdout.splitlines() if l.startswith("epoch ")]
     assert epoch_lines == ref_lines  # each epoch printed once, identical
     assert "jumped to epoch index 3" in run.stderr
+
+
+def test_gan_two_optimizers_and_grad_scalers_resume_bit_identical(tmp_path):
+    """Two models, two optimizers per iteration, two GradScalers, a per-iteration scheduler."""
+    script = str(SCRIPTS / "train_gan.py")
+    ref = run_cfrun(["--interval", "8", "--job-dir", "ref", script, "ref.pt"], cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got = run_cfrun(["--interval", "8", "--job-dir", "got", "--inject-crash", "37", script,
+                     "got.pt"], cwd=tmp_path)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert len(got.events("resumed")) == 1
+    assert [e["step"] for e in ref.events("checkpoint")][0] == 8  # steps count iterations
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert final_line(got.stdout) == final_line(ref.stdout)
