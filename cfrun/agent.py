@@ -55,6 +55,10 @@ ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
 (once per job dir)."""
 
 
+ENV_TEST_SLOW_S = "CFRUN_TEST_AGENT_SLOW_S"
+"""Testing aid: the agent sleeps this long before each commit (a slow disk)."""
+
+
 def _lower_priority() -> None:
     try:
         os.nice(10)
@@ -156,6 +160,9 @@ class PersistAgent:
         shard[rank] = ([bin_entry, json_entry], conn, msg)
         if len(shard) < world_size:
             return
+        slow_s = float(os.environ.get(ENV_TEST_SLOW_S, "0") or 0)
+        if slow_s:
+            time.sleep(slow_s)
         files = [f for r in sorted(shard) for f in shard[r][0]]
         meta = msg["doc"].get("meta", {})
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,

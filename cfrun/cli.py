@@ -116,6 +116,14 @@ def run_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", envvar=E.GRACE,
         help="Seconds the ranks get after SIGTERM before SIGKILL.")] = "25",
+    hang_timeout: Annotated[str, typer.Option(
+        "--hang-timeout", envvar=E.HANG_TIMEOUT,
+        help="Seconds without an optimizer step before a rank counts as hung and the job "
+             "restarts (0: off).")] = "1800",
+    crash_loop: Annotated[str, typer.Option(
+        "--crash-loop", envvar=E.CRASH_LOOP,
+        help="Stop (exit 5) after the same failure at the same step this many times in a row "
+             "(0: off).")] = "3",
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
@@ -124,11 +132,8 @@ def run_cmd(
     script_path = _resolve_script(script)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
-    try:
-        grace_s = float(grace)
-    except ValueError:
-        raise BadInputError(f"--grace {grace!r} is not a number of seconds, e.g. --grace 25") \
-            from None
+    grace_s = _parse_seconds("--grace", grace, "25")
+    hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
     cfg = RunConfig(
         script=str(script_path),
         script_args=list(script_args or []),
@@ -140,10 +145,23 @@ def run_cmd(
         max_restarts=parse_positive_int("--max-restarts", max_restarts, minimum=0),
         keep=parse_positive_int("--keep", keep, minimum=1),
         grace_s=grace_s,
+        hang_timeout_s=hang_timeout_s,
+        crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
         inject_crash=inject_crash if parse_inject_crash(inject_crash) or True else "",
         env=_recorded_env(),
     )
     _run(cfg)
+
+
+def _parse_seconds(name: str, text: str, example: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise BadInputError(f"{name} {text!r} is not a number of seconds >= 0, "
+                            f"e.g. {name} {example}")
+    return value
 
 
 @app.command("resume")
@@ -189,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     _setup_logging()
     command = typer.main.get_command(app)
     try:
-        command.main(args=args, prog_name="cfrun", standalone_mode=False)
+        rc = command.main(args=args, prog_name="cfrun", standalone_mode=False)
     except _EXIT as e:
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
     except _USAGE as e:
@@ -205,4 +223,4 @@ def main(argv: list[str] | None = None) -> None:
         if e.hint:
             print(f"hint: {e.hint}", file=sys.stderr)
         sys.exit(e.exit_code)
-    sys.exit(0)
+    sys.exit(rc if isinstance(rc, int) else 0)  # typer returns Exit codes in this mode

@@ -123,6 +123,10 @@ class RunConfig:
     """Committed checkpoints kept; older ones are deleted after a newer one commits."""
     grace_s: float = 25.0
     """Seconds between a forwarded SIGTERM and SIGKILL of the ranks."""
+    hang_timeout_s: float = 1800.0
+    """A rank with no optimizer step for this long is killed and the job restarted (0: off)."""
+    crash_loop_limit: int = 3
+    """The same failure at the same step this many times in a row stops the job (exit 5)."""
     inject_crash: str = ""
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
     env: dict[str, str] = field(default_factory=dict)

@@ -152,6 +152,9 @@ class Snapshotter:
         self._record: dict[str, Any] = {}
         self._record_lock = threading.Lock()
         self.last_error: str | None = None
+        self.last_cost_s = 0.0
+        """Seconds the last checkpoint took from snapshot start to commit (for the grace)."""
+        self.last_committed = -1
 
     # ------------------------------------------------------------------ agent connection
 
@@ -315,6 +318,8 @@ class Snapshotter:
         if not reply.get("ok"):
             self.last_error = str(reply.get("error"))
         else:
+            self.last_cost_s = snapshot_s + float(reply["persist_s"])
+            self.last_committed = step
             self._finish(snapshot_s=snapshot_s, **{k: reply[k] for k in (
                 "bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
         self.persist_done.set()

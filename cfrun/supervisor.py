@@ -44,6 +44,16 @@ from cfrun.snapshot import remove_slots
 logger = logging.getLogger("cfrun")
 
 
+def _become_subreaper() -> None:
+    """PR_SET_CHILD_SUBREAPER: orphaned descendants (ranks of a dead torchrun) become ours."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class SupervisorState(str, enum.Enum):
     """Where the supervisor is; the module docstring lists the transitions."""
 
@@ -71,6 +81,7 @@ class AttemptResult:
     attempt: int
     returncode: int
     duration_s: float
+    hung: bool = False
 
 
 def _describe(returncode: int) -> str:
@@ -91,6 +102,8 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
+        self._shutting_down = False
+        self._second_signal = False
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -111,6 +124,7 @@ class Supervisor:
         jd.check_usable()
         jd.create()
         jd.lock()
+        _become_subreaper()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._start_agent()
@@ -130,6 +144,11 @@ class Supervisor:
                 jd.unlock()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._shutting_down:  # a second signal: end at once, leave nothing behind
+            self._second_signal = True
+            if self.agent is not None and self.agent.poll() is None:
+                self.agent.kill()
+            return
         raise SignalReceived(signum)
 
     def _run_locked(self) -> int:
@@ -137,9 +156,11 @@ class Supervisor:
         cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
                     "format_version": FORMAT_VERSION}
         atomic_write_json(jd.config_path, cfg_json)
-        (jd.root / "fatal.json").unlink(missing_ok=True)
+        for stale in ("fatal.json", "stop_request.json", "stop_step.json"):
+            (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()
         restarts = 0
+        signatures: list[dict[str, Any]] = []
         while True:
             steps = committed_steps(jd.checkpoints)
             self._set(SupervisorState.RUNNING, attempt=attempt,
@@ -147,7 +168,7 @@ class Supervisor:
             result = self._run_attempt(attempt)
             jd.emit_event("attempt_end", attempt=attempt, returncode=result.returncode,
                           duration_s=round(result.duration_s, 3))
-            if result.returncode == 0:
+            if result.returncode == 0 and not result.hung:
                 self._set(SupervisorState.SUCCEEDED, attempt=attempt)
                 return EXIT_SUCCESS
             fatal = jd.root / "fatal.json"
@@ -155,7 +176,20 @@ class Supervisor:
                 message = json.loads(fatal.read_text()).get("message", "unknown")
                 self._set(SupervisorState.FATAL, attempt=attempt, message=message)
                 raise FatalJobError(message)
-            cause = _describe(result.returncode)
+            cause = "hang (no step for --hang-timeout)" if result.hung else \
+                _describe(result.returncode)
+            signature = self._failure_signature(result)
+            jd.emit_event("failure", attempt=attempt, cause=cause, **signature)
+            signatures.append(signature)
+            n = self.cfg.crash_loop_limit
+            if n and len(signatures) >= n and all(x == signatures[-1] for x in signatures[-n:]):
+                err = signature["error"]
+                detail = f"{err['type']}: {err['message']}" if err else cause
+                self._set(SupervisorState.FATAL, attempt=attempt, cause="crash loop")
+                raise FatalJobError(
+                    f"crash loop: the same failure {n} times in a row at step "
+                    f"{signature['step']}: {detail}",
+                    hint=f"fix the script, then: cfrun resume {self.cfg.job_dir}")
             if restarts >= self.cfg.max_restarts:
                 self._set(SupervisorState.FAILED, attempt=attempt, cause=cause)
                 raise JobFailedError(
@@ -174,19 +208,119 @@ class Supervisor:
         env = build_worker_env(self.cfg, attempt)
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
+        started_unix_s = time.time()
         self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+        hung = False
         while True:
             try:
                 rc = self.proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
                 self._check_agent()
-        try:  # stragglers of the attempt (workers of a killed rank): none may outlive it
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+                self._reap_orphans()
+                if self._is_hung(started_unix_s):
+                    hung = True
+                    logger.warning("cfrun: no optimizer step for %ss (--hang-timeout); killing "
+                                   "the ranks", self.cfg.hang_timeout_s)
+                    self.jobdir.emit_event("hang", attempt=attempt,
+                                           hang_timeout_s=self.cfg.hang_timeout_s)
+                    self._kill_ranks()
+        self._kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
         self.proc = None
-        return AttemptResult(attempt, rc, time.monotonic() - t0)
+        return AttemptResult(attempt, rc, time.monotonic() - t0, hung)
+
+    def _is_hung(self, started_unix_s: float) -> bool:
+        """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""
+        limit = self.cfg.hang_timeout_s
+        if not limit:
+            return False
+        beats = [p.stat().st_mtime for p in self.jobdir.root.glob("heartbeat-rank-*")]
+        beats = [t for t in beats if t >= started_unix_s]
+        if not beats:  # before the first step: startup, data loading, resume
+            return time.time() - started_unix_s > max(limit, 600.0)
+        return time.time() - min(beats) > limit
+
+    def _last_step(self) -> int | None:
+        steps = []
+        for p in self.jobdir.root.glob("heartbeat-rank-*"):
+            try:
+                steps.append(int(p.read_text().strip() or -1))
+            except (OSError, ValueError):
+                continue
+        return max(steps) if steps else None
+
+    def _failure_signature(self, result: AttemptResult) -> dict[str, Any]:
+        """What a failure looked like: exit, the failing rank's error, the step it reached."""
+        error = None
+        errors = sorted((self.jobdir.root / "errors").glob(f"attempt-{result.attempt}-rank-*.json"))
+        if errors:
+            try:
+                e = json.loads(errors[0].read_text())
+                error = {"type": e.get("type"), "message": e.get("message"),
+                         "step": e.get("step"), "rank": int(errors[0].stem.rsplit("-", 1)[1])}
+            except (OSError, json.JSONDecodeError):
+                pass
+        return {"returncode": result.returncode, "hung": result.hung, "error": error,
+                "step": error["step"] if error else self._last_step()}
+
+    # ------------------------------------------------------------------ processes
+
+    def _descendants(self) -> list[Any]:
+        """Our processes except the persist agent's tree (it outlives attempts)."""
+        import psutil
+
+        me = psutil.Process()
+        keep = set()
+        if self.agent is not None:
+            keep.add(self.agent.pid)
+        out = []
+        for p in me.children(recursive=True):
+            try:
+                if p.pid in keep or any(a.pid in keep for a in p.parents()):
+                    continue
+            except psutil.Error:
+                continue
+            out.append(p)
+        return out
+
+    def _kill_ranks(self) -> None:
+        """SIGKILL torchrun and every rank and worker below it, then reap them.
+
+        torchrun starts each rank in a session of its own, so a process-group kill would miss
+        them; cfrun is a child subreaper, so ranks orphaned by a dead torchrun are still ours.
+        """
+        import psutil
+
+        procs = self._descendants()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        own = self.proc.pid if self.proc is not None else None
+        # torchrun itself is reaped by its Popen (reaping it here would lose its exit status)
+        psutil.wait_procs([p for p in procs if p.pid != own], timeout=10)
+        if self.proc is not None:
+            self.proc.wait()
+        self._reap_orphans()
+
+    def _reap_orphans(self) -> None:
+        """Reap exited processes re-parented to us (PID 1, or as subreaper), not our own."""
+        import psutil
+
+        own = {p.pid for p in (self.proc, self.agent) if p is not None}
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for c in children:
+            if c.pid in own:
+                continue
+            try:
+                if c.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(c.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                continue
 
     # ------------------------------------------------------------------ persist agent
 
@@ -219,33 +353,34 @@ class Supervisor:
         if agent is not None and agent.poll() is None:
             agent.send_signal(signal.SIGTERM)
             try:
-                agent.wait(timeout=120)
+                agent.wait(timeout=5 if self._second_signal else 120)
             except subprocess.TimeoutExpired:
                 agent.kill()
                 agent.wait()
         remove_slots(self.jobdir.root)
 
     def _shutdown(self, signum: int) -> None:
-        """SIGTERM the torchrun process group, wait ``grace_s``, then SIGKILL it."""
+        """Preemption: ask the ranks to stop at one step and checkpoint within ``grace_s``.
+
+        Writes ``stop_request.json`` with the deadline; the ranks agree on a stop step, take a
+        final checkpoint if it can be durable in time, and exit. torchrun is not signalled (its
+        handler would kill the ranks at once). At the deadline, or on a second signal, every
+        rank is SIGKILLed. Then the agent finishes what it has and stops.
+        """
+        self._shutting_down = True
         proc = self.proc
         if proc is None:
             return
-        pgid = proc.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + self.cfg.grace_s
-        while time.monotonic() < deadline:
+        deadline = time.time() + self.cfg.grace_s
+        atomic_write_json(self.jobdir.root / "stop_request.json",
+                          {"deadline_unix_s": deadline, "signal": signal.Signals(signum).name})
+        while time.time() < deadline and not self._second_signal:
             try:
                 proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
-                continue
-            except SignalReceived:  # a second signal: end at once
-                break
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+                self._reap_orphans()
+        if self._second_signal:
+            logger.warning("cfrun: second signal; killed the ranks without a final checkpoint")
+        self._kill_ranks()
+        self.proc = None

@@ -20,6 +20,7 @@ import atexit
 import gc
 import io
 import itertools
+import json
 import logging
 import os
 import signal
@@ -142,6 +143,11 @@ class Runtime:
         self._jumped = False
         self._deferred = 0
         self.snap: Snapshotter | None = None
+        self._hb_fd: int | None = None
+        self._stop_step: int | None = None
+        self._stop_deadline: float | None = None
+        self._stopping = False
+        self._sync_cost_s = 0.0
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
 
@@ -210,13 +216,100 @@ class Runtime:
         elif self.mode is None:
             self.mode = "loop"
         self._next_since_step = False
+        self._beat()
         due = self.step % self.s.interval == 0 or (self._pending is not None and self._pending[1])
         kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
-        if not (due or kill):
+        stop = self._stop_due()
+        if not (due or kill or stop):
             return
-        self._pending = (self.step, due, kill)
+        self._pending = (self.step, due, kill or (self._pending is not None and self._pending[2]))
+        self._stopping = stop
         if self.mode == "loop":
             self._arm_loop_boundary()
+
+    # ---------------------------------------------------------------- supervision
+
+    def _beat(self) -> None:
+        """Heartbeat for the supervisor's hang detection: the step count, rewritten each step."""
+        try:
+            if self._hb_fd is None:
+                path = self.jobdir.root / f"heartbeat-rank-{self.s.rank:05d}"
+                self._hb_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._hb_fd, f"{self.step:>14}\n".encode(), 0)
+        except OSError:
+            pass
+
+    def _stop_due(self) -> bool:
+        """True at the step where every rank stops for a preemption (SIGTERM to cfrun).
+
+        The supervisor writes ``stop_request.json`` (with the grace deadline). Rank 0 picks the
+        stop step, a little ahead so that ranks one step behind reach it too, and writes it to
+        ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``).
+        """
+        if self._stop_step is None:
+            req_path = self.jobdir.root / "stop_request.json"
+            if not req_path.exists():
+                return False
+            if self._stop_deadline is None:
+                try:
+                    self._stop_deadline = float(json.loads(req_path.read_text())["deadline_unix_s"])
+                except (OSError, ValueError, KeyError):
+                    return False
+            step_path = self.jobdir.root / "stop_step.json"
+            if self.s.world_size == 1:
+                self._stop_step = self.step
+            elif self.s.rank == 0:
+                self._stop_step = self.step + 2
+                atomic_write_json(step_path, {"step": self._stop_step})
+            else:
+                try:
+                    self._stop_step = int(json.loads(step_path.read_text())["step"])
+                except (OSError, ValueError, KeyError):
+                    return False
+            say(f"preemption: stopping at step {self._stop_step}")
+        return self.step >= self._stop_step
+
+    def _stop_now(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
+        """Final checkpoint if it can be durable before the grace deadline, then exit 75."""
+        from cfrun.errors import EXIT_PREEMPTED
+
+        deadline = self._stop_deadline or time.time()
+        committed = None
+        if self.snap is not None:
+            self.snap.persist_done.wait(max(0.0, deadline - time.time() - 0.5))
+        need_s = 1.5 * self._last_cost_s() + 0.5
+        if self._last_committed_step() == self.step:
+            committed = self.step
+        elif time.time() + need_s < deadline and not (self.snap and self.snap.busy()):
+            try:
+                self.checkpoint(self.step, frame, data)
+                if self.snap is not None:
+                    self.snap.persist_done.wait(max(0.0, deadline - time.time() - 0.2))
+                    if not self.snap.busy() and self.snap.last_committed == self.step:
+                        committed = self.step
+                else:
+                    committed = self.step
+            except Exception as e:
+                say(f"WARNING: final checkpoint failed: {e!r}")
+        last = self._last_committed_step()
+        if committed is not None:
+            say(f"preempted: final checkpoint at step {committed} is durable")
+        else:
+            say(f"preempted: no time for a final checkpoint within the grace period "
+                f"(needs ~{need_s:.1f}s); the newest committed checkpoint is step {last}")
+        if self.s.rank == 0:
+            self.jobdir.emit_event("preempted", step=self.step, final_checkpoint=committed,
+                                   newest_committed=last)
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _last_cost_s(self) -> float:
+        return self.snap.last_cost_s if self.snap is not None else self._sync_cost_s
+
+    def _last_committed_step(self) -> int | None:
+        from cfrun.checkpoint import committed_steps
+
+        steps = committed_steps(self.jobdir.checkpoints)
+        return steps[0] if steps else None
 
     def on_loader_next(self, it: Any, caller: types.FrameType) -> None:
         """Called before every ``next()`` on a tracked DataLoader iterator."""
@@ -301,7 +394,7 @@ class Runtime:
             return
         step, due, kill = self._pending
         self._pending = None
-        if due:
+        if due and not self._stopping:
             try:
                 if not self.checkpoint(self.step, frame, data):
                     self._pending = (step, True, False)  # previous one in flight: next boundary
@@ -310,6 +403,9 @@ class Runtime:
                 say(f"WARNING: checkpoint at step {step} failed: {e!r}")
                 self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
                                        rank=self.s.rank)
+        if self._stopping:
+            self._pending = None
+            self._stop_now(frame, data)
         if kill:
             say(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
             for stream in (sys.stdout, sys.stderr):
@@ -409,6 +505,7 @@ class Runtime:
                    meta={k: meta[k] for k in ("step", "mode", "epoch", "batches", "not_exact")},
                    keep=self.s.keep)
             t2 = time.perf_counter()
+            self._sync_cost_s = t2 - t0
             self.jobdir.emit_event(
                 "checkpoint", step=step, bytes=nbytes, stall_s=round(t2 - t0, 6),
                 snapshot_s=round(t1 - t0, 6), persist_s=round(t2 - t1, 6),
@@ -694,7 +791,19 @@ class Runtime:
             os._exit(1)
 
     def on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """sys.excepthook: a script that breaks while fast-forwarding gets a fallback."""
+        """sys.excepthook: record the error for the supervisor (crash-loop detection, report);
+        a script that breaks while fast-forwarding gets a fallback."""
+        import traceback
+
+        if exc_type is not SystemExit:
+            errors = self.jobdir.root / "errors"
+            try:
+                errors.mkdir(exist_ok=True)
+                atomic_write_json(errors / f"attempt-{self.s.attempt}-rank-{self.s.rank}.json", {
+                    "type": exc_type.__name__, "message": str(exc)[:2000], "step": self.step,
+                    "traceback": traceback.format_exception(exc_type, exc, tb)[-12:]})
+            except OSError:
+                pass
         if self.fast_forwarding and self.ff_eval == "one":
             self._exit_fast_forward()
             say("the script failed while fast-forwarding with evaluation loaders cut to one "

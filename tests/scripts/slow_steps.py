@@ -1,0 +1,28 @@
+"""A step loop that sleeps in each iteration (for preemption tests); optional hang at a step.
+
+argv: steps, out, sleep_s, [hang_at_step]
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+steps, out, sleep_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+hang_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+torch.manual_seed(5)
+model = nn.Linear(32, 32)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+for it in range(steps):
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {it + 1}", flush=True)
+    if it + 1 == hang_at and not os.path.exists(out + ".hung"):
+        open(out + ".hung", "w").close()
+        time.sleep(3600)
+    time.sleep(sleep_s)
+torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out)
+print("FINAL done")
