@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -52,7 +52,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-SUBCOMMANDS = {"run", "resume"}
+SUBCOMMANDS = {"run", "resume", "status", "ls", "export"}
 _RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "PYTHON", "NCCL_", "MKL_")
 
 log = logging.getLogger("cfrun")
@@ -183,6 +183,120 @@ def resume_cmd(
     for k, v in cfg.env.items():
         os.environ.setdefault(k, v)
     _run(cfg)
+
+
+def _fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+@app.command("status")
+def status_cmd(
+    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
+) -> None:
+    """State of a job: steps, checkpoints, interval, overhead, stall and PGT, restarts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfrun import report
+
+    jd = report.open_job_dir(job_dir)
+    st = report.status(jd)
+    if plot:
+        _plot(jd, Path(plot))
+    if as_json:
+        print(json.dumps(st, indent=1))
+        return
+    table = Table(title=f"cfrun job {st['job_dir']}", show_header=False)
+    rows = [
+        ("state", st["state"]),
+        ("script", str(st["script"])),
+        ("current step", str(st["current_step"])),
+        ("last committed step", str(st["last_committed_step"])),
+        ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"),
+        ("overhead", f"budget {st['overhead']['budget_pct']}%, stall "
+                     f"{st['overhead']['stall_pct']}% of wall time"),
+        ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
+                                 f"{_fmt_s(st['stall_s']['p95'])}, max {_fmt_s(st['stall_s']['max'])}"),
+        ("PGT", f"median {_fmt_s(st['pgt_s']['median'])}, p95 {_fmt_s(st['pgt_s']['p95'])}"),
+        ("checkpoints taken", str(st["checkpoints_taken"])),
+        ("attempts", str(st["attempts"])),
+        ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step {r['step']}"
+                               for r in st["restarts"]) or "none"),
+        ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def _plot(jd: Any, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadInputError("--plot needs matplotlib; pip install matplotlib") from None
+    events = jd.read_events()
+    ck = [e for e in events if e.get("event") == "checkpoint"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([e["step"] for e in ck], [1000 * e["stall_s"] for e in ck], "o-", label="stall (ms)")
+    ax.plot([e["step"] for e in ck], [1000 * e["pgt_s"] for e in ck], "s-", label="PGT (ms)")
+    for e in events:
+        if e.get("event") == "failure" and e.get("step") is not None:
+            ax.axvline(e["step"], color="red", linestyle="--", label="restart")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.legend()
+    fig.savefig(out, dpi=100)
+
+
+@app.command("ls")
+def ls_cmd(
+    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    check: Annotated[bool, typer.Option("--verify/--no-verify",
+                                        help="Check every file's checksum.")] = True,
+) -> None:
+    """Committed checkpoints: step, epoch, size, age and verification state."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfrun import report
+
+    rows = report.checkpoints(report.open_job_dir(job_dir), check=check)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    table = Table("step", "epoch", "batches", "size", "age", "verified")
+    for r in rows:
+        size = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f} MB"
+        age = "-" if r["age_s"] is None else f"{r['age_s']:.0f} s"
+        table.add_row(str(r["step"]), str(r["epoch"]), str(r["batches"]), size, age,
+                      r["verified"])
+    Console().print(table)
+
+
+@app.command("export")
+def export_cmd(
+    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
+    out: Annotated[str, typer.Argument(help="Output file.")],
+    step: Annotated[Optional[str], typer.Option("--step", help="Step (default: newest).")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "torch",
+) -> None:
+    """Write a checkpoint's model weights as a plain torch or safetensors file."""
+    from cfrun import report
+
+    jd = report.open_job_dir(job_dir)
+    step_n = parse_positive_int("--step", step, minimum=0) if step is not None else None
+    out_path = Path(out)
+    if out_path.is_dir():
+        raise BadInputError(f"output {out!r} is a directory; give a file name, e.g. model.pt")
+    got_step, n = report.export(jd, out_path, step=step_n, fmt=fmt)
+    print(f"exported step {got_step}: {n} tensors -> {out_path}")
 
 
 def _run(cfg: RunConfig) -> None:

@@ -626,6 +626,8 @@ class Runtime:
         assert plan is not None
         data = plan.state["data"]
         set_epoch_rng(loader, data["epoch_rng"])
+        n = data["iter_index"]  # epochs keep their numbers after a jump
+        object.__setattr__(loader, "_cfrun_iter_calls", n + 1)
         loader.__dict__["_cfrun_skip"] = data["batches"]
         loader.__dict__["_cfrun_skip_done"] = data["batches"]
         it = self._start_epoch(loader, self._orig_loader_iter)

@@ -1,0 +1,100 @@
+"""cfrun status / ls / export on a real job dir, their JSON shapes, and their bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import SCRIPTS, run_cfrun
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("job")
+    run = run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash", "35",
+                     str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out", "final.pt"],
+                    cwd=cwd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return cwd
+
+
+def test_status_json_shape(job):
+    run = run_cfrun(["status", "j", "--json"], cwd=job)
+    assert run.returncode == 0, run.stderr
+    st = json.loads(run.stdout)
+    assert st["state"] == "succeeded" and st["is_running"] is False
+    assert st["current_step"] == 46 and st["last_committed_step"] >= 40
+    assert st["interval"] == {"steps": 10, "why": "fixed by --interval"}
+    assert st["attempts"] == 2 and len(st["restarts"]) == 1
+    assert st["restarts"][0]["cause"] == "exit code 1"
+    assert st["stall_s"]["count"] == st["checkpoints_taken"] >= 3
+    assert set(st["pgt_s"]) == {"count", "median", "p95", "max"}
+    assert st["disk_bytes"] > 0 and 0 <= st["overhead"]["stall_pct"] < 100
+
+
+def test_status_table_and_ls(job):
+    table = run_cfrun(["status", "j"], cwd=job)
+    assert table.returncode == 0 and "last committed step" in table.stdout
+    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=job).stdout)
+    assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True)
+    assert len(rows) == 3 and all(r["verified"] == "ok" for r in rows)
+    assert rows[0]["epoch"] == 1 and rows[0]["bytes"] > 0
+    assert set(rows[0]) == {"step", "epoch", "batches", "bytes", "age_s", "verified"}
+
+
+def test_ls_reports_a_corrupt_checkpoint(job, tmp_path):
+    import shutil
+
+    shutil.copytree(job / "j", tmp_path / "j")
+    newest = sorted((tmp_path / "j" / "checkpoints").glob("step-*"))[-1] / "rank-00000.bin"
+    data = bytearray(newest.read_bytes())
+    data[10] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=tmp_path).stdout)
+    assert rows[0]["verified"].startswith("corrupt") and rows[1]["verified"] == "ok"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_export_loads_without_cfrun(job, tmp_path, fmt):
+    out = tmp_path / f"model.{fmt}"
+    run = run_cfrun(["export", "j", str(out), "--format", fmt], cwd=job)
+    assert run.returncode == 0, run.stderr
+    loader = ("import torch; sd = torch.load(p, weights_only=True)" if fmt == "torch" else
+              "from safetensors.torch import load_file; sd = load_file(p)")
+    code = (f"import sys; p = {str(out)!r}; {loader}; "
+            "print(len(sd), 'cfrun' in sys.modules, sorted(sd)[0])")
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    n, has_cfrun, first = p.stdout.split()
+    assert has_cfrun == "False" and int(n) == 9 and first == "0.bias"
+    # the newest checkpoint's weights, as cfrun stored them
+    from cfrun.checkpoint import committed_steps, load_shard
+    from cfrun.jobdir import step_dir_name
+
+    ck = job / "j" / "checkpoints"
+    state, _ = load_shard(ck / step_dir_name(committed_steps(ck)[0]), 0)
+    if fmt == "torch":
+        got = torch.load(out, weights_only=True)
+        assert all(torch.equal(got[k], state["modules"][0][k]) for k in got)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["ls", "missing"], "does not exist"),
+    (["status", "{scripts}"], "not a cfrun job dir"),
+    (["export", "j", "x.pt", "--step", "7"], "--step 7 has no committed checkpoint"),
+    (["export", "j", "x.pt", "--format", "onnx"], "--format 'onnx'"),
+    (["export", "j", "x.pt", "--step", "abc"], "--step 'abc'"),
+    (["resume", "missing"], "does not exist"),
+])
+def test_bad_input_to_commands(job, args, needle):
+    argv = [a.format(scripts=str(SCRIPTS)) for a in args]
+    run = run_cfrun(argv, cwd=job)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert needle in run.stderr and "Traceback" not in run.stderr
+    assert not (job / "x.pt").exists()
