@@ -104,6 +104,10 @@ class Supervisor:
         self.agent: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
+        self.progress_s = float(os.environ.get("CFRUN_PROGRESS_S", "30")) \
+            if sys.stderr.isatty() else 0.0
+        self._progress_at = 0.0
+        self._progress_step = (0.0, 0)
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -218,6 +222,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self._check_agent()
                 self._reap_orphans()
+                self._progress(started_unix_s)
                 if self._is_hung(started_unix_s):
                     hung = True
                     logger.warning("cfrun: no optimizer step for %ss (--hang-timeout); killing "
@@ -228,6 +233,25 @@ class Supervisor:
         self._kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
         self.proc = None
         return AttemptResult(attempt, rc, time.monotonic() - t0, hung)
+
+    def _progress(self, started_unix_s: float) -> None:
+        """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
+        steps/s, newest checkpoint. Whole lines never cut into the script's own output."""
+        now = time.monotonic()
+        if not self.progress_s or now - self._progress_at < self.progress_s:
+            return
+        first = self._progress_at == 0.0
+        self._progress_at = now
+        step = self._last_step()
+        if first or step is None:
+            self._progress_step = (now, step or 0)
+            return
+        t0, s0 = self._progress_step
+        rate = (step - s0) / max(now - t0, 1e-9)
+        self._progress_step = (now, step)
+        steps = committed_steps(self.jobdir.checkpoints)
+        logger.info("cfrun: step %d (%.2f steps/s), newest checkpoint step %s", step, rate,
+                    steps[0] if steps else "none")
 
     def _is_hung(self, started_unix_s: float) -> bool:
         """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""
