@@ -132,6 +132,7 @@ def run_cmd(
     script_path = _resolve_script(script)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
+    parse_inject_crash(inject_crash)  # validate now: the ranks parse it again
     grace_s = _parse_seconds("--grace", grace, "25")
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
     cfg = RunConfig(
@@ -147,7 +148,7 @@ def run_cmd(
         grace_s=grace_s,
         hang_timeout_s=hang_timeout_s,
         crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
-        inject_crash=inject_crash if parse_inject_crash(inject_crash) or True else "",
+        inject_crash=inject_crash,
         env=_recorded_env(),
     )
     _run(cfg)
