@@ -42,6 +42,7 @@ from cfrun.config import (
     parse_positive_int,
 )
 from cfrun.errors import EXIT_BAD_INPUT, BadInputError, CfrunError
+from cfrun.policy import parse_duration
 
 app = typer.Typer(
     name="cfrun",
@@ -52,7 +53,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-SUBCOMMANDS = {"run", "resume", "status", "ls", "export"}
+SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export"}
 _RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "PYTHON", "NCCL_", "MKL_")
 
 log = logging.getLogger("cfrun")
@@ -116,6 +117,10 @@ def run_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", envvar=E.GRACE,
         help="Seconds the ranks get after SIGTERM before SIGKILL.")] = "25",
+    mtbf: Annotated[Optional[str], typer.Option(
+        "--mtbf", envvar=E.MTBF,
+        help="Mean time between failures (e.g. 6h): never checkpoint more often than the "
+             "Young/Daly optimum needs. Default: learned from this job's restarts.")] = None,
     hang_timeout: Annotated[str, typer.Option(
         "--hang-timeout", envvar=E.HANG_TIMEOUT,
         help="Seconds without an optimizer step before a rank counts as hung and the job "
@@ -129,6 +134,16 @@ def run_cmd(
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
+    cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
+                        max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
+                        profile_only=False)
+    _run(cfg)
+
+
+def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,
+                  interval: str | None, overhead: str, nproc_per_node: str, max_restarts: str,
+                  keep: str, grace: str, mtbf: str | None, hang_timeout: str, crash_loop: str,
+                  inject_crash: str, *, profile_only: bool) -> RunConfig:
     script_path = _resolve_script(script)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
@@ -147,11 +162,13 @@ def run_cmd(
         keep=parse_positive_int("--keep", keep, minimum=1),
         grace_s=grace_s,
         hang_timeout_s=hang_timeout_s,
+        mtbf_s=parse_duration("--mtbf", mtbf) if mtbf else None,
+        profile_only=profile_only,
         crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
         inject_crash=inject_crash,
         env=_recorded_env(),
     )
-    _run(cfg)
+    return cfg
 
 
 def _parse_seconds(name: str, text: str, example: str) -> float:
@@ -163,6 +180,72 @@ def _parse_seconds(name: str, text: str, example: str) -> float:
         raise BadInputError(f"{name} {text!r} is not a number of seconds >= 0, "
                             f"e.g. {name} {example}")
     return value
+
+
+@app.command("profile", context_settings={"allow_interspersed_args": False})
+def profile_cmd(
+    script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
+    script_args: Annotated[Optional[list[str]], typer.Argument(
+        help="Arguments for the script, passed through untouched.")] = None,
+    job_dir: Annotated[Optional[str], typer.Option(
+        "--job-dir", envvar=E.JOB_DIR,
+        help="Job dir to profile into (default ./cfrun-jobs/<script name>); a later run with "
+             "the same script and arguments reuses the profile.")] = None,
+    overhead: Annotated[str, typer.Option(
+        "--overhead", envvar=E.OVERHEAD, help="Overhead budget: 3.5%, 3.5 or 0.035.")] = "3.5%",
+    nproc_per_node: Annotated[str, typer.Option(
+        "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node.")] = "1",
+    mtbf: Annotated[Optional[str], typer.Option(
+        "--mtbf", envvar=E.MTBF, help="Mean time between failures, e.g. 6h.")] = None,
+) -> None:
+    """Profile SCRIPT: measure checkpoint costs, choose snapshot mode and interval, stop."""
+    import shutil
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfrun.checkpoint import committed_steps
+    from cfrun.jobdir import JobDir
+    from cfrun.supervisor import Supervisor
+
+    cfg = _build_config(script, script_args, job_dir, None, overhead, nproc_per_node, "0", "2",
+                        "25", mtbf, "1800", "0", "", profile_only=True)
+    jd = JobDir(cfg.job_dir)
+    if committed_steps(jd.checkpoints):
+        raise BadInputError(f"job dir {cfg.job_dir!r} already has checkpoints; profile into a "
+                            "new --job-dir (profiling must not replace a job's checkpoints)")
+    code = Supervisor(cfg).run()
+    shutil.rmtree(jd.checkpoints, ignore_errors=True)  # profiling checkpoints are not a job's
+    jd.checkpoints.mkdir(parents=True, exist_ok=True)
+    for hb in jd.root.glob("heartbeat-rank-*"):
+        hb.unlink()
+    strategy = jd.root / "strategy.json"
+    if code != 0 or not strategy.exists():
+        raise typer.Exit(code or 1)
+    st = json.loads(strategy.read_text())
+    prof = json.loads((jd.root / "profiles" / f"{st['fingerprint']}.json").read_text())
+    c, d = prof["costs"], prof["decision"]
+    table = Table("measured", "value", title=f"cfrun profile: {Path(cfg.script).name}")
+    for name, value in [
+        ("iteration time", f"{c['iter_s'] * 1e3:.2f} ms"),
+        ("optimizer step time", f"{prof.get('opt_step_s', 0) * 1e3:.2f} ms"),
+        ("state size", f"{c['state_bytes'] / 1e6:.2f} MB"),
+        *[(f"stall per checkpoint ({m})", f"{v['stall_s'] * 1e3:.2f} ms")
+          for m, v in prof["modes"].items()],
+        *[(f"interference per checkpoint ({m})", f"{v['interference_s'] * 1e3:.2f} ms")
+          for m, v in prof["modes"].items()],
+        ("snapshot + persist", f"{c['persist_s'] * 1e3:.2f} ms"),
+        ("persist bandwidth", f"{c['state_bytes'] / max(c['persist_s'], 1e-9) / 1e9:.2f} GB/s"),
+        ("memory", prof.get("memory", "-")),
+        ("chosen snapshot mode", prof["mode"]),
+        ("chosen interval", f"{d['interval']} steps ({d['reason']})"),
+        ("predicted overhead", f"{100 * d['predicted_overhead']:.2f}% "
+                               f"(budget {100 * prof['budget']:.2f}%)"),
+        ("predicted recovery time", f"{d['predicted_recovery_s']:.1f} s"),
+    ]:
+        table.add_row(name, str(value))
+    Console().print(table)
+    print(f"strategy written to {strategy}")
 
 
 @app.command("resume")
@@ -303,8 +386,8 @@ def export_cmd(
 def _run(cfg: RunConfig) -> None:
     from cfrun.supervisor import Supervisor
 
-    log.info("cfrun %s: %s -> job dir %s (interval %s)", __version__, Path(cfg.script).name,
-             cfg.job_dir, cfg.effective_interval)
+    log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
+             f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
     code = Supervisor(cfg).run()
     raise typer.Exit(code)
 

@@ -127,6 +127,10 @@ class RunConfig:
     """A rank with no optimizer step for this long is killed and the job restarted (0: off)."""
     crash_loop_limit: int = 3
     """The same failure at the same step this many times in a row stops the job (exit 5)."""
+    mtbf_s: float | None = None
+    """Mean time between failures (``--mtbf``); None: learned from this job's restarts."""
+    profile_only: bool = False
+    """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: str = ""
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
     env: dict[str, str] = field(default_factory=dict)
@@ -144,10 +148,6 @@ class RunConfig:
         if self.keep < 1:
             raise BadInputError(f"--keep {self.keep} must be at least 1")
 
-    @property
-    def effective_interval(self) -> int:
-        """Steps between checkpoints used now: ``interval``, or the policy default (issue 4)."""
-        return self.interval if self.interval is not None else DEFAULT_INTERVAL
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict; inverse of :meth:`from_json`."""
@@ -158,10 +158,6 @@ class RunConfig:
         """Rebuild from :meth:`to_json` output, ignoring keys this version does not know."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
-
-
-DEFAULT_INTERVAL = 50
-"""Interval used with ``--overhead`` until the adaptive policy (CheckFreq §4.4) chooses one."""
 
 
 def default_job_dir(script: str, cwd: Path) -> Path:

@@ -39,7 +39,7 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list
 
 
 def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
-                     agent: bool = True) -> dict[str, str]:
+                     agent: bool = True, mtbf_s: float | None = None) -> dict[str, str]:
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O).
 
     ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched).
@@ -53,7 +53,10 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         E.RANK_JOB_DIR: cfg.job_dir,
         E.RANK_SCRIPT: cfg.script,
         E.RANK_ATTEMPT: str(attempt),
-        E.RANK_INTERVAL: str(cfg.effective_interval),
+        E.RANK_INTERVAL: str(cfg.interval) if cfg.interval is not None else "",
+        E.RANK_OVERHEAD: repr(cfg.overhead),
+        E.RANK_MTBF_S: repr(mtbf_s) if mtbf_s else "",
+        E.RANK_PROFILE_ONLY: "1" if cfg.profile_only else "0",
         E.RANK_KEEP: str(cfg.keep),
         E.RANK_INJECT_CRASH: cfg.inject_crash,
         E.RANK_FF_EVAL: env.get(E.FF_EVAL, "one"),

@@ -147,6 +147,8 @@ class Snapshotter:
         self.persist_done.set()
         self.thread: threading.Thread | None = None
         self.mode = os.environ.get(ENV_SNAPSHOT_MODE, "thread")
+        self.mode_is_forced = ENV_SNAPSHOT_MODE in os.environ
+        self._inflight = -1
         self._cuda_gate: Any = None
         self._gpu_buf: torch.Tensor | None = None
         self._record: dict[str, Any] = {}
@@ -185,6 +187,11 @@ class Snapshotter:
     def busy(self) -> bool:
         """True while the previous checkpoint is being copied or persisted."""
         return not self.persist_done.is_set()
+
+    @property
+    def inflight_step(self) -> int | None:
+        """Step of the checkpoint being copied or persisted, if any."""
+        return self._inflight if self.busy() else None
 
     def gate(self) -> float:
         """Block until the background copy no longer needs the live tensors. Returns seconds.
@@ -229,6 +236,7 @@ class Snapshotter:
         msg = {"op": "persist", "step": step, "rank": self.rank, "world_size": self.world_size,
                "slot": str(self.slot.path), "nbytes": total, "doc": doc,
                "t_trigger_unix_s": t_trigger}
+        self._inflight = step
         self.copy_done.clear()
         self.persist_done.clear()
         with self._record_lock:

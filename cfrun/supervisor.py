@@ -39,6 +39,7 @@ from cfrun.errors import (
 from cfrun.format import FORMAT_VERSION
 from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.launcher import build_torchrun_argv, build_worker_env, spawn
+from cfrun.policy import learned_mtbf_s
 from cfrun.snapshot import remove_slots
 
 logger = logging.getLogger("cfrun")
@@ -209,7 +210,7 @@ class Supervisor:
 
     def _run_attempt(self, attempt: int) -> AttemptResult:
         argv = build_torchrun_argv(self.cfg)
-        env = build_worker_env(self.cfg, attempt)
+        env = build_worker_env(self.cfg, attempt, mtbf_s=self._mtbf_s())
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
         started_unix_s = time.time()
@@ -252,6 +253,16 @@ class Supervisor:
         steps = committed_steps(self.jobdir.checkpoints)
         logger.info("cfrun: step %d (%.2f steps/s), newest checkpoint step %s", step, rate,
                     steps[0] if steps else "none")
+
+    def _mtbf_s(self) -> float | None:
+        """``--mtbf``, else learned from this job's history (wall time per failure)."""
+        if self.cfg.mtbf_s:
+            return self.cfg.mtbf_s
+        events = self.jobdir.read_events()
+        wall_s = sum(float(e.get("duration_s", 0)) for e in events
+                     if e.get("event") == "attempt_end")
+        failures = sum(1 for e in events if e.get("event") == "failure")
+        return learned_mtbf_s(wall_s, failures)
 
     def _is_hung(self, started_unix_s: float) -> bool:
         """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""

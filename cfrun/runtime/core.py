@@ -43,6 +43,7 @@ from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.runtime import frames as F
 from cfrun.runtime.data import loader_fingerprint, set_epoch_rng
 from cfrun.runtime.rng import get_global_rng, set_global_rng
+from cfrun.runtime.tuner import Tuner, fingerprint
 from cfrun.snapshot import Snapshotter
 
 logger = logging.getLogger("cfrun.rank")
@@ -70,7 +71,11 @@ class RankSettings:
     local_rank: int
     attempt: int
     """cfrun's attempt number (0 = first start), across restarts."""
-    interval: int
+    interval: int | None
+    """Fixed steps between checkpoints, or None: the overhead policy chooses."""
+    overhead: float
+    mtbf_s: float | None
+    profile_only: bool
     keep: int
     inject_crash: list[tuple[int, int]]
     ff_eval: str
@@ -86,7 +91,10 @@ class RankSettings:
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             attempt=int(env.get(E.RANK_ATTEMPT, "0")),
-            interval=max(1, int(env.get(E.RANK_INTERVAL, "50"))),
+            interval=int(env[E.RANK_INTERVAL]) if env.get(E.RANK_INTERVAL) else None,
+            overhead=float(env.get(E.RANK_OVERHEAD, "0.035")),
+            mtbf_s=float(env[E.RANK_MTBF_S]) if env.get(E.RANK_MTBF_S) else None,
+            profile_only=env.get(E.RANK_PROFILE_ONLY) == "1",
             keep=max(1, int(env.get(E.RANK_KEEP, "2"))),
             inject_crash=parse_inject_crash(env.get(E.RANK_INJECT_CRASH, "")),
             ff_eval=env.get(E.RANK_FF_EVAL, "one"),
@@ -148,6 +156,13 @@ class Runtime:
         self._stop_deadline: float | None = None
         self._stopping = False
         self._sync_cost_s = 0.0
+        self._done_records: list[dict[str, Any]] = []
+        self._step_t0 = 0.0
+        self._checked_bytes = False
+        self.tuner = Tuner(self.jobdir, rank=settings.rank, world_size=settings.world_size,
+                           budget=settings.overhead, fixed_interval=settings.interval,
+                           mtbf_s=settings.mtbf_s, profile_only=settings.profile_only,
+                           key=fingerprint(settings.script, sys.argv[1:], settings.world_size))
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
 
@@ -207,6 +222,8 @@ class Runtime:
         """Global optimizer step post-hook (``register_optimizer_step_post_hook``)."""
         count = opt.__dict__.get("_cfrun_steps", 0) + 1
         opt.__dict__["_cfrun_steps"] = count
+        if self.tuner.phase == "profiling" and self._step_t0:
+            self.tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
         if count <= self.step:  # a second optimizer in the same iteration (GAN)
             return
         self.step = count
@@ -217,7 +234,15 @@ class Runtime:
             self.mode = "loop"
         self._next_since_step = False
         self._beat()
-        due = self.step % self.s.interval == 0 or (self._pending is not None and self._pending[1])
+        while self._done_records:  # checkpoint results from the snapshot thread
+            rec = self._done_records.pop(0)
+            self.tuner.on_checkpoint_done(int(rec["step"]), rec)
+        self.tuner.on_step(self.step, self.snap.inflight_step if self.snap else None,
+                           self._epoch_len())
+        if self.s.profile_only and self.tuner.done_profiling:
+            say("profiling done; stopping the script (cfrun profile)")
+            raise SystemExit(0)
+        due = self.tuner.due(self.step) or (self._pending is not None and self._pending[1])
         kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
         stop = self._stop_due()
         if not (due or kill or stop):
@@ -226,6 +251,13 @@ class Runtime:
         self._stopping = stop
         if self.mode == "loop":
             self._arm_loop_boundary()
+
+    def _epoch_len(self) -> int | None:
+        it = self._train_iter() if self._train_iter is not None else None
+        try:
+            return len(it._cfrun_loader) if it is not None else None
+        except TypeError:
+            return None
 
     # ---------------------------------------------------------------- supervision
 
@@ -441,6 +473,7 @@ class Runtime:
         tree: dict[str, Any] = {
             "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
             "optimizers": encode([o.state_dict() for o in opts], tensors),
+            "model_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self._alive(self.optimizers)],
             "rng": encode(get_global_rng(), tensors),
             "data": encode(data, tensors),
@@ -472,7 +505,9 @@ class Runtime:
         """
         t0 = time.perf_counter()
         if self.snap is not None and self.snap.busy():
-            return False
+            if self.s.world_size == 1:
+                return False
+            self.snap.persist_done.wait()  # ranks must checkpoint the same steps: wait
         t_trigger = time.time()
         tree, tensors, async_ids = self.capture(frame, data)
         meta = {
@@ -484,9 +519,15 @@ class Runtime:
             "not_exact": list(self.not_exact),
             "world_size": self.s.world_size,
         }
+        if not self._checked_bytes:
+            self._checked_bytes = True
+            self.tuner.check_state_bytes(int(tree["model_bytes"]))
         if self.snap is not None:
+            if not self.snap.mode_is_forced:
+                self.snap.mode = self.tuner.mode_for(step)
             self.snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
             return True
+        self.tuner.mode_for(step)
         t1 = time.perf_counter()
         staging = staging_dir(self.jobdir.checkpoints, step)
         files = write_shard(staging, self.s.rank, tree, tensors, meta)
@@ -511,9 +552,12 @@ class Runtime:
                 snapshot_s=round(t1 - t0, 6), persist_s=round(t2 - t1, 6),
                 pgt_s=round(t2 - t0, 6), bandwidth_bytes_per_s=round(nbytes / max(t2 - t1, 1e-9)),
                 attempt=self.s.attempt, mode=self.mode, persist="sync")
+            self._done_records.append({"step": step, "bytes": nbytes, "stall_s": t2 - t0,
+                                       "snapshot_s": t1 - t0, "persist_s": t2 - t1})
         return True
 
     def _emit_checkpoint(self, fields: dict[str, Any]) -> None:
+        self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
                                    persist="agent", **fields)
@@ -526,6 +570,7 @@ class Runtime:
         """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
         if self.snap is not None:
             self.snap.gate()
+        self._step_t0 = time.perf_counter()
 
     def _gather_rank_files(self, staging: Path) -> list[Any]:
         from cfrun.checkpoint import FileEntry

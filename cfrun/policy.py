@@ -1,0 +1,145 @@
+"""Checkpoint interval policy: how often to checkpoint under an overhead budget (pure functions).
+
+CheckFreq §4.3.2 and §4.4, done as DESIGN.md §4 asks:
+
+* **Initial choice** (:func:`choose_interval`): a checkpoint costs the training loop its stall
+  (the boundary copy plus the wait at the next step) plus its interference (the background copy
+  and the persist agent slow the iterations they overlap). With iteration time ``t`` and budget
+  ``p``, checkpointing every ``k`` steps costs ``(stall + interference) / (k * t)``; the smallest
+  ``k`` that keeps this under ``p`` is chosen, but never below ``ceil(persist / t)`` (one
+  checkpoint in flight: the next one would only be deferred) nor, when the MTBF is known, more
+  often than the Young/Daly optimum ``sqrt(2 * C * MTBF)`` needs. CheckFreq's prototype
+  ignores the budget in its first choice; this does not.
+* **Adaptation** (:func:`adapt_interval`): per window, the measured overhead against a fresh
+  baseline; over budget → ``k`` grows in proportion, well under (below half the budget) → ``k``
+  shrinks towards the smallest allowed. CheckFreq only ever raises the interval.
+
+Units: seconds, steps, fractions (0.035 = 3.5%).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cfrun.errors import BadInputError
+
+ADAPT_UNDER_FRACTION = 0.5
+"""Lower ``k`` only when the measured overhead is below this fraction of the budget."""
+MAX_INTERVAL = 100_000
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What profiling measured (per checkpoint unless said otherwise)."""
+
+    iter_s: float
+    """Baseline iteration time without checkpoint activity."""
+    stall_s: float
+    """Training-loop wait per checkpoint (boundary copy + gate)."""
+    interference_s: float
+    """Extra iteration time per checkpoint from the background copy and the persist."""
+    persist_s: float
+    """Snapshot copy + persist + commit, i.e. how long one checkpoint stays in flight."""
+    state_bytes: int
+    restart_s: float = 10.0
+    """Time from a failure to the first resumed step (process start, imports, load)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A chosen interval and why."""
+
+    interval: int
+    reason: str
+    predicted_overhead: float
+    """Fraction of iteration time spent on checkpoints at this interval."""
+    predicted_recovery_s: float
+    """Restart time plus the expected lost work (half an interval)."""
+    k_budget: int
+    k_in_flight: int
+    k_daly: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def per_checkpoint_cost_s(c: Costs) -> float:
+    """Seconds one checkpoint adds to the training loop."""
+    return max(0.0, c.stall_s) + max(0.0, c.interference_s)
+
+
+def predicted_overhead(c: Costs, k: int) -> float:
+    """Overhead fraction of checkpointing every ``k`` steps."""
+    return per_checkpoint_cost_s(c) / (k * c.iter_s)
+
+
+def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Decision:
+    """The smallest interval meeting ``budget`` and the in-flight and Young/Daly limits.
+
+    Raises:
+        ValueError: non-positive iteration time or budget.
+    """
+    if c.iter_s <= 0 or not 0 < budget < 1:
+        raise ValueError(f"iter_s {c.iter_s} and budget {budget} must be positive")
+    cost = per_checkpoint_cost_s(c)
+    k_budget = max(1, math.ceil(cost / (budget * c.iter_s) - 1e-9))
+    k_in_flight = max(1, math.ceil(c.persist_s / c.iter_s - 1e-9))
+    k_daly = None
+    if mtbf_s:
+        k_daly = max(1, math.floor(math.sqrt(2.0 * max(cost, 1e-6) * mtbf_s) / c.iter_s))
+    k = min(MAX_INTERVAL, max(k_budget, k_in_flight, k_daly or 1))
+    if k == k_budget:
+        reason = f"budget: {cost * 1e3:.1f} ms per checkpoint within {budget:.2%} of " \
+                 f"{c.iter_s * 1e3:.1f} ms iterations"
+    elif k == k_in_flight:
+        reason = f"one checkpoint in flight: persist takes {c.persist_s * 1e3:.0f} ms"
+    else:
+        reason = f"Young/Daly: MTBF {mtbf_s:.0f} s needs no more than every {k} steps"
+    return Decision(k, reason, predicted_overhead(c, k),
+                    c.restart_s + 0.5 * k * c.iter_s, k_budget, k_in_flight, k_daly)
+
+
+def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[int, str]:
+    """The next interval after a window whose measured overhead was ``measured``.
+
+    Over budget: grow ``k`` by the ratio (at least +1). Below half the budget: shrink it by
+    the ratio towards ``k_min`` (at least -1). Otherwise keep it.
+    """
+    if measured > budget:
+        new = max(k + 1, math.ceil(k * measured / budget))
+        return min(MAX_INTERVAL, new), f"over budget ({measured:.2%} > {budget:.2%})"
+    if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
+        target = math.ceil(k * max(measured, 1e-9) / (0.75 * budget))
+        new = max(k_min, min(k - 1, target))
+        return new, f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of {budget:.2%})"
+    return k, "within budget"
+
+
+def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly optimal checkpoint period ``sqrt(2 C M)`` in seconds."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*$")
+_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(name: str, text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``6h``, ``2d`` -> seconds (> 0).
+
+    Raises:
+        BadInputError: malformed or not positive.
+    """
+    m = _DURATION_RE.match(text)
+    if m is None or float(m.group(1)) <= 0:
+        raise BadInputError(f"{name} {text!r} is not a duration; give e.g. {name} 6h "
+                            "(s, m, h, d; plain numbers are seconds)")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def learned_mtbf_s(wall_s: float, failures: int) -> float | None:
+    """MTBF from this job's own history: wall time per failure (None before any failure)."""
+    return wall_s / failures if failures > 0 and wall_s > 0 else None

@@ -1,0 +1,286 @@
+"""Rank-side interval control: profile, decide, adapt (CheckFreq §4.3.2, §4.4; cfrun.policy).
+
+Phases:
+
+* ``fixed``: ``--interval K`` given; checkpoint every K steps, measure nothing extra.
+* ``profiling``: the first ``profile_steps`` = min(50, max(10, 1% of an epoch)) steps. After
+  ``WARMUP_STEPS``, the iteration time without checkpoints is measured (baseline); then
+  profiling checkpoints are taken: a warm-up one that pays the one-time costs, then one per
+  snapshot mode (background copy, inline copy), and
+  for each its stall, its copy and persist time and its interference (extra time of the
+  iterations it overlapped) are measured. The cheaper mode and the interval follow from
+  :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
+  fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
+* ``tuned``: every window (``max(4k, 40)`` steps) the measured overhead (mean iteration time
+  against the mean of the iterations with no checkpoint activity in the same window) adapts
+  ``k`` both ways (:func:`cfrun.policy.adapt_interval`). Every decision goes to events.jsonl.
+
+With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
+interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
+same steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from cfrun import __version__
+from cfrun.jobdir import JobDir, atomic_write_json
+from cfrun.policy import Costs, adapt_interval, choose_interval
+
+WARMUP_STEPS = 3
+PROBE_MODES = ("warmup", "thread", "inline")
+"""Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
+allocation), then one per snapshot mode."""
+PROFILE_MAX_STEPS = 50
+PROFILE_MIN_STEPS = 10
+
+
+def fingerprint(script: str, args: list[str], world_size: int) -> str:
+    """Identity of a job for the profile cache: script bytes, args, world size, devices,
+    cfrun version. (The state size is checked against the cache at the first checkpoint.)"""
+    import torch
+
+    h = hashlib.sha256()
+    try:
+        h.update(Path(script).read_bytes())
+    except OSError:
+        h.update(script.encode())
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else ["cpu"]
+    h.update(json.dumps([args, world_size, devices, __version__]).encode())
+    return h.hexdigest()[:16]
+
+
+class Tuner:
+    """Decides at which steps this rank checkpoints. Called on the training thread."""
+
+    def __init__(self, jobdir: JobDir, *, rank: int, world_size: int, budget: float,
+                 fixed_interval: int | None, mtbf_s: float | None, key: str,
+                 profile_only: bool = False) -> None:
+        self.jobdir = jobdir
+        self.rank = rank
+        self.world_size = world_size
+        self.budget = budget
+        self.mtbf_s = mtbf_s
+        self.key = key
+        self.profile_only = profile_only
+        self.phase = "fixed" if fixed_interval else "profiling"
+        self.interval = fixed_interval or 0
+        self.base_step = 0
+        self.k_min = 1
+        self.mode = "thread"
+        self.profile_steps = PROFILE_MAX_STEPS
+        self._last_t: float | None = None
+        self._iter_s: list[float] = []
+        self._busy: list[int | None] = []
+        self._profile: dict[str, Any] = {}
+        self._probe_steps: list[int] = []
+        self._taken: dict[int, str] = {}
+        """Profiling checkpoints taken: step -> snapshot mode."""
+        self._pending_strategy_step: int | None = None
+        self.cached_state_bytes: int | None = None
+        self.opt_step_s: list[float] = []
+        self.model_bytes = 0
+        """Durations of ``optimizer.step()`` seen while profiling."""
+        self.done_profiling = False
+        if self.phase == "profiling":
+            self._load_cache()
+
+    # ------------------------------------------------------------------ cache
+
+    @property
+    def cache_path(self) -> Path:
+        return self.jobdir.root / "profiles" / f"{self.key}.json"
+
+    def _load_cache(self) -> None:
+        try:
+            cached = json.loads(self.cache_path.read_text())
+        except (OSError, ValueError):
+            return
+        self.phase = "tuned"
+        self.interval = int(cached["decision"]["interval"])
+        self.k_min = int(cached["decision"]["k_in_flight"])
+        self.mode = cached.get("mode", "thread")
+        self.cached_state_bytes = int(cached.get("model_bytes") or 0) or None
+        self.done_profiling = True
+        if self.rank == 0:
+            self.jobdir.emit_event("decision", source="cache", interval=self.interval,
+                                   mode=self.mode, fingerprint=self.key)
+
+    def check_state_bytes(self, nbytes: int) -> None:
+        """At the first checkpoint: a cached profile for another model + optimizer state size
+        is re-made (the script's own variables vary and do not count)."""
+        self.model_bytes = nbytes
+        cached, self.cached_state_bytes = self.cached_state_bytes, None
+        if cached is not None and abs(nbytes - cached) > 0.1 * cached and self.phase == "tuned":
+            self.phase, self.done_profiling = "profiling", False
+            self._iter_s, self._busy, self._profile, self._probe_steps = [], [], {}, []
+            self._taken = {}
+            self.profile_steps = 0  # set from the current step below
+            if self.rank == 0:
+                self.jobdir.emit_event("reprofile", reason="state size changed",
+                                       cached_bytes=cached, state_bytes=nbytes)
+
+    # ------------------------------------------------------------------ per step
+
+    def on_step(self, step: int, inflight: int | None, epoch_len: int | None) -> None:
+        """After every optimizer step: record the iteration time and which checkpoint (by
+        step) was in flight during it, if any."""
+        now = time.perf_counter()
+        if self._last_t is not None:
+            self._iter_s.append(now - self._last_t)
+            self._busy.append(inflight)
+        self._last_t = now
+        if self.phase == "profiling" and not self._probe_steps:
+            steps = PROFILE_MAX_STEPS
+            if epoch_len:
+                steps = min(PROFILE_MAX_STEPS, max(PROFILE_MIN_STEPS, math.ceil(0.01 * epoch_len)))
+            start = step
+            self.profile_steps = start + steps
+            first = start + max(WARMUP_STEPS + 3, steps // 2)
+            gap = max(3, steps // 6)
+            self._probe_steps = [first, first + gap, first + 2 * gap]
+            self._baseline_from = len(self._iter_s) + WARMUP_STEPS
+        if self.world_size > 1 and self.rank != 0:
+            self._follow_strategy(step)
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due right after ``step``."""
+        if self.phase == "profiling":
+            return step in self._probe_steps or (
+                bool(self._probe_steps) and step > self._probe_steps[-1]
+                and len(self._taken) < len(PROBE_MODES))
+        if self.interval <= 0 or step < self.base_step:
+            return False
+        return (step - self.base_step) % self.interval == 0
+
+    def mode_for(self, step: int) -> str:
+        """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
+        if self.phase != "profiling":
+            return self.mode
+        mode = PROBE_MODES[min(len(self._taken), len(PROBE_MODES) - 1)]
+        self._taken[step] = mode
+        return "thread" if mode == "warmup" else mode
+
+    # ------------------------------------------------------------------ measurements
+
+    def on_checkpoint_done(self, step: int, record: dict[str, Any]) -> None:
+        """A checkpoint committed (rank 0 gets every record): profile or adapt."""
+        if self.rank != 0:
+            return
+        if self.phase == "profiling" and step in self._taken:
+            if self._taken[step] != "warmup":  # the first one pays one-time setup costs
+                self._profile[step] = record
+            if len(self._profile) == len(PROBE_MODES) - 1:
+                self._decide(step)
+        elif self.phase == "tuned":
+            self._maybe_adapt(step)
+
+    def _window_stats(self, lo: int) -> tuple[float, float] | None:
+        """(mean iteration time, mean of iterations with no checkpoint in flight)."""
+        its, busy = self._iter_s[lo:], self._busy[lo:]
+        clean = [t for t, b in zip(its, busy) if b is None]
+        if len(its) < 5 or len(clean) < 3:
+            return None
+        return statistics.fmean(its), statistics.fmean(clean)
+
+    def _decide(self, step: int) -> None:
+        base = self._iter_s[self._baseline_from:]
+        clean = [t for t, b in zip(base, self._busy[self._baseline_from:]) if b is None]
+        iter_s = statistics.median(clean or base or [1.0])
+        options = {}
+        for probe_step, rec in self._profile.items():
+            mode = self._taken[probe_step]
+            # interference: excess over the baseline of the iterations this checkpoint overlapped
+            overlap = [t for t, b in zip(base, self._busy[self._baseline_from:]) if b == probe_step]
+            interference = max(0.0, sum(overlap) - iter_s * len(overlap))
+            options[mode] = Costs(iter_s=iter_s, stall_s=float(rec["stall_s"]),
+                                  interference_s=interference,
+                                  persist_s=float(rec["snapshot_s"]) + float(rec["persist_s"]),
+                                  state_bytes=int(rec["bytes"]))
+        model_bytes = self.model_bytes
+        self.mode = min(options, key=lambda m: options[m].stall_s + options[m].interference_s)
+        costs = options[self.mode]
+        decision = choose_interval(costs, self.budget, self.mtbf_s)
+        self.interval, self.k_min = decision.interval, decision.k_in_flight
+        self.phase, self.done_profiling = "tuned", True
+        self.base_step = step + 2
+        self._window_start = len(self._iter_s)
+        out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
+               "model_bytes": model_bytes,
+               "opt_step_s": statistics.median(self.opt_step_s) if self.opt_step_s else None,
+               "memory": _memory(),
+               "modes": {m: vars(c) for m, c in options.items()}, "budget": self.budget,
+               "mtbf_s": self.mtbf_s, "decision": decision.to_json(),
+               "profile_steps": self.profile_steps, "created_unix_s": time.time()}
+        self.cache_path.parent.mkdir(exist_ok=True)
+        atomic_write_json(self.cache_path, out)
+        self._write_strategy("profile", decision.reason, decision.predicted_overhead)
+        self.jobdir.emit_event("profile", **{k: out[k] for k in ("costs", "mode", "modes")})
+        self.jobdir.emit_event("decision", source="profile", interval=self.interval,
+                               mode=self.mode, reason=decision.reason,
+                               predicted_overhead=decision.predicted_overhead,
+                               predicted_recovery_s=decision.predicted_recovery_s,
+                               k_budget=decision.k_budget, k_in_flight=decision.k_in_flight,
+                               k_daly=decision.k_daly)
+
+    def _maybe_adapt(self, step: int) -> None:
+        start = getattr(self, "_window_start", 0)
+        if len(self._iter_s) - start < max(4 * self.interval, 40):
+            return
+        stats = self._window_stats(start)
+        self._window_start = len(self._iter_s)
+        if stats is None:
+            return
+        mean_s, clean_s = stats
+        measured = max(0.0, (mean_s - clean_s) / clean_s)
+        new, reason = adapt_interval(self.interval, measured, self.budget, self.k_min)
+        self.jobdir.emit_event("adapt", step=step, measured_overhead=round(measured, 5),
+                               budget=self.budget, mean_iter_s=round(mean_s, 6),
+                               clean_iter_s=round(clean_s, 6), old_interval=self.interval,
+                               interval=new, reason=reason)
+        if new != self.interval:
+            self.interval = new
+            self.base_step = step + 2
+            self._write_strategy("adapt", reason, None)
+
+    def _write_strategy(self, source: str, reason: str, predicted: float | None) -> None:
+        atomic_write_json(self.jobdir.root / "strategy.json", {
+            "interval": self.interval, "mode": self.mode, "fingerprint": self.key,
+            "source": source, "reason": reason, "effective_step": self.base_step,
+            "predicted_overhead": predicted, "budget": self.budget})
+
+    def _follow_strategy(self, step: int) -> None:
+        """Ranks other than 0 take rank 0's decisions from ``strategy.json``."""
+        path = self.jobdir.root / "strategy.json"
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime == getattr(self, "_strategy_mtime", None):
+            return
+        self._strategy_mtime = mtime
+        st = json.loads(path.read_text())
+        self.interval, self.mode = int(st["interval"]), st["mode"]
+        self.base_step = int(st["effective_step"])
+        self.phase, self.done_profiling = "tuned", True
+
+
+def _memory() -> str:
+    """Device memory in use / total (CUDA), or host memory (CPU), for the profile."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return f"cuda: {(total - free) / 1e9:.1f} of {total / 1e9:.1f} GB in use"
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return f"host: {vm.used / 1e9:.1f} of {vm.total / 1e9:.1f} GB in use"

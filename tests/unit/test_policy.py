@@ -1,0 +1,94 @@
+"""The interval policy's arithmetic (CheckFreq §4.3.2/§4.4, Young/Daly) and its parsers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cfrun.errors import BadInputError
+from cfrun.policy import (
+    Costs,
+    adapt_interval,
+    choose_interval,
+    learned_mtbf_s,
+    parse_duration,
+    predicted_overhead,
+    young_daly_interval_s,
+)
+
+
+def costs(**kw) -> Costs:
+    base = dict(iter_s=0.1, stall_s=0.01, interference_s=0.005, persist_s=0.05,
+                state_bytes=100)
+    base.update(kw)
+    return Costs(**base)  # type: ignore[arg-type]
+
+
+def test_smallest_interval_meeting_the_budget():
+    c = costs()  # 15 ms per checkpoint, 100 ms iterations
+    d = choose_interval(c, 0.035)
+    assert d.interval == math.ceil(0.015 / (0.035 * 0.1)) == 5
+    assert predicted_overhead(c, d.interval) <= 0.035 < predicted_overhead(c, d.interval - 1)
+    assert d.reason.startswith("budget")
+    assert d.predicted_recovery_s == pytest.approx(10.0 + 0.5 * 5 * 0.1)
+
+
+def test_in_flight_floor_when_persist_is_slow():
+    d = choose_interval(costs(persist_s=1.25), 0.035)
+    assert d.interval == 13 and d.k_in_flight == 13 and d.k_budget == 5
+    assert d.reason.startswith("one checkpoint in flight")
+
+
+def test_young_daly_floor_with_known_mtbf():
+    c = costs()
+    mtbf = 3600.0
+    d = choose_interval(c, 0.5, mtbf_s=mtbf)
+    expect = math.floor(young_daly_interval_s(0.015, mtbf) / 0.1)
+    assert d.k_daly == expect and d.interval == max(d.k_budget, d.k_in_flight, expect)
+    assert d.reason.startswith("Young/Daly")
+
+
+def test_bigger_budget_never_gives_a_larger_interval():
+    ks = [choose_interval(costs(), b).interval for b in (0.01, 0.02, 0.05, 0.2, 0.9)]
+    assert ks == sorted(ks, reverse=True)
+
+
+@pytest.mark.parametrize("bad", [dict(iter_s=0.0), dict(iter_s=-1.0)])
+def test_invalid_costs_raise(bad):
+    with pytest.raises(ValueError):
+        choose_interval(costs(**bad), 0.035)
+
+
+def test_adapt_raises_over_budget_in_proportion():
+    k, why = adapt_interval(10, measured=0.07, budget=0.035, k_min=2)
+    assert k == 20 and why.startswith("over budget")
+    assert adapt_interval(10, 0.036, 0.035, 2)[0] == 11  # at least one more
+
+
+def test_adapt_lowers_well_under_budget_but_not_below_the_floor():
+    k, why = adapt_interval(40, measured=0.005, budget=0.035, k_min=3)
+    assert 3 <= k < 40 and why.startswith("well under")
+    assert adapt_interval(4, 0.0, 0.035, 3)[0] == 3
+    assert adapt_interval(3, 0.0, 0.035, 3)[0] == 3
+
+
+def test_adapt_keeps_interval_within_budget():
+    assert adapt_interval(10, 0.03, 0.035, 1) == (10, "within budget")
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("30m", 1800),
+                                           ("6h", 21600), ("1.5d", 129600)])
+def test_parse_duration(text, seconds):
+    assert parse_duration("--mtbf", text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5m", "soon", "6y"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(BadInputError, match="--mtbf"):
+        parse_duration("--mtbf", text)
+
+
+def test_learned_mtbf():
+    assert learned_mtbf_s(3600.0, 0) is None
+    assert learned_mtbf_s(3600.0, 4) == 900.0
