@@ -70,6 +70,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     wall_s = sum(float(e.get("duration_s", 0)) for e in attempts)
     stall_total_s = sum(float(e.get("stall_s", 0)) for e in ckpts)
     interval = config.get("interval")
+    strategy = {}
+    if (jd.root / "strategy.json").exists():
+        strategy = json.loads((jd.root / "strategy.json").read_text())
     return {
         "job_dir": str(jd.root),
         "script": config.get("script"),
@@ -77,9 +80,10 @@ def status(jd: JobDir) -> dict[str, Any]:
         "is_running": running,
         "current_step": max(beats) if beats else None,
         "last_committed_step": committed[0] if committed else None,
-        "interval": {"steps": interval if interval is not None else 50,
-                     "why": "fixed by --interval" if interval is not None
-                     else "default until the overhead policy chooses"},
+        "interval": {"steps": interval, "why": "fixed by --interval"} if interval is not None
+        else {"steps": strategy.get("interval"),
+              "why": f"policy ({strategy.get('source', 'profiling')}): "
+                     f"{strategy.get('reason', 'not decided yet')}"},
         "overhead": {"budget_pct": round(100 * float(config.get("overhead", 0.035)), 3),
                      "stall_pct": round(100 * stall_total_s / wall_s, 3) if wall_s else None},
         "stall_s": _stats([float(e["stall_s"]) for e in ckpts if "stall_s" in e]),

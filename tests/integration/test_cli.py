@@ -39,6 +39,9 @@ BAD = [
     (["--overhead", "150%", "{script}"], "--overhead '150%'"),
     (["--overhead", "fast", "{script}"], "--overhead 'fast'"),
     (["--overhead", "-1", "{script}"], "--overhead '-1'"),
+    (["--overhead", "0", "{script}"], "--overhead '0'"),
+    (["--overhead", "200%", "{script}"], "--overhead '200%'"),
+    (["--mtbf", "soon", "{script}"], "--mtbf 'soon'"),
     (["--bogus", "{script}"], "--bogus"),
     (["--nproc-per-node", "0", "{script}"], "--nproc-per-node '0'"),
 ]
