@@ -56,7 +56,8 @@ ENV_SNAPSHOT_MODE = "CFRUN_SNAPSHOT_MODE"
 ENV_TEST_KILL_AFTER_SNAPSHOT = "CFRUN_TEST_KILL_AFTER_SNAPSHOT"
 """Testing aid: in attempt 0, SIGKILL the rank right after it handed this step to the agent."""
 ENV_TEST_KILL_BEFORE_HANDOFF = "CFRUN_TEST_KILL_BEFORE_COMMIT"
-"""Testing aid: in attempt 0, SIGKILL the rank mid-snapshot (copied, not yet handed off)."""
+"""Testing aid: in attempt 0, SIGKILL the rank mid-snapshot (copied, not yet handed off) of
+the first checkpoint at or after this step."""
 
 
 def shm_dir(job_dir: Path, nbytes: int) -> Path:
@@ -305,7 +306,8 @@ class Snapshotter:
         snapshot_s = time.perf_counter() - t0
         self.copy_done.set()
         step = msg["step"]
-        if self.attempt == 0 and os.environ.get(ENV_TEST_KILL_BEFORE_HANDOFF) == str(step):
+        kill_at = os.environ.get(ENV_TEST_KILL_BEFORE_HANDOFF)
+        if self.attempt == 0 and kill_at and step >= int(kill_at):
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             if self.sock is None and not self.ready(timeout_s=30.0):
