@@ -53,7 +53,8 @@ KEEP = 2
 
 parser = argparse.ArgumentParser(description="checkpoint-overhead training script")
 parser.add_argument("--contender", default="none",
-                    choices=["none", "torch_save", "dcp_thread", "dcp_process", "cfrun"])
+                    choices=["none", "torch_save", "dcp_thread", "dcp_process", "cfrun",
+                             "cfrun_inline"])
 parser.add_argument("--k", type=int, default=1, help="checkpoint every k steps")
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--ckpt-dir", default=None)

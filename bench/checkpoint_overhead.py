@@ -75,7 +75,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = BENCH_DIR / "_overhead_train.py"
 RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_OUT = RESULTS_DIR / "checkpoint_overhead.json"
-CONTENDERS = ["none", "torch_save", "dcp_thread", "dcp_process", "cfrun"]
+CONTENDERS = ["none", "torch_save", "dcp_thread", "dcp_process", "cfrun", "cfrun_inline"]
+"""``cfrun`` copies parameters and optimizer state in a background thread; ``cfrun_inline``
+(``CFRUN_SNAPSHOT_MODE=inline``) copies them on the training thread: which is better on CPU."""
 RUN_TIMEOUT_S = 600
 CHILD_ENV = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
 RESULT_RE = re.compile(r"RESULT (\{.*\})\s*$")
@@ -110,11 +112,13 @@ def dcp_process_available():
                   "reused); pinned memory off (needs CUDA)")
 
 
-def configs(ks, with_dcp_process):
-    """The (contender, k) pairs of one round, ``none`` first (k=0)."""
+def configs(ks, with_dcp_process, only=None):
+    """The (contender, k) pairs of one round, ``none`` first (k=0); ``only`` limits contenders."""
     out = [("none", 0)]
     for name in CONTENDERS[1:]:
         if name == "dcp_process" and not with_dcp_process:
+            continue
+        if only and name not in only:
             continue
         out += [(name, k) for k in ks]
     return out
@@ -205,7 +209,10 @@ def run_one(contender, k, steps, work_dir, index):
     run_dir.mkdir()
     script_args = ["--contender", contender, "--k", str(max(k, 1)), "--steps", str(steps)]
     job_dir = None
-    if contender == "cfrun":
+    env = child_env()
+    if contender.startswith("cfrun"):
+        if contender == "cfrun_inline":
+            env["CFRUN_SNAPSHOT_MODE"] = "inline"
         job_dir = run_dir / "job"
         cmd = [sys.executable, "-m", "cfrun", "--interval", str(k), "--job-dir", str(job_dir),
                "--max-restarts", "0", str(TRAIN_SCRIPT), *script_args]
@@ -215,7 +222,7 @@ def run_one(contender, k, steps, work_dir, index):
     rec = {"contender": contender, "k": k, "cmd": cmd, "ok": False}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=child_env(), cwd=str(run_dir), capture_output=True,
+        proc = subprocess.run(cmd, env=env, cwd=str(run_dir), capture_output=True,
                               text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         rec["error"] = f"timed out after {RUN_TIMEOUT_S} s"
@@ -413,6 +420,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ks", default="1,5,20", help="checkpoint intervals, comma separated")
     ap.add_argument("--quick", action="store_true", help="1 round, 30 steps (smoke run)")
+    ap.add_argument("--contenders", default="",
+                    help="comma-separated subset, e.g. cfrun,cfrun_inline,torch_save (none is "
+                         "always run)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round order shuffle")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON file for the raw numbers")
     ap.add_argument("--tmp-root", default=str(RESULTS_DIR / "tmp"),
@@ -436,7 +446,8 @@ def main(argv=None):
         print("measuring physical limits...", flush=True)
         limits = {"memcpy": measure_memcpy(state_bytes),
                   "disk": measure_disk(work_dir, state_bytes)}
-        round_configs = configs(ks, with_dcp_process)
+        round_configs = configs(ks, with_dcp_process, args.contenders.split(",")
+                                if args.contenders else None)
         index = 0
         for rnd in range(args.rounds):
             order = list(round_configs)
