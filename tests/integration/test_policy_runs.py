@@ -44,10 +44,11 @@ def test_profile_command_table_strategy_and_cache(tmp_path):
 
 def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path):
     ref = run_cfrun(["--interval", "10", "--job-dir", "ref", str(SCRIPTS / "train_tiny.py"),
-                     "--epochs", "2", "--out", "ref.pt"], cwd=tmp_path)
+                     "--epochs", "4", "--out", "ref.pt"], cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run = run_cfrun(["--overhead", "20%", "--inject-crash", "40", "--job-dir", "j",
-                     str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out", "got.pt"],
+    # profiling takes the first ~20 steps (persists may be deferred); the crash comes after
+    run = run_cfrun(["--overhead", "20%", "--inject-crash", "80", "--job-dir", "j",
+                     str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "got.pt"],
                     cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("profile")) == 1
