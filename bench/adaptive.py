@@ -31,7 +31,7 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
    * *k back down*: the first window after the load stopped whose new k is at most the k in
      effect when the load started (0 if k was not above it when the load stopped).
 4. **Sweep**: ``cfrun --interval k`` for each k of ``--sweep-ks`` (default 1,2,5,10,20,50),
-   ``--sweep-steps`` iterations (default 120), in ``--sweep-rounds`` rounds (default 2); each
+   ``--sweep-steps`` iterations (default 100), in ``--sweep-rounds`` rounds (default 3); each
    round runs the bare script (same step count) and every k once, in a shuffled order, and the
    overhead of k is the median over rounds of ``ms/iter(k) / ms/iter(bare, same round) - 1``.
    The sweep runs use the snapshot mode the policy run's ``decision`` picked (set through
@@ -127,6 +127,35 @@ def parse_budget(text):
     from cfrun.config import parse_overhead
 
     return parse_overhead(text)
+
+
+def cpu_sample():
+    """(busy CPU seconds of the whole machine from /proc/stat, CPU seconds of this process and
+    of its waited-for children); differences over a run give the CPU time used by processes
+    that are not ours (other jobs on this shared machine, kernel writeback)."""
+    import resource
+
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+        v = [int(x) for x in parts[1:9]]
+        busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    ours = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        ru = resource.getrusage(who)
+        ours += ru.ru_utime + ru.ru_stime
+    return time.perf_counter(), busy, ours
+
+
+def foreign_cores(before, after):
+    """Mean number of cores busy with processes not ours between two :func:`cpu_sample`."""
+    (t0, b0, o0), (t1, b1, o1) = before, after
+    if b0 is None or b1 is None or t1 <= t0:
+        return None
+    return max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0)
 
 
 def steps_done_at(stamps, t):
@@ -280,6 +309,7 @@ def run_train(label, steps, work_dir, hidden, cfrun_args=None, saturate=None, ex
     t0 = time.perf_counter()
     rec["t_start_unix_s"] = time.time()
     out_path, err_path = run_dir / "stdout.txt", run_dir / "stderr.txt"
+    cpu0 = cpu_sample()
     try:
         with open(out_path, "w") as fo, open(err_path, "w") as fe:
             proc = subprocess.Popen(cmd, env=child_env(extra_env), cwd=str(run_dir), stdout=fo, stderr=fe)
@@ -304,6 +334,8 @@ def run_train(label, steps, work_dir, hidden, cfrun_args=None, saturate=None, ex
             if sat is not None and sat.proc is not None and sat.t_stop_cmd is None:
                 sat.stop(None)  # the run ended before the stop step
         rec["wall_s"] = time.perf_counter() - t0
+        rec["other_cores"] = foreign_cores(cpu0, cpu_sample())
+        rec["loadavg_end"] = os.getloadavg()[0]
         rec["returncode"] = proc.returncode
         stdout, stderr = out_path.read_text(), err_path.read_text()
         result = None
@@ -508,8 +540,8 @@ def main(argv=None):
                     help="steps of the interference run (default 2 x --steps)")
     ap.add_argument("--overhead", default="3.5%", help="budget passed to cfrun --overhead")
     ap.add_argument("--sweep-ks", default="1,2,5,10,20,50")
-    ap.add_argument("--sweep-steps", type=int, default=120)
-    ap.add_argument("--sweep-rounds", type=int, default=2)
+    ap.add_argument("--sweep-steps", type=int, default=100)
+    ap.add_argument("--sweep-rounds", type=int, default=3)
     ap.add_argument("--sweep-mode", default="policy",
                     help="snapshot mode of the sweep runs (CFRUN_SNAPSHOT_MODE): 'policy' = the "
                          "mode the policy run's decision picked, 'default' = cfrun's default for "
@@ -552,6 +584,7 @@ def main(argv=None):
                         f"{s['adapts'][-1]['interval']}" if s["adapts"] else ""))
         status = (f"{rec['ms_per_iter']:.1f} ms/iter{extra}" if rec.get("ok")
                   else f"FAILED: {rec.get('error')}")
+        status += f"; other processes used {fmt(rec.get('other_cores'), '.2f')} cores"
         print(f"  [{(time.perf_counter() - t_begin) / 60:5.1f} min] {rec['label']:<22} "
               f"{rec['steps']:>4} steps: {status} ({rec.get('wall_s', 0):.1f} s)", flush=True)
 
@@ -625,6 +658,7 @@ def main(argv=None):
                 ratios.append(r["ms_per_iter"] / bare["ms_per_iter"] - 1)
         sweep_rows.append({
             "k": k, "ms_per_iter_per_round": [r.get("ms_per_iter") for r in mine],
+            "other_cores_per_round": [r.get("other_cores") for r in mine],
             "overhead_per_round": ratios, "overhead": median(ratios),
             "n_checkpoints": median([event_summary(r)["n_checkpoints"] for r in mine
                                      if r.get("ok")]),
@@ -654,7 +688,7 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs")
     print()
     print(f"{'run':<24} {'steps':>5} {'ms/iter':>8} {'vs baseline':>11} {'ckpts':>5} "
-          f"{'stall ms':>8} {'PGT ms':>7}  k")
+          f"{'stall ms':>8} {'PGT ms':>7} {'other':>5}  k")
     for label in ("baseline_before", "policy", "cfrun_no_ckpt", "baseline_after"):
         r = runs[label]
         s = event_summary(r) if r.get("events") is not None else None
@@ -668,7 +702,9 @@ def main(argv=None):
         print(f"{label:<24} {r['steps']:>5} {fmt(r.get('ms_per_iter')):>8} "
               f"{pct(ovh):>11} "
               f"{(s['n_checkpoints'] if s else ''):>5} {fmt(s['stall_ms'] if s else None):>8} "
-              f"{fmt(s['pgt_ms'] if s else None):>7}  {kdesc}")
+              f"{fmt(s['pgt_ms'] if s else None):>7} {fmt(r.get('other_cores'), '.2f'):>5}  {kdesc}")
+    print("  (other: mean number of the machine's cores busy with processes that are not this "
+          "benchmark's during the run)")
     print(f"baseline drift (after / before - 1): {pct(drift)}; policy overhead vs each baseline: "
           + ", ".join(pct(x) for x in pol_ovh_range))
     if pol_s["decision"]:
@@ -685,16 +721,18 @@ def main(argv=None):
     print_windows(pol_rows, budget, f"policy run: adaptation windows ({len(pol_rows)})")
     print()
     print(f"sweep ({args.sweep_steps} steps, {args.sweep_rounds} round(s), snapshot mode "
-          f"{sweep_mode}; bare ms/iter per "
-          f"round: {', '.join(fmt(x) for x in bare_ms)})")
+          f"{sweep_mode}; bare ms/iter per round: {', '.join(fmt(x) for x in bare_ms)}; "
+          f"other cores during the bare runs: "
+          f"{', '.join(fmt(r.get('other_cores'), '.2f') for r in sweep if r['k'] == 0)})")
     print(f"  {'k':>4} {'ms/iter per round':>24} {'overhead':>9} {'ckpts':>5} {'stall ms':>8} "
-          f"{'PGT ms':>7}  meets budget")
+          f"{'PGT ms':>7} {'other':>5}  meets budget")
     for row in sweep_rows:
         per = ", ".join(fmt(x) for x in row["ms_per_iter_per_round"])
         ok = row["overhead"] is not None and row["overhead"] <= budget
         print(f"  {row['k']:>4} {per:>24} {pct(row['overhead']):>9} "
               f"{fmt(row['n_checkpoints'], '.0f'):>5} {fmt(row['stall_ms']):>8} "
-              f"{fmt(row['pgt_ms']):>7}  {'yes' if ok else 'no'}"
+              f"{fmt(row['pgt_ms']):>7} {fmt(median(row['other_cores_per_round']), '.2f'):>5}  "
+              f"{'yes' if ok else 'no'}"
               + (f"  (per round {', '.join(pct(x) for x in row['overhead_per_round'])})"))
     print(f"  smallest k meeting budget with every larger k: {k_sweep}; "
           f"smallest k meeting budget: {k_sweep_plain}")
