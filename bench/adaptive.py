@@ -26,8 +26,9 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
    the script's per-step timestamps. From the ``adapt`` events (windows numbered from 1 = the
    first window that ends after the load started / stopped):
 
-   * *back under budget*: the first window, after a window over budget, whose measured
-     overhead is within budget again (0 if no window after the load started was over budget);
+   * *back under budget*: the first window, after a window that overlaps the load and is over
+     budget, whose measured overhead is within budget again (0 if no window overlapping the
+     load was over budget);
    * *k back down*: the first window after the load stopped whose new k is at most the k in
      effect when the load started (0 if k was not above it when the load stopped).
 4. **Sweep**: ``cfrun --interval k`` for each k of ``--sweep-ks`` (default 1,2,5,10,20,50),
@@ -465,12 +466,14 @@ def analyse_interference(rec, sat, budget, base_ms):
     out["k_at_load_start"], out["k_at_load_stop"] = k_on, k_off
     after_on = [r for r in rows if r["t_unix_s"] > t_on]
     out["windows_after_start"] = len(after_on)
-    over = [i for i, r in enumerate(after_on) if (r["measured_overhead"] or 0) > budget]
+    # over budget because of the load: windows that overlap it
+    over = [i for i, r in enumerate(after_on) if (r["measured_overhead"] or 0) > budget
+            and (r["t_start_unix_s"] or 0) < t_off]
     if not after_on:
         out["recovered_window"], out["recovery_note"] = None, "no window ended after the load started"
     elif not over:
         out["recovered_window"] = 0
-        out["recovery_note"] = "no window after the load started was over budget"
+        out["recovery_note"] = "no window overlapping the load was over budget"
     else:
         first_over = over[0]
         rec_i = next((i for i in range(first_over + 1, len(after_on))

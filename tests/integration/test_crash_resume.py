@@ -108,3 +108,20 @@ def test_gan_two_optimizers_and_grad_scalers_resume_bit_identical(tmp_path):
     assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
                          torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(got.stdout) == final_line(ref.stdout)
+
+
+def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path):
+    """--nproc-per-node 2, gloo, DDP, DistributedSampler.set_epoch: rank 0 SIGKILLed."""
+    script = str(SCRIPTS / "train_ddp.py")
+    common = ["--nproc-per-node", "2", "--interval", "10"]
+    ref = run_cfrun([*common, "--job-dir", "ref", script, "ref.pt"], cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got = run_cfrun([*common, "--job-dir", "got", "--inject-crash", "35", script, "got.pt"],
+                    cwd=tmp_path)
+    assert got.returncode == 0, got.stderr[-3000:]
+    [resumed] = {e["step"] for e in got.events("resumed")}  # both ranks, the same step
+    assert 35 - 2 * 10 <= resumed <= 35
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert [l for l in got.stdout.splitlines() if l.startswith("epoch 2")] == \
+        [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
