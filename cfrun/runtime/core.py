@@ -348,8 +348,8 @@ class Runtime:
         if self._enum_fix is not None and self._enum_fix[0]() is it:
             consumed = self._enum_fix[1]
             self._enum_fix = None
-            if consumed and not F.fix_enumerate(it, consumed):
-                pass  # no enumerate around the loader: nothing to fix
+            if consumed:  # False when no enumerate() wraps the loader: nothing to fix
+                F.fix_enumerate(it, consumed)
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
         if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
