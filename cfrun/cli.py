@@ -332,8 +332,13 @@ def _plot(jd: Any, out: Path) -> None:
     for e in events:
         if e.get("event") == "failure" and e.get("step") is not None:
             ax.axvline(e["step"], color="red", linestyle="--", label="restart")
+    windows = [e for e in events if e.get("event") == "adapt"]
+    if windows:  # step time per adaptation window (the policy measures it)
+        ax.plot([e["step"] for e in windows], [1000 * e["mean_iter_s"] for e in windows], "^-",
+                label="step time (ms, window mean)")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
+    ax.set_title(f"cfrun {jd.root.name}: checkpoints, stalls, PGT, restarts")
     ax.legend()
     fig.savefig(out, dpi=100)
 

@@ -98,3 +98,43 @@ def test_bad_input_to_commands(job, args, needle):
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert needle in run.stderr and "Traceback" not in run.stderr
     assert not (job / "x.pt").exists()
+
+
+def test_status_plot_writes_a_png(job, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "status.png"
+    run = run_cfrun(["status", "j", "--plot", str(out)], cwd=job)
+    assert run.returncode == 0, run.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_progress_lines_on_a_terminal_only(tmp_path):
+    """Under a pseudo-terminal cfrun logs whole progress lines; piped, it stays quiet."""
+    import os
+    import pty
+    import sys
+
+    args = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",
+            str(SCRIPTS / "slow_steps.py"), "40", "o.pt", "0.05"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CFRUN_")}
+    env["CFRUN_PROGRESS_S"] = "0.5"
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execvpe(args[0], args, env)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    progress = [l for l in text.splitlines() if "steps/s" in l]
+    assert progress and all("newest checkpoint step" in l for l in progress)
+    piped = run_cfrun(["--interval", "5", "--job-dir", "k", str(SCRIPTS / "slow_steps.py"),
+                       "40", "p.pt", "0.05"], cwd=tmp_path, env={"CFRUN_PROGRESS_S": "0.5"})
+    assert piped.returncode == 0 and "steps/s" not in piped.stderr + piped.stdout
