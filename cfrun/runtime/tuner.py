@@ -133,6 +133,8 @@ class Tuner:
     def on_step(self, step: int, inflight: int | None, epoch_len: int | None) -> None:
         """After every optimizer step: record the iteration time and which checkpoint (by
         step) was in flight during it, if any."""
+        if self.phase == "fixed":
+            return  # nothing to measure
         now = time.perf_counter()
         if self._last_t is not None:
             self._iter_s.append(now - self._last_t)
@@ -236,7 +238,8 @@ class Tuner:
         if len(self._iter_s) - start < max(4 * self.interval, 40):
             return
         stats = self._window_stats(start)
-        self._window_start = len(self._iter_s)
+        del self._iter_s[:], self._busy[:]  # keep one window in memory, not the whole run
+        self._window_start = 0
         if stats is None:
             return
         mean_s, clean_s = stats
