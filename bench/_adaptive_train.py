@@ -3,8 +3,9 @@
 A plain PyTorch script that knows nothing about cfrun: an MLP
 (1024 -> H -> H -> H -> 10, ``--hidden H``, default 1792: ~8.3 M parameters, 33 MB of fp32
 weights plus 66 MB of Adam ``exp_avg`` / ``exp_avg_sq``, ~100 MB of state) trained with Adam on
-random batches from a seeded ``torch.Generator`` for ``--steps`` iterations, with
-``torch.set_num_threads(2)``. The driver runs it bare (the baseline) or under ``cfrun``.
+random batches (``--batch``, default 160) from a seeded ``torch.Generator`` for ``--steps``
+iterations, with ``torch.set_num_threads(2)``. The driver runs it bare (the baseline) or under
+``cfrun``.
 
 Timing. ``time.perf_counter()`` is stamped at the first line of every iteration's body and once
 after the loop; iteration i's time is ``stamp[i + 1] - stamp[i]``, which includes whatever cfrun
@@ -36,7 +37,7 @@ IN_DIM, CLASSES = 1024, 10
 parser = argparse.ArgumentParser(description="adaptive-interval benchmark training script")
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--hidden", type=int, default=1792)
-parser.add_argument("--batch", type=int, default=128)
+parser.add_argument("--batch", type=int, default=160)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--progress", default=None, help="file to pwrite the current step into")
 

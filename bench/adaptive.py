@@ -4,7 +4,8 @@ choice of k, and adaptation under disk interference.
 What is measured
 ----------------
 One training script, ``bench/_adaptive_train.py`` (an MLP of ~8.3 M parameters trained with
-Adam on CPU: ~100 MB of model + optimizer state, ~60-120 ms per iteration with 2 threads), is run
+Adam on CPU, batch 160: ~100 MB of model + optimizer state, ~60-120 ms per iteration with 2
+threads), is run
 several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
 
 1. **Baseline**: the script without cfrun, ``--steps`` iterations (default 300), once before
@@ -44,7 +45,10 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
 ``ms/iter`` is the mean over all iterations but the first 5 (see ``_adaptive_train.py``; it
 includes cfrun's work at the loop head and in ``optimizer.step()``). Differences of a few
 percent are within the noise of a 2-core shared machine; the bracketing baselines show how much
-the machine drifted during the policy run.
+the machine drifted during the policy run, and the ``other`` column how many cores processes
+that are not this benchmark's used (from ``/proc/stat`` minus our own CPU time); the policy
+overhead is flagged unreliable when that exceeds 0.2 cores or the baselines differ by more than
+the budget.
 
 Targets: overhead <= budget over >= 300 steps; back under budget within 3 windows of the disk
 load starting; k back down within 3 windows of it stopping; chosen k within 1.5x of k_sweep.
@@ -83,6 +87,8 @@ CHILD_ENV = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFF
 RUN_TIMEOUT_S = 900
 NO_CKPT_INTERVAL = 1_000_000_000
 WINDOW_TARGET = 3
+BUSY_CORES = 0.2
+"""A run during which other processes used more cores than this (on average) is flagged."""
 K_RATIO_TARGET = 1.5
 MIN_STEPS_TARGET = 300
 SAT_CHUNK_BYTES = 64 << 20
@@ -157,6 +163,18 @@ def foreign_cores(before, after):
     if b0 is None or b1 is None or t1 <= t0:
         return None
     return max(0.0, (b1 - b0) - (o1 - o0)) / (t1 - t0)
+
+
+def steady_range(k, steps, warmup=5):
+    """Iterations (0-based ``[lo, hi)``) of a ``--interval k`` run of ``steps`` steps over which
+    its steady-state overhead is measured: from the one after the first checkpoint's (step k,
+    which pays one-time costs: slot allocation, model discovery) persist to the one holding the
+    last checkpoint's boundary, so the range holds ~1 checkpoint per k iterations. The boundary
+    after step s runs between ``stamp[s - 1]`` and ``stamp[s]`` (iteration s - 1); its persist
+    overlaps iteration s."""
+    lo = max(warmup, k + 1)
+    hi = min(steps, (steps // k) * k + 1)
+    return lo, max(hi, lo + 1)
 
 
 def steps_done_at(stamps, t):
@@ -289,7 +307,8 @@ def leftover_slots(job_dir):
     return sorted(str(p) for p in Path("/dev/shm").glob(slot_prefix(Path(job_dir)) + "*"))
 
 
-def run_train(label, steps, work_dir, hidden, cfrun_args=None, saturate=None, extra_env=None):
+def run_train(label, steps, work_dir, hidden, batch, cfrun_args=None, saturate=None,
+              extra_env=None):
     """Run the training script once (bare, or under cfrun with ``cfrun_args``).
 
     ``saturate``: ``(Saturator, start_step, stop_step)``: start/stop the disk load when the
@@ -297,7 +316,8 @@ def run_train(label, steps, work_dir, hidden, cfrun_args=None, saturate=None, ex
     (job dir included) is deleted."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=work_dir))
     progress = run_dir / "progress"
-    script_args = ["--steps", str(steps), "--hidden", str(hidden), "--progress", str(progress)]
+    script_args = ["--steps", str(steps), "--hidden", str(hidden), "--batch", str(batch),
+                   "--progress", str(progress)]
     job_dir = None
     if cfrun_args is not None:
         job_dir = run_dir / "job"
@@ -313,7 +333,8 @@ def run_train(label, steps, work_dir, hidden, cfrun_args=None, saturate=None, ex
     cpu0 = cpu_sample()
     try:
         with open(out_path, "w") as fo, open(err_path, "w") as fe:
-            proc = subprocess.Popen(cmd, env=child_env(extra_env), cwd=str(run_dir), stdout=fo, stderr=fe)
+            proc = subprocess.Popen(cmd, env=child_env(extra_env), cwd=str(run_dir),
+                                    stdout=fo, stderr=fe)
             sat, start_at, stop_at = saturate if saturate else (None, None, None)
             timed_out = False
             while proc.poll() is None:
@@ -470,7 +491,8 @@ def analyse_interference(rec, sat, budget, base_ms):
     over = [i for i, r in enumerate(after_on) if (r["measured_overhead"] or 0) > budget
             and (r["t_start_unix_s"] or 0) < t_off]
     if not after_on:
-        out["recovered_window"], out["recovery_note"] = None, "no window ended after the load started"
+        out["recovered_window"] = None
+        out["recovery_note"] = "no window ended after the load started"
     elif not over:
         out["recovered_window"] = 0
         out["recovery_note"] = "no window overlapping the load was over budget"
@@ -550,7 +572,8 @@ def main(argv=None):
                          "mode the policy run's decision picked, 'default' = cfrun's default for "
                          "--interval (thread), or thread / inline")
     ap.add_argument("--hidden", type=int, default=1792, help="MLP width (1792: ~100 MB state)")
-    ap.add_argument("--cap-gb", type=float, default=24.0,
+    ap.add_argument("--batch", type=int, default=160, help="batch size (ms/iter)")
+    ap.add_argument("--cap-gb", type=float, default=64.0,
                     help="the disk saturator stops after writing this many GiB")
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer steps and ks")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sweep order shuffle")
@@ -567,6 +590,8 @@ def main(argv=None):
         args.sweep_ks = "1,5,20"
     isteps = args.interference_steps or 2 * args.steps
     ks = [int(x) for x in args.sweep_ks.split(",") if x.strip()]
+    skipped_ks = [k for k in ks if args.sweep_steps < 2 * k]
+    ks = [k for k in ks if k not in skipped_ks]  # need a checkpoint after the first one
     budget = parse_budget(args.overhead)
     command = shlex.join([sys.executable, *sys.argv])
     print(f"command: {command}", flush=True)
@@ -597,7 +622,7 @@ def main(argv=None):
         for label, cargs in (("baseline_before", None), ("policy", pol_args),
                              ("cfrun_no_ckpt", ["--interval", str(NO_CKPT_INTERVAL)]),
                              ("baseline_after", None)):
-            runs[label] = run_train(label, args.steps, work_dir, args.hidden, cargs)
+            runs[label] = run_train(label, args.steps, work_dir, args.hidden, args.batch, cargs)
             show(runs[label])
 
         print(f"4. sweep: k in {ks}, {args.sweep_steps} steps, {args.sweep_rounds} round(s)",
@@ -607,6 +632,9 @@ def main(argv=None):
             d = event_summary(runs["policy"])["decision"]
             sweep_mode = d.get("mode") if d else "default"
         sweep_env = {} if sweep_mode in ("default", None) else {"CFRUN_SNAPSHOT_MODE": sweep_mode}
+        if skipped_ks:
+            print(f"   skipped k {skipped_ks}: fewer than 2 checkpoints in {args.sweep_steps} "
+                  "steps", flush=True)
         print(f"   sweep snapshot mode: {sweep_mode}"
               + (f" (CFRUN_SNAPSHOT_MODE={sweep_mode})" if sweep_env else ""), flush=True)
         sweep = []
@@ -616,7 +644,7 @@ def main(argv=None):
             for k in order:
                 label = "sweep_bare" if k == 0 else f"sweep_k{k}"
                 cargs = None if k == 0 else ["--interval", str(k)]
-                rec = run_train(label, args.sweep_steps, work_dir, args.hidden, cargs,
+                rec = run_train(label, args.sweep_steps, work_dir, args.hidden, args.batch, cargs,
                                 extra_env=sweep_env if k else None)
                 rec["round"], rec["k"] = rnd, k
                 show(rec)
@@ -627,7 +655,8 @@ def main(argv=None):
               flush=True)
         sat = Saturator(work_dir, int(args.cap_gb * (1 << 30)))
         runs["interference"] = run_train("interference", isteps, work_dir, args.hidden,
-                                         pol_args, saturate=(sat, start_at, stop_at))
+                                         args.batch, pol_args,
+                                         saturate=(sat, start_at, stop_at))
         show(runs["interference"])
     finally:
         if sat is not None and sat.running():
@@ -654,15 +683,21 @@ def main(argv=None):
     sweep_rows = []
     for k in ks:
         mine = [r for r in sweep if r["k"] == k]
-        ratios = []
+        lo, hi = steady_range(k, args.sweep_steps)
+        ratios, whole = [], []
         for r in mine:
             bare = next((b for b in sweep if b["k"] == 0 and b["round"] == r["round"]), None)
             if r.get("ok") and bare and bare.get("ok"):
-                ratios.append(r["ms_per_iter"] / bare["ms_per_iter"] - 1)
+                whole.append(r["ms_per_iter"] / bare["ms_per_iter"] - 1)
+                ratios.append(mean(r["iter_ms"][lo:hi]) / mean(bare["iter_ms"][lo:hi]) - 1)
         sweep_rows.append({
             "k": k, "ms_per_iter_per_round": [r.get("ms_per_iter") for r in mine],
+            "steady_iters": [lo, hi],
+            "steady_ms_per_iter_per_round": [mean(r["iter_ms"][lo:hi]) for r in mine
+                                             if r.get("ok")],
             "other_cores_per_round": [r.get("other_cores") for r in mine],
             "overhead_per_round": ratios, "overhead": median(ratios),
+            "whole_run_overhead_per_round": whole, "whole_run_overhead": median(whole),
             "n_checkpoints": median([event_summary(r)["n_checkpoints"] for r in mine
                                      if r.get("ok")]),
             "pgt_ms": median([event_summary(r)["pgt_ms"] for r in mine if r.get("ok")]),
@@ -705,11 +740,22 @@ def main(argv=None):
         print(f"{label:<24} {r['steps']:>5} {fmt(r.get('ms_per_iter')):>8} "
               f"{pct(ovh):>11} "
               f"{(s['n_checkpoints'] if s else ''):>5} {fmt(s['stall_ms'] if s else None):>8} "
-              f"{fmt(s['pgt_ms'] if s else None):>7} {fmt(r.get('other_cores'), '.2f'):>5}  {kdesc}")
+              f"{fmt(s['pgt_ms'] if s else None):>7} {fmt(r.get('other_cores'), '.2f'):>5}  "
+              f"{kdesc}")
     print("  (other: mean number of the machine's cores busy with processes that are not this "
           "benchmark's during the run)")
     print(f"baseline drift (after / before - 1): {pct(drift)}; policy overhead vs each baseline: "
           + ", ".join(pct(x) for x in pol_ovh_range))
+    busy = [f"{lb} {runs[lb].get('other_cores'):.2f}" for lb in
+            ("baseline_before", "policy", "baseline_after")
+            if (runs[lb].get("other_cores") or 0) > BUSY_CORES]
+    unreliable = []
+    if busy:
+        unreliable.append(f"other processes used > {BUSY_CORES} cores during: {', '.join(busy)}")
+    if drift is not None and abs(drift) > budget:
+        unreliable.append(f"the baselines differ by {pct(drift)}, more than the budget")
+    if unreliable:
+        print("WARNING: the policy overhead is not reliable: " + "; ".join(unreliable))
     if pol_s["decision"]:
         d = pol_s["decision"]
         print(f"decision: k={d['interval']} mode={d.get('mode')} k_budget={d.get('k_budget')} "
@@ -727,16 +773,21 @@ def main(argv=None):
           f"{sweep_mode}; bare ms/iter per round: {', '.join(fmt(x) for x in bare_ms)}; "
           f"other cores during the bare runs: "
           f"{', '.join(fmt(r.get('other_cores'), '.2f') for r in sweep if r['k'] == 0)})")
-    print(f"  {'k':>4} {'ms/iter per round':>24} {'overhead':>9} {'ckpts':>5} {'stall ms':>8} "
-          f"{'PGT ms':>7} {'other':>5}  meets budget")
+    print(f"  {'k':>4} {'iters':>7} {'steady ms/iter per round':>24} {'overhead':>9} "
+          f"{'whole run':>9} {'ckpts':>5} {'stall ms':>8} {'PGT ms':>7} {'other':>5}  meets budget")
     for row in sweep_rows:
-        per = ", ".join(fmt(x) for x in row["ms_per_iter_per_round"])
+        per = ", ".join(fmt(x) for x in row["steady_ms_per_iter_per_round"])
+        its = f"{row['steady_iters'][0]}-{row['steady_iters'][1] - 1}"
         ok = row["overhead"] is not None and row["overhead"] <= budget
-        print(f"  {row['k']:>4} {per:>24} {pct(row['overhead']):>9} "
+        print(f"  {row['k']:>4} {its:>7} {per:>24} {pct(row['overhead']):>9} "
+              f"{pct(row['whole_run_overhead']):>9} "
               f"{fmt(row['n_checkpoints'], '.0f'):>5} {fmt(row['stall_ms']):>8} "
               f"{fmt(row['pgt_ms']):>7} {fmt(median(row['other_cores_per_round']), '.2f'):>5}  "
               f"{'yes' if ok else 'no'}"
               + (f"  (per round {', '.join(pct(x) for x in row['overhead_per_round'])})"))
+    print("  (overhead: median over rounds of the mean of the iterations listed (after the first"
+          " checkpoint, whose one-time costs are excluded) vs the same iterations of the bare "
+          "run of the round; whole run: all iterations but the first 5)")
     print(f"  smallest k meeting budget with every larger k: {k_sweep}; "
           f"smallest k meeting budget: {k_sweep_plain}")
     print()
@@ -779,7 +830,8 @@ def main(argv=None):
     targets.append(("overhead <= budget over >= 300 steps", t1,
                     f"policy {fmt(pol.get('ms_per_iter'))} ms/iter vs baseline {fmt(base_ms)} "
                     f"(before {fmt(b0.get('ms_per_iter'))}, after {fmt(b1.get('ms_per_iter'))}):"
-                    f" {pct(pol_ovh)} vs {pct(budget, False)}" + quick_note))
+                    f" {pct(pol_ovh)} vs {pct(budget, False)}" + quick_note
+                    + (" [unreliable: " + "; ".join(unreliable) + "]" if unreliable else "")))
     rw = inter_an.get("recovered_window")
     t2 = rw is not None and rw <= WINDOW_TARGET
     targets.append((f"back under budget within {WINDOW_TARGET} windows of disk load start", t2,
@@ -838,7 +890,8 @@ def main(argv=None):
         "policy": {"overhead": pol_ovh, "overhead_vs_each_baseline": pol_ovh_range,
                    "k_decision": k_decision, "k_final": k_final, "windows": pol_rows},
         "cfrun_no_ckpt_overhead": noc_ovh,
-        "sweep": {"mode": sweep_mode, "env": sweep_env, "rows": sweep_rows, "k_sweep": k_sweep, "k_sweep_plain": k_sweep_plain,
+        "sweep": {"mode": sweep_mode, "env": sweep_env, "rows": sweep_rows,
+                  "k_sweep": k_sweep, "k_sweep_plain": k_sweep_plain,
                   "bare_ms_per_iter": bare_ms},
         "interference": {"analysis": inter_an, "saturator": sat.to_json() if sat else None},
         "targets": [{"name": n, "pass": ok, "detail": d} for n, ok, d in targets],
