@@ -54,7 +54,8 @@ ENV_SNAPSHOT_MODE = "CFRUN_SNAPSHOT_MODE"
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
 ``gpu``/``host`` force or forbid the device-side first copy on CUDA (default: when it fits)."""
 ENV_TEST_KILL_AFTER_SNAPSHOT = "CFRUN_TEST_KILL_AFTER_SNAPSHOT"
-"""Testing aid: in attempt 0, SIGKILL the rank right after it handed this step to the agent."""
+"""Testing aid: in attempt 0, SIGKILL the rank right after it handed the first checkpoint at or
+after this step to the agent."""
 ENV_TEST_KILL_BEFORE_HANDOFF = "CFRUN_TEST_KILL_BEFORE_COMMIT"
 """Testing aid: in attempt 0, SIGKILL the rank mid-snapshot (copied, not yet handed off) of
 the first checkpoint at or after this step."""
@@ -314,7 +315,8 @@ class Snapshotter:
                 raise ConnectionError("no persist agent")
             assert self.sock is not None
             ipc.send(self.sock, msg)
-            if self.attempt == 0 and os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT) == str(step):
+            kill_after = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
+            if self.attempt == 0 and kill_after and step >= int(kill_after):
                 os.kill(os.getpid(), signal.SIGKILL)
             reply = ipc.recv(self.sock)
         except (OSError, AssertionError) as e:

@@ -29,7 +29,8 @@ def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
     run = run_cfrun(["--interval", str(K), "--job-dir", "j", *ARGS, "--out", "got.pt"],
                     cwd=tmp_path, env={"CFRUN_TEST_KILL_AFTER_SNAPSHOT": "30"})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert [e["step"] for e in run.events("resumed")] == [30]
+    handed_off = min(e["step"] for e in run.events("commit") if e["step"] >= 30)
+    assert [e["step"] for e in run.events("resumed")] == [handed_off]  # 30, or later if deferred
     assert [e["returncode"] for e in run.events("attempt_end")][0] != 0
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(run.stdout) == final_line(ref_run.stdout)
