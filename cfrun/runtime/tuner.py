@@ -11,9 +11,9 @@ Phases:
   iterations it overlapped) are measured. The cheaper mode and the interval follow from
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
-* ``tuned``: every window (``max(4k, 40)`` steps) the measured overhead (mean iteration time
-  against the mean of the iterations with no checkpoint activity in the same window) adapts
-  ``k`` both ways (:func:`cfrun.policy.adapt_interval`). Every decision goes to events.jsonl.
+* ``tuned``: every period of ``max(4k, 40)`` steps starts with ``QUIET_STEPS`` steps without
+  checkpoints, whose iterations are a fresh baseline; the window's measured overhead (its mean
+  iteration time against that baseline) adapts ``k`` both ways (:func:`cfrun.policy.adapt_interval`). Every decision goes to events.jsonl.
 
 With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
 interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
@@ -35,6 +35,8 @@ from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.policy import Costs, adapt_interval, choose_interval
 
 WARMUP_STEPS = 3
+QUIET_STEPS = 8
+"""Steps at the start of each adaptation period without checkpoints (the fresh baseline)."""
 PROBE_MODES = ("warmup", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
 allocation), then one per snapshot mode."""
@@ -87,6 +89,7 @@ class Tuner:
         self._pending_strategy_step: int | None = None
         self.cached_state_bytes: int | None = None
         self.opt_step_s: list[float] = []
+        self._quiet_s: list[float] = []
         self.model_bytes = 0
         """Durations of ``optimizer.step()`` seen while profiling."""
         self.done_profiling = False
@@ -137,8 +140,12 @@ class Tuner:
             return  # nothing to measure
         now = time.perf_counter()
         if self._last_t is not None:
-            self._iter_s.append(now - self._last_t)
-            self._busy.append(inflight)
+            if self._quiet(step):
+                if inflight is None:
+                    self._quiet_s.append(now - self._last_t)
+            else:
+                self._iter_s.append(now - self._last_t)
+                self._busy.append(inflight)
         self._last_t = now
         if self.phase == "profiling" and not self._probe_steps:
             steps = PROFILE_MAX_STEPS
@@ -159,9 +166,19 @@ class Tuner:
             return step in self._probe_steps or (
                 bool(self._probe_steps) and step > self._probe_steps[-1]
                 and len(self._taken) < len(PROBE_MODES))
-        if self.interval <= 0 or step < self.base_step:
+        if self.interval <= 0 or step < self.base_step or self._quiet(step):
             return False
         return (step - self.base_step) % self.interval == 0
+
+    def _period(self) -> int:
+        return max(4 * self.interval, 40)
+
+    def _quiet(self, step: int) -> bool:
+        """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint: their
+        iterations (those with nothing in flight) are the window's fresh baseline. Defined by
+        the step alone, so every rank agrees."""
+        return (self.phase == "tuned" and step >= self.base_step
+                and (step - self.base_step) % self._period() < QUIET_STEPS)
 
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
@@ -189,9 +206,9 @@ class Tuner:
         """(mean iteration time, mean of iterations with no checkpoint in flight)."""
         its, busy = self._iter_s[lo:], self._busy[lo:]
         clean = [t for t, b in zip(its, busy) if b is None]
-        if len(its) < 5 or len(clean) < 3:
+        if len(its) < 5:
             return None
-        return statistics.fmean(its), statistics.fmean(clean)
+        return statistics.fmean(its), statistics.fmean(clean) if len(clean) >= 3 else 0.0
 
     def _decide(self, step: int) -> None:
         base = self._iter_s[self._baseline_from:]
@@ -235,14 +252,19 @@ class Tuner:
 
     def _maybe_adapt(self, step: int) -> None:
         start = getattr(self, "_window_start", 0)
-        if len(self._iter_s) - start < max(4 * self.interval, 40):
+        if len(self._iter_s) - start < self._period() - QUIET_STEPS:
             return
         stats = self._window_stats(start)
-        del self._iter_s[:], self._busy[:]  # keep one window in memory, not the whole run
+        quiet = self._quiet_s[:]
+        del self._iter_s[:], self._busy[:], self._quiet_s[:]  # one window in memory
         self._window_start = 0
         if stats is None:
             return
-        mean_s, clean_s = stats
+        mean_s = stats[0]
+        # fresh baseline: the quiet steps; else the window's iterations with nothing in flight
+        clean_s = statistics.fmean(quiet) if len(quiet) >= 3 else stats[1]
+        if clean_s <= 0:
+            return
         measured = max(0.0, (mean_s - clean_s) / clean_s)
         new, reason = adapt_interval(self.interval, measured, self.budget, self.k_min)
         self.jobdir.emit_event("adapt", step=step, measured_overhead=round(measured, 5),
