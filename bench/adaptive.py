@@ -326,6 +326,23 @@ class Saturator:
 # ---------------------------------------------------------------------------- one run
 
 
+def stop_child(proc, grace_s=30.0):
+    """SIGTERM (cfrun then stops its ranks and agent), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def on_sigterm(signum, frame):
+    """SIGTERM to the driver: unwind like Ctrl-C, so runs are stopped and dirs deleted."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def read_events(job_dir):
     path = Path(job_dir) / "events.jsonl"
     if not path.exists():
@@ -377,21 +394,27 @@ def run_train(label, steps, work_dir, hidden, batch, cfrun_args=None, saturate=N
                                     stdout=fo, stderr=fe)
             sat, start_at, stop_at = saturate if saturate else (None, None, None)
             timed_out = False
-            while proc.poll() is None:
-                if time.perf_counter() - t0 > RUN_TIMEOUT_S:
-                    proc.kill()
-                    timed_out = True
-                    break
-                if sat is not None:
-                    try:
-                        step = int(progress.read_text().strip() or -1)
-                    except (OSError, ValueError):
-                        step = -1
-                    if sat.proc is None and step >= start_at:
-                        sat.start(step)
-                    elif sat.proc is not None and sat.t_stop_cmd is None and step >= stop_at:
-                        sat.stop(step)
-                time.sleep(0.05 if sat is not None else 0.2)
+            try:
+                while proc.poll() is None:
+                    if time.perf_counter() - t0 > RUN_TIMEOUT_S:
+                        timed_out = True
+                        break
+                    if sat is not None:
+                        try:
+                            step = int(progress.read_text().strip() or -1)
+                        except (OSError, ValueError):
+                            step = -1
+                        if sat.proc is None and step >= start_at:
+                            sat.start(step)
+                        elif (sat.proc is not None and sat.t_stop_cmd is None
+                              and step >= stop_at):
+                            sat.stop(step)
+                    time.sleep(0.05 if sat is not None else 0.2)
+            except BaseException:  # interrupted (Ctrl-C, SIGTERM): stop the run, then re-raise
+                stop_child(proc)
+                raise
+            if timed_out:
+                stop_child(proc)
             proc.wait()
             if sat is not None and sat.proc is not None and sat.t_stop_cmd is None:
                 sat.stop(None)  # the run ended before the stop step
@@ -625,6 +648,7 @@ def main(argv=None):
     if args._saturate:
         saturate_main(args._saturate, args._cap_bytes)
         return
+    signal.signal(signal.SIGTERM, on_sigterm)
     if args.quick:
         args.steps, args.sweep_steps, args.sweep_rounds = 120, 60, 1
         args.sweep_ks = "1,5,20"
