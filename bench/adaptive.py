@@ -15,9 +15,11 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
    ``ms/iter(policy) / mean(ms/iter(baseline before), ms/iter(baseline after)) - 1``. The
    chosen k comes from the ``decision`` event; k over time from the ``adapt`` events. Per
    adaptation window (the iterations between two ``adapt`` events) the table lists the
-   overhead the tuner measured (``measured_overhead``: window mean against the window's
-   iterations with no checkpoint in flight) next to the overhead the script's own timestamps
-   show against the baseline's mean iteration time.
+   overhead the tuner measured (``measured_overhead``, ``mean_iter_s`` and ``clean_iter_s``
+   of the event: the window's mean iteration time against the tuner's own checkpoint-free
+   reference) next to the overhead the script's own timestamps show against the baseline's
+   mean iteration time. The cfrun version measured (a hash of its sources) is printed and
+   saved, since the working tree may change between runs.
 3. **Interference**: ``cfrun --overhead 3.5%`` for ``--interference-steps`` iterations (default
    2 x ``--steps``). When the script reaches 1/3 of them (it reports its step through a progress
    file), a separate process starts saturating the disk of the job dir: 64 MB writes, each
@@ -27,9 +29,11 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
    the script's per-step timestamps. From the ``adapt`` events (windows numbered from 1 = the
    first window that ends after the load started / stopped):
 
-   * *back under budget*: the first window, after a window that overlaps the load and is over
-     budget, whose measured overhead is within budget again (0 if no window overlapping the
-     load was over budget);
+   * *back under budget*: windows from the first over-budget window that overlaps the load
+     (counted as 1) to the next window within budget again (0 if no window overlapping the load
+     was over budget); when the first window after the load started is over budget this is the
+     count from the load start. Windows that measured 0.00% with a mean below the tuner's
+     reference are counted separately;
    * *k back down*: the first window after the load stopped whose new k is at most the k in
      effect when the load started (0 if k was not above it when the load stopped).
 4. **Sweep**: ``cfrun --interval k`` for each k of ``--sweep-ks`` (default 1,2,5,10,20,50),
@@ -215,6 +219,24 @@ def smallest_k_meeting(rows, key, budget):
         if all(r[key] is not None and r[key] <= budget for r in rows[i:]):
             return row["k"]
     return None
+
+
+def cfrun_sources():
+    """sha256 (first 12 hex digits) over cfrun's Python sources, and the newest mtime: the
+    cfrun version measured, since the working tree may change between runs."""
+    import hashlib
+
+    import cfrun
+
+    root = Path(cfrun.__file__).resolve().parent
+    h = hashlib.sha256()
+    newest = 0.0
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+        newest = max(newest, f.stat().st_mtime)
+    return {"sha256_12": h.hexdigest()[:12], "newest_mtime": time.strftime(
+        "%Y-%m-%d %H:%M:%S", time.localtime(newest)), "dir": str(root)}
 
 
 def steps_done_at(stamps, t):
@@ -548,6 +570,13 @@ def analyse_interference(rec, sat, budget, base_ms):
     k_on = interval_at(rec, t_on)
     k_off = interval_at(rec, t_off)
     out["k_at_load_start"], out["k_at_load_stop"] = k_on, k_off
+    during = [r for r in rows if r["load"] != "off"]
+    out["windows_overlapping_load"] = len(during)
+    out["zero_windows_overlapping_load"] = sum(
+        1 for r in during if r["measured_overhead"] == 0
+        and (r["mean_iter_ms"] or 0) < (r["clean_iter_ms"] or 0))
+    out["k_min_during_load"] = min([k_on or 0] + [r["interval"] or 0 for r in rows
+                                                   if t_on < r["t_unix_s"] <= t_off])
     after_on = [r for r in rows if r["t_unix_s"] > t_on]
     out["windows_after_start"] = len(after_on)
     # over budget because of the load: windows that overlap it
@@ -563,16 +592,28 @@ def analyse_interference(rec, sat, budget, base_ms):
         first_over = over[0]
         rec_i = next((i for i in range(first_over + 1, len(after_on))
                       if (after_on[i]["measured_overhead"] or 0) <= budget), None)
-        out["first_over_window"] = first_over + 1
+        out["first_over_window"] = first_over + 1  # counted from the load start
         out["recovered_window"] = None if rec_i is None else rec_i + 1
+        # windows from the first over-budget one (counted as 1) to back within budget; equals
+        # the count from the load start when the first window after the start is over budget
+        out["recovery_windows"] = None if rec_i is None else rec_i - first_over + 1
+        before = (f"; windows 1-{first_over} after it were within budget" if first_over else "")
+        head = (f"first over budget in table window {after_on[first_over]['window']} "
+                f"(window {first_over + 1} after the load started{before})")
         if rec_i is None:
-            out["recovery_note"] = "never back within budget"
+            out["recovery_note"] = head + "; never back within budget"
         else:
-            out["recovery_note"] = (
-                f"over budget in window {first_over + 1}, within budget again in window "
-                f"{rec_i + 1}" + (" (load still on)" if after_on[rec_i]["t_unix_s"] <= t_off
-                                   else " (after the load stopped)"))
+            end = after_on[rec_i]["steps"][1]
+            out["recovered_at_step"] = end
             out["recovered_while_load_on"] = after_on[rec_i]["t_unix_s"] <= t_off
+            out["recovery_note"] = (
+                f"{head}; within budget again in table window {after_on[rec_i]['window']} "
+                f"(window {rec_i + 1} after the load started, {rec_i - first_over + 1} counting "
+                f"from the over-budget one), which ended at step {end} ("
+                + (f"{end - out['step_on']} steps after the load started, load still on)"
+                   if out["recovered_while_load_on"] else
+                   f"{end - out['step_on']} steps after the load started, "
+                   f"{end - out['step_off']} after it stopped)"))
     after_off = [r for r in rows if r["t_unix_s"] > t_off]
     out["windows_after_stop"] = len(after_off)
     k_max_load = max([k_on or 0] + [r["interval"] or 0 for r in rows
@@ -582,14 +623,21 @@ def analyse_interference(rec, sat, budget, base_ms):
         out["k_down_window"], out["k_down_note"] = None, "no interval at load start"
     elif k_off is not None and k_off <= k_on:
         out["k_down_window"] = 0
-        out["k_down_note"] = f"k was {k_off} when the load stopped, not above {k_on}"
+        out["k_down_note"] = (f"k was {k_off} when the load stopped, not above {k_on} (k never "
+                              f"rose above it during the load; its minimum there was "
+                              f"{out['k_min_during_load']})")
     else:
         j = next((i for i, r in enumerate(after_off) if (r["interval"] or 0) <= k_on), None)
         out["k_down_window"] = None if j is None else j + 1
-        out["k_down_note"] = (f"k {k_on} at load start, {k_off} at load stop; "
-                              + (f"back to {after_off[j]['interval']} in window {j + 1} after"
-                                 if j is not None else
-                                 f"not back to <= {k_on} in {len(after_off)} windows after"))
+        out["k_down_note"] = (
+            f"k {k_on} at load start, {k_off} at load stop; "
+            + (f"back to {after_off[j]['interval']} in window {j + 1} after, which ended at step "
+               f"{after_off[j]['steps'][1]} ({after_off[j]['steps'][1] - out['step_off']} steps "
+               "after the load stopped)"
+               if j is not None else
+               f"not back to <= {k_on} in {len(after_off)} windows after"))
+        if j is not None:
+            out["k_down_at_step"] = after_off[j]["steps"][1]
     return out
 
 
@@ -659,6 +707,7 @@ def main(argv=None):
     budget = parse_budget(args.overhead)
     command = shlex.join([sys.executable, *sys.argv])
     print(f"command: {command}", flush=True)
+    src_before = cfrun_sources()
     Path(args.tmp_root).mkdir(parents=True, exist_ok=True)
     work_dir = tempfile.mkdtemp(prefix="adaptive-", dir=args.tmp_root)
     pol_args = ["--overhead", args.overhead]
@@ -727,6 +776,7 @@ def main(argv=None):
             sat.stop(None)
         shutil.rmtree(work_dir, ignore_errors=True)
     total_s = time.perf_counter() - t_begin
+    src_after = cfrun_sources()
 
     # ------------------------------------------------------------------ analysis
     b0, b1 = runs["baseline_before"], runs["baseline_after"]
@@ -802,7 +852,13 @@ def main(argv=None):
     print()
     print(f"command: {command}")
     state_mb = (pol.get("state_bytes") or b0.get("state_bytes") or 0) / 1e6
-    print(f"model: MLP hidden={args.hidden}, {state_mb:.1f} MB params + Adam state; "
+    print(f"cfrun sources {src_before['dir']}: sha256 {src_before['sha256_12']}, newest file "
+          f"{src_before['newest_mtime']}"
+          + ("" if src_after == src_before else
+             f"; WARNING: changed during the benchmark (now {src_after['sha256_12']}, "
+             f"{src_after['newest_mtime']}): runs used different cfrun versions"))
+    print(f"model: MLP hidden={args.hidden}, batch {args.batch}, {state_mb:.1f} MB params + "
+          f"Adam state; "
           f"budget {pct(budget, False)}; child env {CHILD_ENV}; total {total_s / 60:.1f} min; "
           f"{os.cpu_count()} CPUs")
     print()
@@ -897,10 +953,13 @@ def main(argv=None):
               f"{fmt(1e3 * (median(rep.get('chunk_s') or []) or 0), '.0f')} ms, stopped by "
               f"{rep.get('stop_reason')})")
         print_windows(inter_an["windows"], budget, "  adaptation windows")
-        print(f"  k at load start {inter_an.get('k_at_load_start')}, max during load "
-              f"{inter_an.get('k_max_during_load')}, at load stop {inter_an.get('k_at_load_stop')}"
-              f"; {inter_an.get('windows_after_start')} windows after start, "
-              f"{inter_an.get('windows_after_stop')} after stop")
+        print(f"  k at load start {inter_an.get('k_at_load_start')}, min / max during load "
+              f"{inter_an.get('k_min_during_load')} / {inter_an.get('k_max_during_load')}, at "
+              f"load stop {inter_an.get('k_at_load_stop')}; {inter_an.get('windows_after_start')}"
+              f" windows after start, {inter_an.get('windows_after_stop')} after stop")
+        print(f"  windows overlapping the load: {inter_an.get('windows_overlapping_load')}, of "
+              f"which {inter_an.get('zero_windows_overlapping_load')} measured 0.00% because "
+              "their mean was below the tuner's reference (mean < clean)")
         print(f"  back under budget: {inter_an.get('recovery_note')}")
         print(f"  k back down: {inter_an.get('k_down_note')}")
         ck_in = [e for e in inter.get("events") or [] if e.get("event") == "checkpoint"]
@@ -925,21 +984,26 @@ def main(argv=None):
                     f"(before {fmt(b0.get('ms_per_iter'))}, after {fmt(b1.get('ms_per_iter'))}):"
                     f" {pct(pol_ovh)} vs {pct(budget, False)}" + quick_note
                     + (" [unreliable: " + "; ".join(unreliable) + "]" if unreliable else "")))
-    rw = inter_an.get("recovered_window")
+    rw = inter_an.get("recovery_windows", inter_an.get("recovered_window"))
     t2 = rw is not None and rw <= WINDOW_TARGET
     targets.append((f"back under budget within {WINDOW_TARGET} windows of disk load start", t2,
-                    f"window {rw}: {inter_an.get('recovery_note')}"))
+                    f"{rw} window(s): {inter_an.get('recovery_note')}"))
     kw = inter_an.get("k_down_window")
     t3 = kw is not None and kw <= WINDOW_TARGET
     targets.append((f"k back down within {WINDOW_TARGET} windows after disk load stops", t3,
-                    f"window {kw}: {inter_an.get('k_down_note')}"))
+                    f"{kw} window(s): {inter_an.get('k_down_note')}"))
     ratio = k_decision / k_sweep if k_decision and k_sweep else None
     ratio_final = k_final / k_sweep if k_final and k_sweep else None
     t4 = ratio is not None and 1 / K_RATIO_TARGET <= ratio <= K_RATIO_TARGET
     targets.append((f"chosen k within {K_RATIO_TARGET}x of the sweep's smallest k meeting "
                     "budget", t4,
                     f"decision k={k_decision}, sweep k={k_sweep}: ratio {fmt(ratio, '.2f')} "
-                    f"(final k={k_final}: ratio {fmt(ratio_final, '.2f')})"))
+                    f"(final k={k_final}: ratio {fmt(ratio_final, '.2f')})"
+                    + ("" if k_sweep else f"; no k of the sweep met the budget with every larger"
+                       f" k")
+                    + (f"; cross-check k from the per-checkpoint cost: {k_from_cost['k']}, "
+                       f"decision / that = {k_decision / k_from_cost['k']:.2f}"
+                       if k_from_cost and k_decision else "")))
     print("targets:")
     for name, ok, detail in targets:
         print(f"  {verdict(ok)}  {name}: {detail}")
@@ -969,7 +1033,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def slim(r):
-        """A run's record without the bulky per-checkpoint commit events."""
+        """A sweep run's record without the bulky per-checkpoint commit events."""
         r = dict(r)
         if "events" in r:
             r["events"] = [e for e in r["events"] if e.get("event") != "commit"]
@@ -978,7 +1042,9 @@ def main(argv=None):
     out.write_text(json.dumps({
         "command": command, "args": {k: v for k, v in vars(args).items()
                                      if not k.startswith("_")},
-        "budget": budget, "child_env": CHILD_ENV, "cpus": os.cpu_count(), "total_s": total_s,
+        "budget": budget, "child_env": CHILD_ENV,
+        "cfrun_sources": {"before": src_before, "after": src_after},
+        "cpus": os.cpu_count(), "total_s": total_s,
         "baseline_ms_per_iter": base_ms, "baseline_drift": drift,
         "policy": {"overhead": pol_ovh, "overhead_vs_each_baseline": pol_ovh_range,
                    "k_decision": k_decision, "k_final": k_final, "windows": pol_rows},
@@ -990,7 +1056,7 @@ def main(argv=None):
         "interference": {"analysis": inter_an, "saturator": sat.to_json() if sat else None},
         "targets": [{"name": n, "pass": ok, "detail": d} for n, ok, d in targets],
         "notes": notes,
-        "runs": {k: slim(v) for k, v in runs.items()},
+        "runs": runs,
         "sweep_runs": [slim(r) for r in sweep],
     }, indent=1, default=str))
     print(f"raw numbers: {out}")
