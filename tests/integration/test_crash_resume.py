@@ -116,6 +116,8 @@ def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path):
     common = ["--nproc-per-node", "2", "--interval", "10"]
     ref = run_cfrun([*common, "--job-dir", "ref", script, "ref.pt"], cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    # the uninterrupted run must not restart (a CI run once printed its last epoch twice)
+    assert len(ref.events("attempt_start")) == 1, (ref.events("attempt_end"), ref.stderr[-4000:])
     got = run_cfrun([*common, "--job-dir", "got", "--inject-crash", "35", script, "got.pt"],
                     cwd=tmp_path)
     assert got.returncode == 0, got.stderr[-3000:]
