@@ -12,7 +12,8 @@ CheckFreq §4.3.2 and §4.4, done as DESIGN.md §4 asks:
   ignores the budget in its first choice; this does not.
 * **Adaptation** (:func:`adapt_interval`): per window, the measured overhead against a fresh
   baseline; over budget → ``k`` grows in proportion, well under (below half the budget) → ``k``
-  shrinks towards the smallest allowed. CheckFreq only ever raises the interval.
+  shrinks towards the smallest allowed, at most halving per window. CheckFreq only ever raises
+  the interval.
 
 Units: seconds, steps, fractions (0.035 = 3.5%).
 """
@@ -28,6 +29,8 @@ from cfrun.errors import BadInputError
 
 ADAPT_UNDER_FRACTION = 0.5
 """Lower ``k`` only when the measured overhead is below this fraction of the budget."""
+ADAPT_MAX_SHRINK = 2.0
+"""One window lowers ``k`` by at most this factor."""
 MAX_INTERVAL = 100_000
 
 
@@ -105,15 +108,19 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
 def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[int, str]:
     """The next interval after a window whose measured overhead was ``measured``.
 
-    Over budget: grow ``k`` by the ratio (at least +1). Below half the budget: shrink it by
-    the ratio towards ``k_min`` (at least -1). Otherwise keep it.
+    Over budget: grow ``k`` by the ratio (at least +1): the per-checkpoint cost the window
+    measured, spread so that it fits the budget. Below half the budget: shrink it towards
+    ``k_min`` by the ratio (aiming at 3/4 of the budget), by at least 1 and at most by half
+    per window: one window's measurement is noisy (a window whose mean came out below its
+    baseline measures 0%), and a halving that overshoots costs one window over budget, where
+    jumping from k to ``k_min`` on noise costs many checkpoints at once.
     """
     if measured > budget:
         new = max(k + 1, math.ceil(k * measured / budget))
         return min(MAX_INTERVAL, new), f"over budget ({measured:.2%} > {budget:.2%})"
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
         target = math.ceil(k * max(measured, 1e-9) / (0.75 * budget))
-        new = max(k_min, min(k - 1, target))
+        new = max(k_min, math.ceil(k / ADAPT_MAX_SHRINK), min(k - 1, target))
         return new, f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of {budget:.2%})"
     return k, "within budget"
 

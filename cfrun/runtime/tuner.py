@@ -4,11 +4,14 @@ Phases:
 
 * ``fixed``: ``--interval K`` given; checkpoint every K steps, measure nothing extra.
 * ``profiling``: the first ``profile_steps`` = min(50, max(10, 1% of an epoch)) steps. After
-  ``WARMUP_STEPS``, the iteration time without checkpoints is measured (baseline); then
-  profiling checkpoints are taken: a warm-up one that pays the one-time costs, then one per
-  snapshot mode (background copy, inline copy), and
-  for each its stall, its copy and persist time and its interference (extra time of the
-  iterations it overlapped) are measured. The cheaper mode and the interval follow from
+  ``WARMUP_STEPS``, the iteration time without checkpoints is measured (the baseline: the
+  mean of those iterations); then profiling checkpoints ("probes") are taken every ``gap``
+  steps: a warm-up one that pays the one-time costs, then two per snapshot mode (background
+  copy, inline copy), alternating. A probe's cost is everything the iterations up to the next
+  probe took beyond the baseline: the stall, the background copy and the persist agent's
+  competition for cores, memory bandwidth and caches, including what comes after the persist
+  has finished (measuring only the iterations the persist overlapped missed most of it on a
+  2-core machine: bench/adaptive.py). The cheaper mode and the interval follow from
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
 * ``tuned``: every period of ``max(4k, 40)`` steps starts with ``QUIET_STEPS`` steps without
@@ -37,9 +40,9 @@ from cfrun.policy import Costs, adapt_interval, choose_interval
 WARMUP_STEPS = 3
 QUIET_STEPS = 8
 """Steps at the start of each adaptation period without checkpoints (the fresh baseline)."""
-PROBE_MODES = ("warmup", "thread", "inline")
+PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
-allocation), then one per snapshot mode."""
+allocation), then two per snapshot mode, alternating (a drift of the machine hits both)."""
 PROFILE_MAX_STEPS = 50
 PROFILE_MIN_STEPS = 10
 
@@ -82,8 +85,10 @@ class Tuner:
         self._last_t: float | None = None
         self._iter_s: list[float] = []
         self._busy: list[int | None] = []
-        self._profile: dict[str, Any] = {}
+        self._profile: dict[int, Any] = {}
         self._probe_steps: list[int] = []
+        self._prof_iters: list[tuple[int, float]] = []
+        """Profiling: (step that ended the iteration, its duration in seconds)."""
         self._taken: dict[int, str] = {}
         """Profiling checkpoints taken: step -> snapshot mode."""
         self._pending_strategy_step: int | None = None
@@ -125,7 +130,7 @@ class Tuner:
         if cached is not None and abs(nbytes - cached) > 0.1 * cached and self.phase == "tuned":
             self.phase, self.done_profiling = "profiling", False
             self._iter_s, self._busy, self._profile, self._probe_steps = [], [], {}, []
-            self._taken = {}
+            self._taken, self._prof_iters = {}, []
             self.profile_steps = 0  # set from the current step below
             if self.rank == 0:
                 self.jobdir.emit_event("reprofile", reason="state size changed",
@@ -143,22 +148,33 @@ class Tuner:
             if self._quiet(step):
                 if inflight is None:
                     self._quiet_s.append(now - self._last_t)
+            elif self.phase == "profiling":
+                self._prof_iters.append((step, now - self._last_t))
             else:
                 self._iter_s.append(now - self._last_t)
                 self._busy.append(inflight)
         self._last_t = now
         if self.phase == "profiling" and not self._probe_steps:
-            steps = PROFILE_MAX_STEPS
-            if epoch_len:
-                steps = min(PROFILE_MAX_STEPS, max(PROFILE_MIN_STEPS, math.ceil(0.01 * epoch_len)))
-            start = step
-            self.profile_steps = start + steps
-            first = start + max(WARMUP_STEPS + 3, steps // 2)
-            gap = max(3, steps // 6)
-            self._probe_steps = [first, first + gap, first + 2 * gap]
-            self._baseline_from = len(self._iter_s) + WARMUP_STEPS
+            self._plan_probes(step, epoch_len)
+        if (self.phase == "profiling" and self.rank == 0 and self._probe_steps and self._profile
+                and step >= self._probe_steps[-1] + self._gap
+                and (len(self._profile) == len(PROBE_MODES) - 1
+                     or step >= self._probe_steps[-1] + 4 * self._gap)):  # a probe failed
+            self._decide(step)
         if self.world_size > 1 and self.rank != 0:
             self._follow_strategy(step)
+
+    def _plan_probes(self, start: int, epoch_len: int | None) -> None:
+        """Probe steps: a baseline of at least ``WARMUP_STEPS + 5`` steps (40% of the profile),
+        then one probe every ``gap`` steps; the same on every rank (steps alone)."""
+        steps = PROFILE_MAX_STEPS
+        if epoch_len:
+            steps = min(PROFILE_MAX_STEPS, max(PROFILE_MIN_STEPS, math.ceil(0.01 * epoch_len)))
+        first = start + max(WARMUP_STEPS + 5, (2 * steps) // 5)
+        self._gap = max(3, (start + steps - first) // len(PROBE_MODES))
+        self._probe_steps = [first + i * self._gap for i in range(len(PROBE_MODES))]
+        self.profile_steps = self._probe_steps[-1] + self._gap
+        self._baseline = (start + WARMUP_STEPS, first)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due right after ``step``."""
@@ -197,8 +213,6 @@ class Tuner:
         if self.phase == "profiling" and step in self._taken:
             if self._taken[step] != "warmup":  # the first one pays one-time setup costs
                 self._profile[step] = record
-            if len(self._profile) == len(PROBE_MODES) - 1:
-                self._decide(step)
         elif self.phase == "tuned":
             self._maybe_adapt(step)
 
@@ -210,20 +224,39 @@ class Tuner:
             return None
         return statistics.fmean(its), statistics.fmean(clean) if len(clean) >= 3 else 0.0
 
+    def probe_costs(self) -> dict[str, Costs]:
+        """Per snapshot mode, the measured :class:`cfrun.policy.Costs` (profiling, rank 0).
+
+        ``iter_s`` is the mean baseline iteration; a probe's window is the iterations after its
+        step up to the next probe (or ``gap`` steps); the window's excess over the baseline,
+        averaged over the mode's probes, is the checkpoint's whole cost: its measured stall
+        plus ``interference_s`` (the rest)."""
+        lo, hi = self._baseline
+        base = [dt for s, dt in self._prof_iters if lo < s <= hi]
+        iter_s = statistics.fmean(base) if base else 1.0
+        taken = sorted(self._taken)
+        excess: dict[str, list[float]] = {}
+        records: dict[str, list[dict[str, Any]]] = {}
+        for i, p in enumerate(taken):
+            mode = self._taken[p]
+            if p not in self._profile:
+                continue
+            end = taken[i + 1] if i + 1 < len(taken) else p + self._gap
+            window = [dt for s, dt in self._prof_iters if p < s <= end]
+            excess.setdefault(mode, []).append(sum(window) - iter_s * len(window))
+            records.setdefault(mode, []).append(self._profile[p])
+        out = {}
+        for mode, recs in records.items():
+            stall_s = statistics.fmean(float(r["stall_s"]) for r in recs)
+            cost_s = max(stall_s, statistics.fmean(excess[mode]))
+            out[mode] = Costs(
+                iter_s=iter_s, stall_s=stall_s, interference_s=cost_s - stall_s,
+                persist_s=max(float(r["snapshot_s"]) + float(r["persist_s"]) for r in recs),
+                state_bytes=int(recs[-1]["bytes"]))
+        return out
+
     def _decide(self, step: int) -> None:
-        base = self._iter_s[self._baseline_from:]
-        clean = [t for t, b in zip(base, self._busy[self._baseline_from:]) if b is None]
-        iter_s = statistics.median(clean or base or [1.0])
-        options = {}
-        for probe_step, rec in self._profile.items():
-            mode = self._taken[probe_step]
-            # interference: excess over the baseline of the iterations this checkpoint overlapped
-            overlap = [t for t, b in zip(base, self._busy[self._baseline_from:]) if b == probe_step]
-            interference = max(0.0, sum(overlap) - iter_s * len(overlap))
-            options[mode] = Costs(iter_s=iter_s, stall_s=float(rec["stall_s"]),
-                                  interference_s=interference,
-                                  persist_s=float(rec["snapshot_s"]) + float(rec["persist_s"]),
-                                  state_bytes=int(rec["bytes"]))
+        options = self.probe_costs()
         model_bytes = self.model_bytes
         self.mode = min(options, key=lambda m: options[m].stall_s + options[m].interference_s)
         costs = options[self.mode]
@@ -232,6 +265,7 @@ class Tuner:
         self.phase, self.done_profiling = "tuned", True
         self.base_step = step + 2
         self._window_start = len(self._iter_s)
+        self._prof_iters = []
         out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
                "model_bytes": model_bytes,
                "opt_step_s": statistics.median(self.opt_step_s) if self.opt_step_s else None,
