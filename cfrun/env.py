@@ -22,6 +22,10 @@ CRASH_LOOP = "CFRUN_CRASH_LOOP"
 DEBUG = "CFRUN_DEBUG"
 FF_EVAL = "CFRUN_FF_EVAL"
 TEST_KILL_BEFORE_COMMIT = "CFRUN_TEST_KILL_BEFORE_COMMIT"
+TEST_CKPT_STALL = "CFRUN_TEST_CKPT_STALL"
+"""Testing aid, ``SECONDS@FIRST-LAST``: every checkpoint taken at a step in [FIRST, LAST) holds
+the training thread for SECONDS more (a checkpoint made expensive by outside pressure, e.g. a
+saturated disk, at chosen steps: what the adaptive tuner must react to)."""
 """Testing aid: in attempt 0, SIGKILL the rank after its shard of this step is written and
 before the checkpoint commits (a crash in the middle of a checkpoint)."""
 

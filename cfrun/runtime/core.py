@@ -526,6 +526,7 @@ class Runtime:
             if not self.snap.mode_is_forced:
                 self.snap.mode = self.tuner.mode_for(step)
             self.snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
+            _injected_stall(step)
             return True
         self.tuner.mode_for(step)
         t1 = time.perf_counter()
@@ -866,6 +867,16 @@ class Runtime:
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
+
+
+def _injected_stall(step: int) -> None:
+    """``CFRUN_TEST_CKPT_STALL=SECONDS@FIRST-LAST`` (testing aid, cfrun.env)."""
+    spec = os.environ.get(E.TEST_CKPT_STALL)
+    if spec:
+        seconds, _, span = spec.partition("@")
+        first, _, last = span.partition("-")
+        if int(first) <= step < int(last):
+            time.sleep(float(seconds))
 
 
 def _ignore_calls(frame: types.FrameType, event: str, arg: Any) -> None:

@@ -66,3 +66,30 @@ def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path):
     prof = run_cfrun(["profile", "--job-dir", "j", *TINY], cwd=tmp_path)
     assert prof.returncode == 2 and "already has checkpoints" in prof.stderr
     assert sorted(p.name for p in (tmp_path / "j" / "checkpoints").iterdir()) == before
+
+
+def test_adaptation_raises_k_under_pressure_and_lowers_it_after(tmp_path):
+    """Checkpoints made 0.1 s dearer between steps 60 and 260 (CFRUN_TEST_CKPT_STALL, as a
+    saturated disk would): the tuner must raise k while they are, and bring it down after."""
+    run = run_cfrun(["--overhead", "20%", "--job-dir", "j", str(SCRIPTS / "slow_steps.py"),
+                     "640", "out.pt", "0.02"], cwd=tmp_path,
+                    env={"CFRUN_TEST_CKPT_STALL": "0.1@60-260"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    [decision] = run.events("decision")
+    adapts = run.events("adapt")
+    assert adapts, run.stderr[-2000:]
+    for e in adapts:  # every decision is logged with its inputs
+        assert {"measured_overhead", "mean_iter_s", "clean_iter_s", "old_interval", "interval",
+                "reason", "budget"} <= set(e)
+    during = [e for e in adapts if e["step"] <= 270]
+    k_max = max(e["interval"] for e in during)
+    # 0.1 s per checkpoint on ~20 ms iterations needs k >= 25 for 20%; the first over-budget
+    # window must raise k at once, in proportion
+    assert k_max >= 15 and k_max > decision["interval"], adapts
+    assert any(e["reason"].startswith("over budget") for e in during)
+    after = [e for e in adapts if e["step"] > 300]
+    assert after and min(e["interval"] for e in after) <= k_max // 2, adapts
+    assert any(e["reason"].startswith("well under") for e in after)
+    # the window after the raise is back near the budget (not 450% as at k=1)
+    first_over = next(i for i, e in enumerate(adapts) if e["reason"].startswith("over budget"))
+    assert adapts[first_over + 1]["measured_overhead"] <= 1.5 * 0.2, adapts
