@@ -41,7 +41,7 @@ from cfrun.config import (
     parse_overhead,
     parse_positive_int,
 )
-from cfrun.errors import EXIT_BAD_INPUT, BadInputError, CfrunError
+from cfrun.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
 from cfrun.policy import parse_duration
 
 app = typer.Typer(
@@ -220,8 +220,14 @@ def profile_cmd(
     for hb in jd.root.glob("heartbeat-rank-*"):
         hb.unlink()
     strategy = jd.root / "strategy.json"
-    if code != 0 or not strategy.exists():
-        raise typer.Exit(code or 1)
+    if code == 0 and not strategy.exists():
+        probes = sum(1 for e in jd.read_events() if e.get("event") == "checkpoint")
+        raise JobFailedError(
+            f"the script ended before profiling finished ({probes} of 5 profiling "
+            "checkpoints taken); nothing was decided",
+            hint="profile with more steps (profiling takes about 25 to 60 optimizer steps)")
+    if code != 0:
+        raise typer.Exit(code)
     st = json.loads(strategy.read_text())
     prof = json.loads((jd.root / "profiles" / f"{st['fingerprint']}.json").read_text())
     c, d = prof["costs"], prof["decision"]

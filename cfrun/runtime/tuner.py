@@ -156,10 +156,11 @@ class Tuner:
         self._last_t = now
         if self.phase == "profiling" and not self._probe_steps:
             self._plan_probes(step, epoch_len)
-        if (self.phase == "profiling" and self.rank == 0 and self._probe_steps and self._profile
-                and step >= self._probe_steps[-1] + self._gap
+        if (self.phase == "profiling" and self.rank == 0 and self._profile
+                and len(self._taken) == len(PROBE_MODES)
+                and step >= max(self._taken) + self._gap
                 and (len(self._profile) == len(PROBE_MODES) - 1
-                     or step >= self._probe_steps[-1] + 4 * self._gap)):  # a probe failed
+                     or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
             self._decide(step)
         if self.world_size > 1 and self.rank != 0:
             self._follow_strategy(step)
@@ -179,9 +180,12 @@ class Tuner:
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due right after ``step``."""
         if self.phase == "profiling":
-            return step in self._probe_steps or (
-                bool(self._probe_steps) and step > self._probe_steps[-1]
-                and len(self._taken) < len(PROBE_MODES))
+            # the next probe at its planned step, or later when a probe was deferred (one
+            # rank, previous persist still in flight), but always ``gap`` steps after the last
+            n = len(self._taken)
+            if not self._probe_steps or n >= len(PROBE_MODES) or step < self._probe_steps[n]:
+                return False
+            return not self._taken or step >= max(self._taken) + self._gap
         if self.interval <= 0 or step < self.base_step or self._quiet(step):
             return False
         return (step - self.base_step) % self.interval == 0

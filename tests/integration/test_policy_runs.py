@@ -10,7 +10,7 @@ import torch
 from conftest import SCRIPTS, assert_bit_identical, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
-TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out", "x.pt"]
+TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3", "--out", "x.pt"]
 
 
 def test_profile_command_table_strategy_and_cache(tmp_path):
@@ -36,7 +36,7 @@ def test_profile_command_table_strategy_and_cache(tmp_path):
     assert again.events("decision")[-1]["source"] == "cache"
 
     other = run_cfrun(["profile", "--job-dir", "p", str(SCRIPTS / "train_tiny.py"), "--epochs",
-                       "3", "--out", "x.pt"], cwd=tmp_path)
+                       "4", "--out", "x.pt"], cwd=tmp_path)
     assert other.returncode == 0, other.stderr[-3000:]
     assert len(other.events("profile")) == 2  # new arguments, new fingerprint: profiled again
     assert len(list((job / "profiles").glob("*.json"))) == 2
@@ -57,6 +57,15 @@ def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path):
     assert len(run.events("resumed")) == 1
     assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
                          torch.load(tmp_path / "got.pt", weights_only=True))
+
+
+def test_profile_of_a_script_too_short_to_profile_says_so(tmp_path):
+    run = run_cfrun(["profile", "--job-dir", "p", str(SCRIPTS / "train_tiny.py"), "--epochs",
+                     "1", "--out", "x.pt"], cwd=tmp_path)
+    assert run.returncode == 4, run.stderr[-2000:]
+    [line] = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
+    assert "ended before profiling finished" in line
+    assert not (tmp_path / "p" / "strategy.json").exists()
 
 
 def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path):
