@@ -280,7 +280,7 @@ class PersistAgent:
         error = next((e for e in st.errors.values() if e is not None), None)
         if error is None and not st.complete:  # other nodes' ranks still sending
             try:
-                state = self.peer.await_state(step, "protected", 120.0)
+                state = self.peer.await_state(step, "protected", 120.0).get("state")
                 if state not in ("protected", "flushing", "durable"):
                     error = RuntimeError(f"step {step} is {state} at the peer")
             except Exception as e:
@@ -303,7 +303,7 @@ class PersistAgent:
         self.last_committed = max(self.last_committed, step)
         for c, _ in st.msgs.values():
             self._reply(c, reply)
-        self.peer.watch_durable(step, t_trigger, None)
+        self.peer.watch_durable(step, t_trigger)
 
     def _install_newest(self) -> None:
         """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours."""

@@ -603,11 +603,10 @@ class PeerServer:
                 ck = self.checkpoints.get((job, step))
                 if ck is None:
                     return {"ok": True, "state": "missing"}
-                if _ORDER[ck.state] >= _ORDER[want]:
-                    return {"ok": True, "state": ck.state.value, "error": ck.flush_error}
                 left = deadline - time.monotonic()
-                if left <= 0 or self.stopping.is_set():
-                    return {"ok": True, "state": ck.state.value, "error": ck.flush_error}
+                if _ORDER[ck.state] >= _ORDER[want] or left <= 0 or self.stopping.is_set():
+                    return {"ok": True, "state": ck.state.value, "error": ck.flush_error,
+                            "flush_to": self.storage.url}
                 self.cond.wait(min(left, 1.0))
 
     def _list(self, h: dict[str, Any]) -> dict[str, Any]:
@@ -826,11 +825,14 @@ class PeerClient:
                                         "rank": rank, "files": files, "meta": meta})
         return bool(reply.get("complete"))
 
-    def await_state(self, job: str, step: int, state: str, timeout_s: float) -> str:
-        """Block until the step reaches ``state`` (or times out); returns its state now."""
-        reply = self._request(Op.AWAIT, {"job": job, "step": step, "state": state,
-                                         "timeout_s": timeout_s}, timeout_s=timeout_s + 30)
-        return str(reply.get("state"))
+    def await_state(self, job: str, step: int, state: str, timeout_s: float) -> dict[str, Any]:
+        """Block until the step reaches ``state`` (or times out).
+
+        Returns:
+            ``{state, flush_to, error}``: the step's state now (``missing`` if not in RAM).
+        """
+        return self._request(Op.AWAIT, {"job": job, "step": step, "state": state,
+                                        "timeout_s": timeout_s}, timeout_s=timeout_s + 30)
 
     def list(self, job: str) -> dict[str, Any]:
         """``{flush_to, checkpoints: [{step, world_size, state, bytes}]}``, newest first."""

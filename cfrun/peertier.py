@@ -185,28 +185,33 @@ class PeerTier:
         return bool(self._call(lambda c: c.seal(job=self.job, step=step, world_size=world_size,
                                                 rank=rank, files=files, meta=meta)))
 
-    def await_state(self, step: int, state: str, timeout_s: float) -> str:
-        """Block until the step is ``protected``/``durable`` at the peer; returns its state."""
+    def await_state(self, step: int, state: str, timeout_s: float) -> dict[str, Any]:
+        """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
+
+        Returns:
+            ``{state, flush_to, error}`` (:meth:`cfrun.peer.PeerClient.await_state`).
+        """
         client = PeerClient(self.address, self.token)
         try:
             return client.await_state(self.job, step, state, timeout_s)
         finally:
             client.close()
 
-    def watch_durable(self, step: int, t_trigger_unix_s: float, url: str | None,
-                      timeout_s: float = 3600.0) -> None:
+    def watch_durable(self, step: int, t_trigger_unix_s: float, timeout_s: float = 3600.0
+                      ) -> None:
         """In a thread: emit ``durable`` once the peer flushed ``step`` to level 2."""
         def run() -> None:
             try:
-                state = self.await_state(step, "durable", timeout_s)
+                reply = self.await_state(step, "durable", timeout_s)
             except PeerError as e:
                 self.emit("durable_unknown", step=step, error=str(e))
                 return
-            if state == "durable":
-                self.emit("durable", step=step, tier="peer", url=url,
+            if reply.get("state") == "durable":
+                self.emit("durable", step=step, tier="peer", url=reply.get("flush_to"),
                           durable_s=round(time.time() - t_trigger_unix_s, 6))
             else:
-                self.emit("durable_unknown", step=step, state=state)
+                self.emit("durable_unknown", step=step, state=reply.get("state"),
+                          error=reply.get("error"))
 
         t = threading.Thread(target=run, name=f"cfrun-durable-{step}", daemon=True)
         with self.lock:
