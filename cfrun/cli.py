@@ -20,16 +20,29 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-try:  # typer < 0.22 uses click; newer typer vendors it and raises its own exceptions
+# typer < 0.22 raises click's exceptions; newer typer vendors click (typer._click) and raises its
+# own, even when a standalone click is installed too (moto[server] and flask pull it in): catch both.
+_EXIT_L: list[type[BaseException]] = [typer.Exit]
+_USAGE_L: list[type[BaseException]] = [typer.TyperException] if hasattr(typer, "TyperException") \
+    else []
+_ABORT_L: list[type[BaseException]] = [typer.Abort]
+try:
+    from typer._click import exceptions as _vendored
+
+    _USAGE_L.append(_vendored.UsageError)
+except ImportError:
+    pass
+try:
     import click
 
-    _EXIT: tuple[type[BaseException], ...] = (typer.Exit, click.exceptions.Exit)
-    _USAGE: tuple[type[BaseException], ...] = (click.UsageError,)
-    _ABORT: tuple[type[BaseException], ...] = (typer.Abort, click.Abort)
+    _EXIT_L.append(click.exceptions.Exit)
+    _USAGE_L.append(click.UsageError)
+    _ABORT_L.append(click.Abort)
 except ImportError:
-    _EXIT = (typer.Exit,)
-    _USAGE = (typer.TyperException,)
-    _ABORT = (typer.Abort,)
+    pass
+_EXIT: tuple[type[BaseException], ...] = tuple(_EXIT_L)
+_USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
+_ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
 from cfrun import __version__
 from cfrun import env as E
