@@ -191,6 +191,15 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
             raise BadInputError("--peer needs --peer-token-file F, the file with the peer's "
                                 "shared secret")
         read_token(peer_token_file, option="--peer-token-file")
+        from cfrun.storage import check_job_name
+
+        job_name = os.environ.get(E.PEER_JOB) or jd.name
+        try:
+            check_job_name(job_name)
+        except ValueError:
+            raise BadInputError(f"the job's name at the peer, {job_name!r}, may only hold "
+                                "letters, digits, '.', '_' and '-'; set CFRUN_PEER_JOB=NAME or "
+                                "rename the --job-dir") from None
         token_path = str(Path(peer_token_file).expanduser().absolute())
     if persist_to:
         from cfrun.storage import open_storage

@@ -502,8 +502,12 @@ def test_peer_bad_input_is_one_line_with_a_distinct_exit_code(tmp_path, case, co
     assert len(run.stderr.strip().splitlines()) <= 2  # the error and a hint
 
 
-def test_run_with_peer_but_no_token_file_is_refused(tmp_path):
+def test_run_with_peer_but_no_token_file_or_a_bad_job_name_is_refused(tmp_path):
     run = run_cfrun(["--peer", "127.0.0.1:7077", SLOW, "3", "out.pt", "0"], cwd=tmp_path,
                     timeout=60)
     assert run.returncode == 2 and "--peer-token-file" in run.stderr
-    assert not (tmp_path / "cfrun-jobs").exists()
+    token = write_token(tmp_path / "token")
+    run = run_cfrun(["--peer", "127.0.0.1:7077", "--peer-token-file", str(token), "--job-dir",
+                     "my job", SLOW, "3", "out.pt", "0"], cwd=tmp_path, timeout=60)
+    assert run.returncode == 2 and "CFRUN_PEER_JOB" in run.stderr, run.stderr
+    assert not (tmp_path / "cfrun-jobs").exists() and not (tmp_path / "my job").exists()
