@@ -20,30 +20,57 @@ Messages (``cfrun.ipc``):
 * ``{"op": "persist", "step", "rank", "world_size", "slot", "nbytes", "doc", "t_trigger_unix_s"}``
   -> ``{"op": "persisted", "step", "ok", "persist_s", "pgt_s", "bytes", "error"}``.
 
-Run as ``python -m cfrun.agent --job-dir DIR --keep N``.
+With ``--peer HOST:PORT`` (ACUTE's remote-memory tier, :mod:`cfrun.peer`) a persist goes to the
+peer's RAM instead of the job dir: each rank's shard is sent on its own thread, in ``--peer-streams``
+parallel parts straight from the slot (:mod:`cfrun.peertier`); once every rank's shard is in peer
+RAM the checkpoint is *protected* (event ``protected``; ``pgt_s`` ends there) and the ranks get
+their reply; the peer flushes it to level 2 and the agent records ``durable``. If the peer cannot
+take a checkpoint (down, wrong token, full), that checkpoint goes to the job dir (the path above)
+and the peer is retried with backoff. On a rank's ``hello`` (every start or restart of the ranks)
+the agent first installs the newest complete checkpoint found in peer RAM or at level 2
+(``--persist-to``) into the job dir, if it is newer than the job dir's own, after checking every
+file against its manifest; the ranks then restore from the job dir as usual.
+
+Run as ``python -m cfrun.agent --job-dir DIR --keep N [--peer HOST:PORT --peer-token-file F
+--peer-streams S --peer-job NAME] [--persist-to URL]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import logging
 import mmap
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from cfrun import ipc
-from cfrun.checkpoint import FileEntry, commit, remove_staging, shard_names, staging_dir
+from cfrun.checkpoint import (
+    FileEntry,
+    commit,
+    committed_steps,
+    remove_staging,
+    shard_names,
+    staging_dir,
+)
 from cfrun.format import dumps_json
 from cfrun.jobdir import JobDir
+from cfrun.storage import throttle
+
+if TYPE_CHECKING:
+    from cfrun.peertier import PeerTier
+    from cfrun.storage import Storage
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -72,13 +99,39 @@ def _lower_priority() -> None:
         pass
 
 
-class PersistAgent:
-    """Serves one job dir's ranks on this node. Thread-safe; call :meth:`serve`."""
+@dataclass
+class _PeerStep:
+    """One step on its way to the peer: the ranks' messages and their transfers' outcomes."""
 
-    def __init__(self, job_dir: Path, *, keep: int, use_odirect: bool = True) -> None:
+    world_size: int
+    msgs: dict[int, tuple[socket.socket, dict[str, Any]]] = field(default_factory=dict)
+    errors: dict[int, BaseException | None] = field(default_factory=dict)
+    complete: bool = False
+    t0: float = field(default_factory=time.time)
+
+
+class PersistAgent:
+    """Serves one job dir's ranks on this node. Thread-safe; call :meth:`serve`.
+
+    Args:
+        peer: the peer tier (level 1 in a peer's RAM), or None for the job dir only.
+        level2: the level-2 store that a resume also searches (``--persist-to``), or None.
+    """
+
+    def __init__(self, job_dir: Path, *, keep: int, use_odirect: bool = True,
+                 peer: PeerTier | None = None, level2: Storage | None = None,
+                 job: str | None = None) -> None:
         self.jobdir = JobDir(job_dir)
         self.keep = keep
         self.use_odirect = use_odirect
+        self.peer = peer
+        self.level2 = level2
+        self.job = job or self.jobdir.root.name
+        self.peer_steps: dict[int, _PeerStep] = {}
+        self.peer_futures: set[cf.Future[None]] = set()
+        self.step_lock = threading.Lock()
+        self.local_lock = threading.Lock()
+        self.rank_pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="cfrun-rank")
         self.jobs: queue.Queue[tuple[str, socket.socket, dict[str, Any]] | None] = queue.Queue()
         self.pending: dict[int, dict[int, tuple[list[FileEntry], socket.socket, dict[str, Any]]]] = {}
         self.stopping = threading.Event()
@@ -107,6 +160,9 @@ class PersistAgent:
         srv.close()
         self.jobs.put(None)  # drain what was queued, then stop
         writer.join()
+        self._drain_peer()
+        if self.peer is not None:
+            self.peer.join_watchers(60.0)  # the last checkpoints' `durable`, if it comes soon
 
     def _reader(self, conn: socket.socket) -> None:
         try:
@@ -136,16 +192,169 @@ class PersistAgent:
                 return
             op, conn, msg = job
             if op == "hello":
+                self._drain_peer()
+                if self.peer is not None or self.level2 is not None:
+                    try:
+                        self._install_newest()
+                    except Exception as e:  # resume from the job dir then
+                        logger.warning("cfrun agent: looking for newer checkpoints failed: %r", e)
                 self._reply(conn, {"op": "ready", "last_committed": self.last_committed})
                 continue
-            try:
+            if self.peer is not None and (self.peer.available()
+                                          or int(msg["step"]) in self.peer_steps):
+                self._peer_submit(conn, msg)
+                continue
+            self._persist_local(conn, msg)
+
+    def _persist_local(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        try:
+            with self.local_lock:
                 self._persist(conn, msg)
-            except Exception as e:  # one bad checkpoint must not stop the agent
-                logger.warning("cfrun agent: persist of step %s failed: %r", msg.get("step"), e)
-                self.jobdir.emit_event("persist_failed", step=msg.get("step"),
-                                       rank=msg.get("rank"), error=repr(e))
-                self._reply(conn, {"op": "persisted", "step": msg.get("step"), "ok": False,
-                                   "error": repr(e)})
+        except Exception as e:  # one bad checkpoint must not stop the agent
+            logger.warning("cfrun agent: persist of step %s failed: %r", msg.get("step"), e)
+            self.jobdir.emit_event("persist_failed", step=msg.get("step"),
+                                   rank=msg.get("rank"), error=repr(e))
+            self._reply(conn, {"op": "persisted", "step": msg.get("step"), "ok": False,
+                               "error": repr(e)})
+
+    # ------------------------------------------------------------------ peer tier
+
+    def _drain_peer(self) -> None:
+        """Wait until every transfer to the peer (and its fallback) has finished."""
+        while True:
+            with self.step_lock:
+                futures = list(self.peer_futures)
+            if not futures:
+                return
+            cf.wait(futures)
+            with self.step_lock:
+                self.peer_futures.difference_update(futures)
+
+    def _peer_submit(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        """Start sending one rank's shard to the peer on a thread of its own (Check-Trans)."""
+        step, rank = int(msg["step"]), int(msg["rank"])
+        with self.step_lock:
+            st = self.peer_steps.setdefault(step, _PeerStep(int(msg["world_size"])))
+            st.msgs[rank] = (conn, msg)
+            fut = self.rank_pool.submit(self._peer_send_rank, step, rank)
+            self.peer_futures.add(fut)
+
+    def _peer_send_rank(self, step: int, rank: int) -> None:
+        assert self.peer is not None
+        with self.step_lock:
+            st = self.peer_steps[step]
+            conn, msg = st.msgs[rank]
+        error: BaseException | None = None
+        complete = False
+        try:
+            meta = msg["doc"].get("meta", {})
+            complete = self.peer.send_shard(
+                step=step, world_size=st.world_size, rank=rank, slot=Path(msg["slot"]),
+                nbytes=int(msg["nbytes"]), doc=dumps_json(msg["doc"]),
+                meta={k: meta.get(k) for k in ("step", "mode", "epoch", "batches", "not_exact")},
+                die_mid_transfer=self._test_kill_mid_transfer(step))
+        except Exception as e:
+            error = e
+        with self.step_lock:
+            st.errors[rank] = error
+            st.complete = st.complete or complete
+            if len(st.errors) < st.world_size:
+                return
+            del self.peer_steps[step]
+        self._peer_finish(step, st)
+
+    def _test_kill_mid_transfer(self, step: int) -> Any:
+        kill_at = os.environ.get(ENV_TEST_KILL_AT)
+        marker = self.jobdir.root / ".agent-kill-done"
+        if kill_at is None or step < int(kill_at) or marker.exists():
+            return None
+
+        def die() -> None:
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return die
+
+    def _peer_finish(self, step: int, st: _PeerStep) -> None:
+        """All local ranks' shards were sent: protected -> reply; else persist in the job dir."""
+        assert self.peer is not None
+        error = next((e for e in st.errors.values() if e is not None), None)
+        if error is None and not st.complete:  # other nodes' ranks still sending
+            try:
+                state = self.peer.await_state(step, "protected", 120.0).get("state")
+                if state not in ("protected", "flushing", "durable"):
+                    error = RuntimeError(f"step {step} is {state} at the peer")
+            except Exception as e:
+                error = e
+        if error is not None:
+            self.peer.mark_down(error)
+            for rank in sorted(st.msgs):
+                self._persist_local(*st.msgs[rank])
+            return
+        self.peer.mark_up()
+        t1 = time.time()
+        nbytes = sum(int(m["nbytes"]) + len(dumps_json(m["doc"])) for _, m in st.msgs.values())
+        t_trigger = min(float(m.get("t_trigger_unix_s", st.t0)) for _, m in st.msgs.values())
+        reply = {"op": "persisted", "step": step, "ok": True, "bytes": nbytes, "tier": "peer",
+                 "persist_s": round(t1 - st.t0, 6), "pgt_s": round(t1 - t_trigger, 6),
+                 "bandwidth_bytes_per_s": round(nbytes / max(t1 - st.t0, 1e-9))}
+        self.jobdir.emit_event("protected", step=step, bytes=nbytes, tier="peer",
+                               persist_s=reply["persist_s"], pgt_s=reply["pgt_s"],
+                               streams=self.peer.streams)
+        self.last_committed = max(self.last_committed, step)
+        for c, _ in st.msgs.values():
+            self._reply(c, reply)
+        self.peer.watch_durable(step, t_trigger)
+
+    def _install_newest(self) -> None:
+        """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours."""
+        from cfrun.peertier import manifest_files_to
+
+        local = committed_steps(self.jobdir.checkpoints)
+        newest_local = local[0] if local else -1
+        candidates: list[tuple[int, int, str]] = []
+        if self.peer is not None and self.peer.available():
+            try:
+                listing = self.peer.list()
+                candidates += [(int(c["step"]), 1, "peer") for c in listing["checkpoints"]
+                               if c["state"] != "filling" and int(c["step"]) > newest_local]
+                self.peer.mark_up()
+            except Exception as e:
+                self.peer.mark_down(e)
+        if self.level2 is not None:
+            try:
+                candidates += [(s, 0, "level2") for s in self.level2.list_steps(self.job)
+                               if s > newest_local]
+            except Exception as e:
+                logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
+        for step, _, source in sorted(candidates, reverse=True):
+            t0 = time.monotonic()
+            staging = staging_dir(self.jobdir.checkpoints, step)
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                if source == "peer":
+                    assert self.peer is not None
+                    files, manifest = self.peer.fetch(step, staging)
+                else:
+                    assert self.level2 is not None
+                    store = self.level2
+                    manifest = store.read_manifest(self.job, step)
+                    files = manifest_files_to(
+                        staging, manifest, lambda name, n: store.read_file(self.job, step, name))
+                commit(self.jobdir.checkpoints, step, files,
+                       world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
+                       keep=self.keep)
+            except Exception as e:
+                shutil.rmtree(staging, ignore_errors=True)
+                logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %r", step,
+                               source, e)
+                self.jobdir.emit_event("fetch_failed", step=step, source=source, error=repr(e))
+                continue
+            nbytes = sum(f.nbytes for f in files)
+            logger.warning("cfrun agent: installed checkpoint step %d from %s (%d bytes, newer "
+                           "than the job dir's step %d)", step, source, nbytes, newest_local)
+            self.jobdir.emit_event("fetched", step=step, source=source, bytes=nbytes,
+                                   fetch_s=round(time.monotonic() - t0, 6))
+            return
 
     def _persist(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         step, rank, world_size = int(msg["step"]), int(msg["rank"]), int(msg["world_size"])
@@ -174,16 +383,14 @@ class PersistAgent:
         for old in [s for s in self.pending if s < step]:  # a rank died before its snapshot
             del self.pending[old]
             remove_dir = staging_dir(self.jobdir.checkpoints, old)
-            import shutil
-
             shutil.rmtree(remove_dir, ignore_errors=True)
         nbytes = sum(f.nbytes for f in files)
         t_trigger = min(float(m.get("t_trigger_unix_s", t0)) for _, _, m in shard.values())
-        reply = {"op": "persisted", "step": step, "ok": True, "bytes": nbytes,
+        reply = {"op": "persisted", "step": step, "ok": True, "bytes": nbytes, "tier": "local",
                  "persist_s": round(t1 - t0, 6), "pgt_s": round(t1 - t_trigger, 6),
                  "bandwidth_bytes_per_s": round(nbytes / max(t1 - t0, 1e-9))}
         self.jobdir.emit_event("commit", step=step, bytes=nbytes, persist_s=reply["persist_s"],
-                               pgt_s=reply["pgt_s"])
+                               pgt_s=reply["pgt_s"], tier="local")
         for _, c, _ in shard.values():
             self._reply(c, reply)
 
@@ -201,6 +408,7 @@ class PersistAgent:
         kill_at = os.environ.get(ENV_TEST_KILL_AT)
         marker = self.jobdir.root / ".agent-kill-done"
         kill = kill_at is not None and step >= int(kill_at) and not marker.exists()
+        th = throttle()  # testing aid: simulated network storage
         with open(slot, "rb") as f, mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
             view = memoryview(mm)
             try:
@@ -215,6 +423,8 @@ class PersistAgent:
                             marker.touch()
                             os.kill(os.getpid(), signal.SIGKILL)
                         piece = view[start:start + chunk]
+                        if th is not None:
+                            th.take(len(piece))
                         if direct and len(piece) % 4096:
                             os.close(fd)  # the unaligned tail goes through the page cache
                             fd, direct = os.open(path, os.O_WRONLY), False
@@ -232,6 +442,9 @@ class PersistAgent:
 
     @staticmethod
     def _write_bytes(path: Path, data: bytes) -> FileEntry:
+        th = throttle()
+        if th is not None:
+            th.take(len(data))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -249,10 +462,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job-dir", required=True)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--no-odirect", action="store_true")
+    p.add_argument("--peer", default=None, help="HOST:PORT of a `cfrun peer`")
+    p.add_argument("--peer-token-file", default=None)
+    p.add_argument("--peer-streams", type=int, default=4)
+    p.add_argument("--peer-job", default=None)
+    p.add_argument("--persist-to", default=None, help="level-2 directory or URL to resume from")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[cfrun agent] %(message)s")
     _lower_priority()
-    agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect)
+    jd = JobDir(Path(args.job_dir))
+    job = args.peer_job or jd.root.name
+    peer = None
+    if args.peer:
+        from cfrun.peer import parse_address, read_token
+        from cfrun.peertier import PeerTier
+
+        peer = PeerTier(parse_address(args.peer, option="--peer"),
+                        read_token(args.peer_token_file, option="--peer-token-file"), job,
+                        streams=args.peer_streams, emit=jd.emit_event)
+    level2 = None
+    if args.persist_to:
+        from cfrun.storage import open_storage
+
+        level2 = open_storage(args.persist_to)
+    agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,
+                         peer=peer, level2=level2, job=job)
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to cfrun, which stops us
     agent.serve()

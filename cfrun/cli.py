@@ -20,22 +20,36 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-try:  # typer < 0.22 uses click; newer typer vendors it and raises its own exceptions
+# typer < 0.22 raises click's exceptions; newer typer vendors click (typer._click) and raises its
+# own, even when a standalone click is installed too (moto[server] and flask pull it in): catch both.
+_EXIT_L: list[type[BaseException]] = [typer.Exit]
+_USAGE_L: list[type[BaseException]] = [typer.TyperException] if hasattr(typer, "TyperException") \
+    else []
+_ABORT_L: list[type[BaseException]] = [typer.Abort]
+try:
+    from typer._click import exceptions as _vendored
+
+    _USAGE_L.append(_vendored.UsageError)
+except ImportError:
+    pass
+try:
     import click
 
-    _EXIT: tuple[type[BaseException], ...] = (typer.Exit, click.exceptions.Exit)
-    _USAGE: tuple[type[BaseException], ...] = (click.UsageError,)
-    _ABORT: tuple[type[BaseException], ...] = (typer.Abort, click.Abort)
+    _EXIT_L.append(click.exceptions.Exit)
+    _USAGE_L.append(click.UsageError)
+    _ABORT_L.append(click.Abort)
 except ImportError:
-    _EXIT = (typer.Exit,)
-    _USAGE = (typer.TyperException,)
-    _ABORT = (typer.Abort,)
+    pass
+_EXIT: tuple[type[BaseException], ...] = tuple(_EXIT_L)
+_USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
+_ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
 from cfrun import __version__
 from cfrun import env as E
 from cfrun.config import (
     RunConfig,
     default_job_dir,
+    parse_bytes,
     parse_inject_crash,
     parse_interval,
     parse_overhead,
@@ -53,7 +67,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export"}
+SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export", "peer"}
 _RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "PYTHON", "NCCL_", "MKL_")
 
 log = logging.getLogger("cfrun")
@@ -132,24 +146,67 @@ def run_cmd(
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
+    peer: Annotated[Optional[str], typer.Option(
+        "--peer", envvar=E.PEER,
+        help="HOST:PORT of a `cfrun peer`: checkpoints go to its RAM (protected), which "
+             "flushes them to durable storage; the job dir takes them while it is down.")] = None,
+    peer_token_file: Annotated[Optional[str], typer.Option(
+        "--peer-token-file", envvar=E.PEER_TOKEN_FILE,
+        help="File with the peer's shared secret (mode 600).")] = None,
+    peer_streams: Annotated[str, typer.Option(
+        "--peer-streams", envvar=E.PEER_STREAMS,
+        help="Parallel connections per rank to the peer (1..64).")] = "4",
+    persist_to: Annotated[Optional[str], typer.Option(
+        "--persist-to", envvar=E.PERSIST_TO,
+        help="Level-2 store (directory or URL such as s3://bucket/prefix) that a resume also "
+             "searches: give the peer's --flush-to.")] = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
-                        profile_only=False)
+                        profile_only=False, peer=peer, peer_token_file=peer_token_file,
+                        peer_streams=peer_streams, persist_to=persist_to)
     _run(cfg)
 
 
 def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,
                   interval: str | None, overhead: str, nproc_per_node: str, max_restarts: str,
                   keep: str, grace: str, mtbf: str | None, hang_timeout: str, crash_loop: str,
-                  inject_crash: str, *, profile_only: bool) -> RunConfig:
+                  inject_crash: str, *, profile_only: bool, peer: str | None = None,
+                  peer_token_file: str | None = None, peer_streams: str = "4",
+                  persist_to: str | None = None) -> RunConfig:
     script_path = _resolve_script(script)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
     parse_inject_crash(inject_crash)  # validate now: the ranks parse it again
     grace_s = _parse_seconds("--grace", grace, "25")
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
+    token_path = None
+    if peer:
+        from cfrun.peer import parse_address, read_token
+
+        if parse_address(peer, option="--peer")[1] == 0:
+            raise BadInputError(f"--peer {peer!r} has port 0; give the port the peer listens on")
+        if not peer_token_file:
+            raise BadInputError("--peer needs --peer-token-file F, the file with the peer's "
+                                "shared secret")
+        read_token(peer_token_file, option="--peer-token-file")
+        from cfrun.storage import check_job_name
+
+        job_name = os.environ.get(E.PEER_JOB) or jd.name
+        try:
+            check_job_name(job_name)
+        except ValueError:
+            raise BadInputError(f"the job's name at the peer, {job_name!r}, may only hold "
+                                "letters, digits, '.', '_' and '-'; set CFRUN_PEER_JOB=NAME or "
+                                "rename the --job-dir") from None
+        token_path = str(Path(peer_token_file).expanduser().absolute())
+    if persist_to:
+        from cfrun.storage import open_storage
+
+        open_storage(persist_to)
+        if "://" not in persist_to:
+            persist_to = str(Path(persist_to).expanduser().absolute())
     cfg = RunConfig(
         script=str(script_path),
         script_args=list(script_args or []),
@@ -166,6 +223,10 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         profile_only=profile_only,
         crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
         inject_crash=inject_crash,
+        peer=peer or None,
+        peer_token_file=token_path,
+        peer_streams=parse_positive_int("--peer-streams", peer_streams, minimum=1),
+        persist_to=persist_to or None,
         env=_recorded_env(),
     )
     return cfg
@@ -392,6 +453,57 @@ def export_cmd(
         raise BadInputError(f"output {out!r} is a directory; give a file name, e.g. model.pt")
     got_step, n = report.export(jd, out_path, step=step_n, fmt=fmt)
     print(f"exported step {got_step}: {n} tensors -> {out_path}")
+
+
+@app.command("peer")
+def peer_cmd(
+    listen: Annotated[str, typer.Option(
+        "--listen", envvar=E.PEER_LISTEN,
+        help="HOST:PORT to listen on; only that address is bound (port 0: a free port, "
+             "printed).")],
+    flush_to: Annotated[str, typer.Option(
+        "--flush-to", envvar=E.PEER_FLUSH_TO,
+        help="Level 2: a directory or fsspec URL (s3://bucket/prefix, gs://..., file://...) "
+             "where checkpoints are flushed, FIFO.")],
+    token_file: Annotated[str, typer.Option(
+        "--token-file", envvar=E.PEER_TOKEN_FILE,
+        help="File with the shared secret (>= 16 bytes, mode 600) that clients must prove.")],
+    slots: Annotated[str, typer.Option(
+        "--slots", envvar=E.PEER_SLOTS,
+        help="Checkpoints held in RAM (a circular buffer).")] = "2",
+    max_checkpoint_bytes: Annotated[str, typer.Option(
+        "--max-checkpoint-bytes", envvar=E.PEER_MAX_CHECKPOINT_BYTES,
+        help="Largest checkpoint (all ranks) accepted, e.g. 8G; RAM use is at most slots "
+             "times this. Default: half the RAM divided by --slots, at most 16G.")] = "auto",
+    keep: Annotated[str, typer.Option(
+        "--keep", envvar=E.PEER_KEEP,
+        help="Flushed checkpoints kept per job at level 2.")] = "3",
+) -> None:
+    """Serve as a remote-memory checkpoint tier (ACUTE level 1) for `cfrun --peer`.
+
+    Holds up to --slots checkpoints in RAM, received from all ranks in parallel and kept as
+    received; flushes each complete one to --flush-to in arrival order; serves them back for a
+    resume. Stops on SIGTERM/SIGINT after flushing what it holds.
+    """
+    from cfrun.peer import serve_main
+
+    n_slots = parse_positive_int("--slots", slots, minimum=1)
+    if max_checkpoint_bytes == "auto":
+        import psutil
+
+        max_bytes = min(16 << 30, psutil.virtual_memory().total // 2 // n_slots)
+    else:
+        max_bytes = parse_bytes("--max-checkpoint-bytes", max_checkpoint_bytes)
+    peer_log = logging.getLogger("cfrun.peer")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s cfrun peer: %(message)s"))
+    peer_log.addHandler(handler)
+    peer_log.setLevel(logging.INFO)
+    peer_log.propagate = False
+    code = serve_main(listen, flush_to, token_file, slots=n_slots,
+                      max_checkpoint_bytes=max_bytes,
+                      keep=parse_positive_int("--keep", keep, minimum=1))
+    raise typer.Exit(code)
 
 
 def _run(cfg: RunConfig) -> None:

@@ -96,6 +96,24 @@ def parse_inject_crash(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)i?[bB]?\s*$")
+
+
+def parse_bytes(name: str, text: str) -> int:
+    """Parse a byte count: ``1073741824``, ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
+
+    Raises:
+        BadInputError: not a positive size.
+    """
+    m = _BYTES_RE.match(str(text))
+    value = 0
+    if m is not None:
+        value = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    if value < 1:
+        raise BadInputError(f"{name} {text!r} is not a size in bytes; give e.g. {name} 4G")
+    return value
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs, resolved from flags, environment and defaults.
@@ -133,6 +151,14 @@ class RunConfig:
     """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: str = ""
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
+    peer: str | None = None
+    """``HOST:PORT`` of a ``cfrun peer``: checkpoints go to its RAM first (ACUTE level 1)."""
+    peer_token_file: str | None = None
+    """File with the peer's shared secret, absolute; required with ``peer``."""
+    peer_streams: int = 4
+    """Parallel connections per rank shard to the peer (ACUTE's sharding degree), 1..64."""
+    persist_to: str | None = None
+    """Level-2 store (directory or fsspec URL) that a resume also searches."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables recorded for ``cfrun resume`` (CFRUN_*, CUDA_*, OMP_*, PYTHON*)."""
 
@@ -147,6 +173,10 @@ class RunConfig:
             raise BadInputError(f"--max-restarts {self.max_restarts} must be at least 0")
         if self.keep < 1:
             raise BadInputError(f"--keep {self.keep} must be at least 1")
+        if self.peer and not self.peer_token_file:
+            raise BadInputError("--peer needs --peer-token-file F (the peer's shared secret)")
+        if not 1 <= self.peer_streams <= 64:
+            raise BadInputError(f"--peer-streams {self.peer_streams} must lie in 1..64")
 
 
     def to_json(self) -> dict[str, Any]:

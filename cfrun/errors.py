@@ -20,6 +20,9 @@ EXIT_FAILED = 4
 """The script kept failing until ``--max-restarts`` ran out. Retrying may help."""
 EXIT_FATAL = 5
 """The same failure repeated (crash loop) or the job dir is unusable. Retrying will not help."""
+EXIT_UNAVAILABLE = 69
+"""``cfrun peer`` cannot listen on the address given (in use, or not an address of this host)
+(EX_UNAVAILABLE)."""
 EXIT_PREEMPTED = 75
 """Stopped by SIGTERM/SIGINT; the job is resumable from its newest checkpoint (EX_TEMPFAIL)."""
 
@@ -76,3 +79,10 @@ class IncompatibleFormatError(CfrunError):
 
     exit_code = EXIT_FATAL
     hint = "upgrade cfrun, or start a new job dir"
+
+
+class PeerBindError(CfrunError):
+    """``cfrun peer`` cannot bind its ``--listen`` address."""
+
+    exit_code = EXIT_UNAVAILABLE
+    hint = "pick a free port, or an address of this host (`ip addr`); see `ss -ltn`"

@@ -332,8 +332,8 @@ class Snapshotter:
         else:
             self.last_cost_s = snapshot_s + float(reply["persist_s"])
             self.last_committed = step
-            self._finish(snapshot_s=snapshot_s, **{k: reply[k] for k in (
-                "bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
+            self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{
+                k: reply[k] for k in ("bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
         self.persist_done.set()
 
     def _finish(self, **fields: Any) -> None:
@@ -347,7 +347,8 @@ class Snapshotter:
                 self.emit({"step": rec["step"], "bytes": rec["bytes"],
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],
-                           "bandwidth_bytes_per_s": rec["bandwidth_bytes_per_s"]})
+                           "bandwidth_bytes_per_s": rec["bandwidth_bytes_per_s"],
+                           "tier": rec.get("tier", "local")})
 
     def close(self, timeout_s: float = 60.0) -> None:
         """At exit: let the last hand-off and persist finish, then free the slot."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfrun import __version__, ipc
+from cfrun import env as E
 from cfrun.checkpoint import committed_steps
 from cfrun.config import RunConfig
 from cfrun.errors import (
@@ -363,6 +364,13 @@ class Supervisor:
         """Start the node's persist agent (its own process group: it outlives rank restarts)."""
         argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
                 "--keep", str(self.cfg.keep)]
+        if self.cfg.peer:
+            argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
+                     "--peer-streams", str(self.cfg.peer_streams)]
+            if os.environ.get(E.PEER_JOB):
+                argv += ["--peer-job", os.environ[E.PEER_JOB]]
+        if self.cfg.persist_to:
+            argv += ["--persist-to", self.cfg.persist_to]
         self.agent = subprocess.Popen(argv, start_new_session=True)
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:

@@ -1,0 +1,278 @@
+"""The persist agent's side of the peer tier: parallel shard transfer, reconnects, fetch.
+
+Runs inside the persist agent (``cfrun.agent``), never in a rank. For each rank's checkpoint the
+agent hands this module the rank's shared-memory snapshot slot; the slot's bytes are split into
+``streams`` contiguous byte ranges and sent concurrently, each over its own authenticated
+connection, straight from the ``mmap`` (no copy, no re-serialization: ACUTE §IV-B Check-Trans and
+§IV-C Check-Pack). Connections are pooled and reused across checkpoints.
+
+When the peer cannot be reached (down, wrong token, full), :meth:`PeerTier.mark_down` starts an
+exponential backoff (0.5 s doubling up to 30 s) during which the agent persists to the job dir
+instead; the first failure of an outage is logged once. After the backoff the next checkpoint
+tries the peer again, so a restarted peer is used again without any action.
+
+For a resume, :meth:`PeerTier.fetch` copies one complete checkpoint from peer RAM into a staging
+directory and checks every file's size and xxh3-64 checksum against the peer's manifest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from cfrun.checkpoint import FileEntry, shard_names
+from cfrun.errors import CheckpointCorruptError
+from cfrun.format import FORMAT_VERSION
+from cfrun.peer import PeerClient, PeerError
+from cfrun.storage import FILE_RE, MANIFEST
+
+logger = logging.getLogger("cfrun.agent")
+
+PART_ALIGN_BYTES = 4096
+MIN_PART_BYTES = 1 << 20
+"""Shards smaller than streams x this are sent in fewer parts (tiny parts cost more than
+they gain)."""
+MAX_FETCH_BYTES = 1 << 40
+
+
+def split_parts(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """``[(offset, length)]``: ``nbytes`` in at most ``streams`` 4 KiB-aligned ranges (pure)."""
+    n = max(1, min(streams, nbytes // MIN_PART_BYTES))
+    size = -(-nbytes // n // PART_ALIGN_BYTES) * PART_ALIGN_BYTES or nbytes
+    out = []
+    for off in range(0, nbytes, size):
+        out.append((off, min(size, nbytes - off)))
+    return out or [(0, 0)]
+
+
+class PeerTier:
+    """Connections to one ``cfrun peer`` for one job. Thread-safe.
+
+    Args:
+        address: the peer's ``(host, port)``.
+        token: shared secret (:func:`cfrun.peer.read_token`).
+        job: the job's name at the peer (one prefix per job at level 2).
+        streams: parallel connections per rank shard (ACUTE's sharding degree), 1..64.
+        emit: ``emit(event, **fields)`` appends to the job's events.jsonl.
+    """
+
+    def __init__(self, address: tuple[str, int], token: bytes, job: str, *, streams: int,
+                 emit: Callable[..., None]) -> None:
+        self.address = address
+        self.token = token
+        self.job = job
+        self.streams = max(1, min(64, streams))
+        self.emit = emit
+        self.lock = threading.Lock()
+        self.idle: list[PeerClient] = []
+        self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="cfrun-peer-send")
+        self.failures = 0
+        self.next_try = 0.0
+        self.is_down = False
+        self.watchers: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ connections
+
+    def _acquire(self) -> PeerClient:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return PeerClient(self.address, self.token)
+
+    def _release(self, client: PeerClient, ok: bool) -> None:
+        if not ok:
+            client.close()
+            return
+        with self.lock:
+            self.idle.append(client)
+
+    def _call(self, fn: Callable[[PeerClient], Any]) -> Any:
+        client = self._acquire()
+        ok = False
+        try:
+            result = fn(client)
+            ok = True
+            return result
+        finally:
+            self._release(client, ok)
+
+    def close(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for c in idle:
+            c.close()
+
+    def available(self) -> bool:
+        """False while backing off after a failure (then the job dir takes checkpoints)."""
+        return not self.is_down or time.monotonic() >= self.next_try
+
+    def mark_down(self, error: BaseException | str) -> None:
+        """Record a failure: back off, drop pooled connections, warn once per outage."""
+        self.close()
+        with self.lock:
+            self.failures += 1
+            self.next_try = time.monotonic() + min(30.0, 0.5 * 2 ** (self.failures - 1))
+            first = not self.is_down
+            self.is_down = True
+        if first:
+            logger.warning("WARNING: peer %s:%d unavailable (%s); checkpoints go to the job dir "
+                           "until it is back", *self.address, error)
+            self.emit("peer_unavailable", peer=f"{self.address[0]}:{self.address[1]}",
+                      error=str(error))
+
+    def mark_up(self) -> None:
+        """Record a success; logs the reconnection after an outage."""
+        with self.lock:
+            was_down, self.is_down, self.failures = self.is_down, False, 0
+        if was_down:
+            logger.warning("peer %s:%d reachable again; checkpoints go to peer RAM",
+                           *self.address)
+            self.emit("peer_reconnected", peer=f"{self.address[0]}:{self.address[1]}")
+
+    # ------------------------------------------------------------------ persist
+
+    def send_shard(self, *, step: int, world_size: int, rank: int, slot: Path, nbytes: int,
+                   doc: bytes, meta: dict[str, Any], wait_s: float = 10.0,
+                   die_mid_transfer: Callable[[], None] | None = None) -> bool:
+        """Send one rank's shard (slot bytes + JSON tree) in parallel parts, then seal it.
+
+        Called by the agent, one thread per rank; the rank does not touch its slot until the
+        agent replies. Returns True when this seal completed the step (all ranks protected).
+
+        Raises:
+            PeerError: any part or the seal failed; the step is then not protected.
+        """
+        bin_name, json_name = shard_names(rank)
+        with open(slot, "rb") as f, mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            slices: list[memoryview] = []
+            futures: list[cf.Future[Any]] = []
+            try:
+                parts = split_parts(nbytes, self.streams)
+                for i, (off, length) in enumerate(parts):
+                    piece = view[off:off + length]
+                    slices.append(piece)
+                    futures.append(self.pool.submit(
+                        self._call, lambda c, i=i, off=off, piece=piece: c.put(
+                            job=self.job, step=step, world_size=world_size, name=bin_name,
+                            part=i, nparts=len(parts), offset=off, file_bytes=nbytes,
+                            data=piece, wait_s=wait_s)))
+                futures.append(self.pool.submit(self._call, lambda c: c.put(
+                    job=self.job, step=step, world_size=world_size, name=json_name, part=0,
+                    nparts=1, offset=0, file_bytes=len(doc), data=doc, wait_s=wait_s)))
+                if die_mid_transfer is not None:
+                    cf.wait(futures[:1])
+                    die_mid_transfer()
+                digest = xxhash.xxh3_64_hexdigest(view)  # meanwhile, for the manifest
+            finally:
+                cf.wait(futures)  # no send may still use the mapping when it is closed
+                for piece in slices:
+                    piece.release()
+                view.release()
+        for fut in futures:
+            fut.result()  # the first failure, if any
+        files = [{"name": bin_name, "nbytes": nbytes, "xxh3_64": digest},
+                 {"name": json_name, "nbytes": len(doc),
+                  "xxh3_64": xxhash.xxh3_64_hexdigest(doc)}]
+        return bool(self._call(lambda c: c.seal(job=self.job, step=step, world_size=world_size,
+                                                rank=rank, files=files, meta=meta)))
+
+    def await_state(self, step: int, state: str, timeout_s: float) -> dict[str, Any]:
+        """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
+
+        Returns:
+            ``{state, flush_to, error}`` (:meth:`cfrun.peer.PeerClient.await_state`).
+        """
+        client = PeerClient(self.address, self.token)
+        try:
+            return client.await_state(self.job, step, state, timeout_s)
+        finally:
+            client.close()
+
+    def watch_durable(self, step: int, t_trigger_unix_s: float, timeout_s: float = 3600.0
+                      ) -> None:
+        """In a thread: emit ``durable`` once the peer flushed ``step`` to level 2."""
+        def run() -> None:
+            try:
+                reply = self.await_state(step, "durable", timeout_s)
+            except PeerError as e:
+                self.emit("durable_unknown", step=step, error=str(e))
+                return
+            if reply.get("state") == "durable":
+                self.emit("durable", step=step, tier="peer", url=reply.get("flush_to"),
+                          durable_s=round(time.time() - t_trigger_unix_s, 6))
+            else:
+                self.emit("durable_unknown", step=step, state=reply.get("state"),
+                          error=reply.get("error"))
+
+        t = threading.Thread(target=run, name=f"cfrun-durable-{step}", daemon=True)
+        with self.lock:
+            self.watchers = [w for w in self.watchers if w.is_alive()] + [t]
+        t.start()
+
+    def join_watchers(self, timeout_s: float) -> None:
+        """Wait (bounded) for outstanding ``durable`` notifications, e.g. at agent exit."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            watchers = list(self.watchers)
+        for t in watchers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ resume
+
+    def list(self) -> dict[str, Any]:
+        """The peer's view of this job: ``{flush_to, checkpoints: [{step, state, ...}]}``."""
+        return dict(self._call(lambda c: c.list(self.job)))
+
+    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], dict[str, Any]]:
+        """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
+
+        Returns:
+            The files written and the peer's manifest.
+
+        Raises:
+            PeerError: unreachable or the step is gone.
+            CheckpointCorruptError: a file does not match the manifest.
+        """
+        import json
+
+        raw = self._call(lambda c: c.get(self.job, step, MANIFEST, 1 << 24))
+        manifest = json.loads(raw)
+        return manifest_files_to(staging, manifest, lambda name, nbytes: self._call(
+            lambda c: c.get(self.job, step, name, nbytes))), manifest
+
+
+def manifest_files_to(staging: Path, manifest: dict[str, Any],
+                      read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
+    """Write every file ``manifest`` lists into ``staging``, checked against the manifest.
+
+    ``read(name, nbytes)`` returns a file's bytes (from peer RAM or level 2).
+
+    Raises:
+        CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
+    """
+    from cfrun.checkpoint import _fsync_write
+
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION \
+            or not isinstance(manifest.get("files"), list):
+        raise CheckpointCorruptError("fetched manifest has an unknown format")
+    staging.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in manifest["files"]:
+        name, nbytes, digest = f.get("name"), f.get("nbytes"), f.get("xxh3_64")
+        if not (isinstance(name, str) and FILE_RE.match(name) and isinstance(nbytes, int)
+                and 0 <= nbytes <= MAX_FETCH_BYTES):
+            raise CheckpointCorruptError(f"fetched manifest lists a bad file {name!r}")
+        data = read(name, nbytes)
+        if len(data) != nbytes or xxhash.xxh3_64_hexdigest(data) != digest:
+            raise CheckpointCorruptError(f"fetched {name} does not match its manifest")
+        out.append(_fsync_write(staging / name, [data]))
+    return out

@@ -1,0 +1,397 @@
+"""Level-2 storage (durable, usually remote): a plain directory or an fsspec URL.
+
+The peer's flusher writes checkpoints here and a resume reads them back (ACUTE §IV-A: "Lv.2";
+DESIGN.md §8). The layout is the job dir's own checkpoint layout, one prefix per job::
+
+    <root>/<job>/step-000120/rank-00000.bin  rank-00000.json ... manifest.json (written LAST)
+
+so a level-2 checkpoint is a set of portable files that any cfrun (or ``cfrun export`` after a
+copy into a job dir) reads. Two implementations, chosen by the URL:
+
+* :class:`DirStorage` for a plain path: every file is written into ``.staging-step-N``, fsynced,
+  then the manifest, then an atomic rename and a directory fsync (as :mod:`cfrun.checkpoint`);
+* :class:`FsspecStorage` for ``scheme://`` URLs (``s3://``, ``gs://``, ``file://``, ...): object
+  stores have no rename, so files go straight to their final keys and the manifest is written
+  last; **a step counts only if its manifest exists and parses** (a flush cut short leaves files
+  without a manifest, which are never used, and removed by the next :meth:`cleanup`). Deleting
+  removes the manifest first. ``file://`` goes through fsspec too (no fsync: use a plain path for
+  local durability).
+
+``s3://`` uses s3fs; its endpoint comes from ``CFRUN_S3_ENDPOINT_URL`` (e.g. a MinIO or moto
+server), else from the AWS configuration (``AWS_ENDPOINT_URL``, profiles, instance roles).
+
+Testing/benchmark aid: ``CFRUN_TEST_THROTTLE_BYTES_PER_S`` limits every write of this module (and
+of the persist agent's local writes) to that many bytes per second with a token bucket, to
+*simulate* network storage (ACUTE §III-B measured EBS/EFS ~90% slower than a local SSD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from cfrun.errors import BadInputError, CheckpointCorruptError
+from cfrun.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
+
+MANIFEST = "manifest.json"
+ENV_S3_ENDPOINT_URL = "CFRUN_S3_ENDPOINT_URL"
+ENV_TEST_THROTTLE = "CFRUN_TEST_THROTTLE_BYTES_PER_S"
+"""Testing aid: simulated storage bandwidth in bytes per second for level-2 and agent writes."""
+WRITE_CHUNK_BYTES = 8 << 20
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+FILE_RE = re.compile(r"^rank-\d{5}\.(bin|json)$")
+
+
+def check_job_name(job: str) -> str:
+    """Return ``job`` if it is a safe single path component (``[A-Za-z0-9._-]``, <= 100 chars).
+
+    Raises:
+        ValueError: anything else (it becomes part of storage paths and keys).
+    """
+    if not isinstance(job, str) or not JOB_RE.match(job) or ".." in job:
+        raise ValueError(f"job name {job!r} must match {JOB_RE.pattern} without '..'")
+    return job
+
+
+class Throttle:
+    """A token bucket shared by the writers of one process (simulated network storage)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = bytes_per_s
+        self.lock = threading.Lock()
+        self.next_free = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        """Block until ``nbytes`` may be written at ``rate`` bytes per second."""
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + nbytes / self.rate
+            wait_s = self.next_free - now
+        if wait_s > 0:
+            time.sleep(wait_s)
+
+
+_THROTTLE: Throttle | None = None
+_THROTTLE_LOCK = threading.Lock()
+
+
+def throttle() -> Throttle | None:
+    """This process's throttle if ``CFRUN_TEST_THROTTLE_BYTES_PER_S`` is set, else None."""
+    global _THROTTLE
+    rate = float(os.environ.get(ENV_TEST_THROTTLE, "0") or 0)
+    if rate <= 0:
+        return None
+    with _THROTTLE_LOCK:
+        if _THROTTLE is None or _THROTTLE.rate != rate:
+            _THROTTLE = Throttle(rate)
+        return _THROTTLE
+
+
+def _chunks(parts: Iterable[bytes | bytearray | memoryview]) -> Iterable[memoryview]:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), WRITE_CHUNK_BYTES):
+            yield view[start:start + WRITE_CHUNK_BYTES]
+
+
+class CheckpointWriter(Protocol):
+    """Writes one checkpoint: files in any order, then :meth:`commit` with the manifest."""
+
+    def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int: ...
+
+    def commit(self, manifest: dict[str, Any]) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class Storage(Protocol):
+    """A level-2 store. Thread-safe for different steps; one writer per step."""
+
+    url: str
+
+    def list_steps(self, job: str) -> list[int]: ...
+
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]: ...
+
+    def read_file(self, job: str, step: int, name: str) -> bytes: ...
+
+    def begin(self, job: str, step: int) -> CheckpointWriter: ...
+
+    def delete(self, job: str, step: int) -> None: ...
+
+    def cleanup(self, job: str | None = None) -> int: ...
+
+
+def _parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{where}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise CheckpointCorruptError(f"{where}: malformed manifest")
+    return manifest
+
+
+# ---------------------------------------------------------------------- plain directory
+
+
+class _DirWriter:
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.staging = final.parent / f"{STAGING_PREFIX}{final.name}"
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+
+    def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+        th = throttle()
+        n = 0
+        fd = os.open(self.staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for chunk in _chunks(parts):
+                if th is not None:
+                    th.take(len(chunk))
+                while chunk:
+                    w = os.write(fd, chunk)
+                    n += w
+                    chunk = chunk[w:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return n
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        fsync_dir(self.staging)
+        from cfrun.jobdir import atomic_write_json
+
+        atomic_write_json(self.staging / MANIFEST, manifest)
+        if self.final.exists():  # the same step flushed before (a restarted peer): replace it
+            (self.final / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(self.final, ignore_errors=True)
+        os.rename(self.staging, self.final)
+        fsync_dir(self.final.parent)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class DirStorage:
+    """Level 2 in a local or mounted directory, with fsync and atomic rename."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.absolute()
+        self.url = str(self.root)
+
+    def _job(self, job: str) -> Path:
+        return self.root / check_job_name(job)
+
+    def list_steps(self, job: str) -> list[int]:
+        """Steps of ``job`` with a manifest file, newest first (not verified)."""
+        d = self._job(job)
+        steps = []
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(STEP_PREFIX) and (p / MANIFEST).is_file():
+                    try:
+                        steps.append(int(p.name[len(STEP_PREFIX):]))
+                    except ValueError:
+                        continue
+        return sorted(steps, reverse=True)
+
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        path = self._job(job) / step_dir_name(step) / MANIFEST
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
+        return _parse_manifest(raw, str(path))
+
+    def read_file(self, job: str, step: int, name: str) -> bytes:
+        if not FILE_RE.match(name):
+            raise ValueError(f"bad checkpoint file name {name!r}")
+        return (self._job(job) / step_dir_name(step) / name).read_bytes()
+
+    def begin(self, job: str, step: int) -> _DirWriter:
+        d = self._job(job)
+        d.mkdir(parents=True, exist_ok=True)
+        return _DirWriter(d / step_dir_name(step))
+
+    def delete(self, job: str, step: int) -> None:
+        d = self._job(job) / step_dir_name(step)
+        (d / MANIFEST).unlink(missing_ok=True)  # no longer counts, even if the rest stays
+        shutil.rmtree(d, ignore_errors=True)
+
+    def cleanup(self, job: str | None = None) -> int:
+        """Remove staging directories (flushes cut short). Call when no flush runs."""
+        n = 0
+        jobs = [self._job(job)] if job else ([p for p in self.root.iterdir() if p.is_dir()]
+                                             if self.root.is_dir() else [])
+        for d in jobs:
+            if not d.is_dir():
+                continue
+            for p in d.iterdir():
+                if p.name.startswith(STAGING_PREFIX):
+                    shutil.rmtree(p, ignore_errors=True)
+                    n += 1
+        return n
+
+
+# ---------------------------------------------------------------------- fsspec URL
+
+
+class _FsspecWriter:
+    def __init__(self, fs: Any, prefix: str) -> None:
+        self.fs = fs
+        self.prefix = prefix
+        try:  # a flush of this step cut short earlier: its manifest must not survive
+            fs.rm(f"{prefix}/{MANIFEST}")
+        except (FileNotFoundError, OSError):
+            pass
+        if hasattr(fs, "makedirs"):
+            try:
+                fs.makedirs(prefix, exist_ok=True)
+            except OSError:
+                pass
+
+    def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+        th = throttle()
+        n = 0
+        with self.fs.open(f"{self.prefix}/{name}", "wb") as f:
+            for chunk in _chunks(parts):
+                if th is not None:
+                    th.take(len(chunk))
+                f.write(chunk)
+                n += len(chunk)
+        return n
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        with self.fs.open(f"{self.prefix}/{MANIFEST}", "wb") as f:  # last: makes it count
+            f.write(data)
+
+    def abort(self) -> None:
+        try:
+            self.fs.rm(self.prefix, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
+
+class FsspecStorage:
+    """Level 2 behind an fsspec URL: manifest written last, only steps with one count."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        protocol = self.url.split("://", 1)[0]
+        options: dict[str, Any] = {}
+        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
+        if protocol in ("s3", "s3a") and endpoint:
+            options["endpoint_url"] = endpoint
+        if protocol in ("s3", "s3a"):
+            options["use_listings_cache"] = False
+        self.fs, self.base = fsspec.core.url_to_fs(self.url, **options)
+        self.base = self.base.rstrip("/")
+
+    def _job(self, job: str) -> str:
+        return f"{self.base}/{check_job_name(job)}"
+
+    def _invalidate(self) -> None:
+        try:
+            self.fs.invalidate_cache()
+        except Exception:
+            pass
+
+    def list_steps(self, job: str) -> list[int]:
+        """Steps of ``job`` whose manifest exists, newest first (not verified)."""
+        self._invalidate()
+        prefix = self._job(job)
+        try:
+            names = self.fs.find(prefix)
+        except (FileNotFoundError, OSError):
+            return []
+        steps = []
+        for path in names:
+            rel = path[len(prefix):].strip("/").split("/")
+            if len(rel) == 2 and rel[1] == MANIFEST and rel[0].startswith(STEP_PREFIX):
+                try:
+                    steps.append(int(rel[0][len(STEP_PREFIX):]))
+                except ValueError:
+                    continue
+        return sorted(steps, reverse=True)
+
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        path = f"{self._job(job)}/{step_dir_name(step)}/{MANIFEST}"
+        try:
+            raw = self.fs.cat_file(path)
+        except (FileNotFoundError, OSError) as e:
+            raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
+        return _parse_manifest(raw, path)
+
+    def read_file(self, job: str, step: int, name: str) -> bytes:
+        if not FILE_RE.match(name):
+            raise ValueError(f"bad checkpoint file name {name!r}")
+        return bytes(self.fs.cat_file(f"{self._job(job)}/{step_dir_name(step)}/{name}"))
+
+    def begin(self, job: str, step: int) -> _FsspecWriter:
+        return _FsspecWriter(self.fs, f"{self._job(job)}/{step_dir_name(step)}")
+
+    def delete(self, job: str, step: int) -> None:
+        prefix = f"{self._job(job)}/{step_dir_name(step)}"
+        try:
+            self.fs.rm(f"{prefix}/{MANIFEST}")
+        except (FileNotFoundError, OSError):
+            pass
+        try:
+            self.fs.rm(prefix, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
+    def cleanup(self, job: str | None = None) -> int:
+        """Remove step prefixes that have files but no manifest (flushes cut short)."""
+        self._invalidate()
+        n = 0
+        try:
+            jobs = [self._job(job)] if job else [p for p in self.fs.ls(self.base, detail=False)]
+        except (FileNotFoundError, OSError):
+            return 0
+        for prefix in jobs:
+            try:
+                entries = self.fs.ls(prefix, detail=False)
+            except (FileNotFoundError, NotADirectoryError, OSError):
+                continue
+            for entry in entries:
+                name = entry.rstrip("/").rsplit("/", 1)[-1]
+                if not name.startswith(STEP_PREFIX):
+                    continue
+                if not self.fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
+                    try:
+                        self.fs.rm(entry, recursive=True)
+                        n += 1
+                    except (FileNotFoundError, OSError):
+                        pass
+        return n
+
+
+def open_storage(url: str) -> DirStorage | FsspecStorage:
+    """The level-2 store for a plain path or an fsspec URL.
+
+    Raises:
+        BadInputError: an fsspec scheme whose package is not installed (e.g. s3fs for s3://).
+    """
+    if "://" not in url:
+        return DirStorage(Path(url).expanduser())
+    try:
+        return FsspecStorage(url)
+    except ImportError as e:
+        raise BadInputError(f"storage URL {url!r} needs a package that is missing ({e}); "
+                            "e.g. pip install s3fs for s3://, gcsfs for gs://") from None
+    except ValueError as e:
+        raise BadInputError(f"storage URL {url!r} is not usable: {e}") from None
