@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from cfrun.errors import BadInputError, CheckpointCorruptError
 from cfrun.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
+from cfrun.checkpoint import committed_steps
 
 MANIFEST = "manifest.json"
 ENV_S3_ENDPOINT_URL = "CFRUN_S3_ENDPOINT_URL"
@@ -194,16 +195,7 @@ class DirStorage:
 
     def list_steps(self, job: str) -> list[int]:
         """Steps of ``job`` with a manifest file, newest first (not verified)."""
-        d = self._job(job)
-        steps = []
-        if d.is_dir():
-            for p in d.iterdir():
-                if p.name.startswith(STEP_PREFIX) and (p / MANIFEST).is_file():
-                    try:
-                        steps.append(int(p.name[len(STEP_PREFIX):]))
-                    except ValueError:
-                        continue
-        return sorted(steps, reverse=True)
+        return committed_steps(self._job(job))
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]:
         path = self._job(job) / step_dir_name(step) / MANIFEST
