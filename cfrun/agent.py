@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import logging
 import mmap
 import os
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import filelock
 import xxhash
 
 from cfrun import ipc
@@ -65,7 +67,7 @@ from cfrun.checkpoint import (
     staging_dir,
 )
 from cfrun.format import dumps_json
-from cfrun.jobdir import JobDir
+from cfrun.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
 from cfrun.storage import throttle
 
 if TYPE_CHECKING:
@@ -84,6 +86,14 @@ ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
 
 ENV_TEST_SLOW_S = "CFRUN_TEST_AGENT_SLOW_S"
 """Testing aid: the agent sleeps this long before each commit (a slow disk)."""
+
+
+def _manifest_bytes(step_dir: Path) -> int:
+    try:
+        return sum(int(f["nbytes"]) for f in
+                   json.loads((step_dir / "manifest.json").read_text())["files"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def _lower_priority() -> None:
@@ -120,8 +130,15 @@ class PersistAgent:
 
     def __init__(self, job_dir: Path, *, keep: int, use_odirect: bool = True,
                  peer: PeerTier | None = None, level2: Storage | None = None,
-                 job: str | None = None) -> None:
+                 job: str | None = None, nnodes: int = 1, node_rank: int = 0,
+                 local_world_size: int | None = None) -> None:
         self.jobdir = JobDir(job_dir)
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.local_world_size = local_world_size
+        self.waiting: dict[int, threading.Event] = {}
+        """Multi-node: steps whose local shards are durable, waiting for the other nodes;
+        setting the event abandons the wait."""
         self.keep = keep
         self.use_odirect = use_odirect
         self.peer = peer
@@ -141,7 +158,10 @@ class PersistAgent:
 
     def serve(self) -> None:
         """Listen, read messages on per-connection threads, write on one writer thread."""
-        remove_staging(self.jobdir.checkpoints)  # this agent is now the only writer
+        if self.nnodes > 1:  # other nodes' agents write here too: drop only this node's marks
+            self._drop_own_marks()
+        else:
+            remove_staging(self.jobdir.checkpoints)  # this agent is now the only writer
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(ipc.agent_address(self.jobdir.root))
         srv.listen(64)
@@ -192,6 +212,7 @@ class PersistAgent:
                 return
             op, conn, msg = job
             if op == "hello":
+                self._abandon_waiting()
                 self._drain_peer()
                 if self.peer is not None or self.level2 is not None:
                     try:
@@ -362,11 +383,17 @@ class PersistAgent:
         staging = staging_dir(self.jobdir.checkpoints, step)
         staging.mkdir(parents=True, exist_ok=True)
         bin_name, json_name = shard_names(rank)
+        for stale in (bin_name, json_name):  # from an attempt that died before this step committed
+            (staging / stale).unlink(missing_ok=True)
         bin_entry = self._write_slot(staging / bin_name, Path(msg["slot"]), int(msg["nbytes"]),
                                      step)
         json_entry = self._write_bytes(staging / json_name, dumps_json(msg["doc"]))
         shard = self.pending.setdefault(step, {})
         shard[rank] = ([bin_entry, json_entry], conn, msg)
+        if self.nnodes > 1:
+            if len(shard) >= (self.local_world_size or world_size):
+                self._node_done(step, world_size)
+            return
         if len(shard) < world_size:
             return
         slow_s = float(os.environ.get(ENV_TEST_SLOW_S, "0") or 0)
@@ -393,6 +420,124 @@ class PersistAgent:
                                pgt_s=reply["pgt_s"], tier="local")
         for _, c, _ in shard.values():
             self._reply(c, reply)
+
+    # ------------------------------------------------------------------ several nodes
+
+    def _mark_path(self, step: int, node_rank: int | None = None) -> Path:
+        node = self.node_rank if node_rank is None else node_rank
+        return staging_dir(self.jobdir.checkpoints, step) / f"node-{node:05d}.json"
+
+    def _commit_lock(self) -> filelock.FileLock:
+        """One lock for every commit and abandon in the shared job dir (all nodes' agents)."""
+        return filelock.FileLock(str(self.jobdir.checkpoints / ".commit.lock"))
+
+    def _node_done(self, step: int, world_size: int) -> None:
+        """Every local rank's shard of ``step`` is durable: publish this node's mark (its files
+        with their checksums), then commit if every node's mark is there, else wait for them on
+        a thread of its own (the ranks get their reply once the step is committed)."""
+        shard = self.pending.pop(step)
+        files = [f for r in sorted(shard) for f in shard[r][0]]
+        t_trigger = min(float(m.get("t_trigger_unix_s", time.time())) for _, _, m in shard.values())
+        atomic_write_json(self._mark_path(step), {
+            "node_rank": self.node_rank, "ranks": sorted(shard),
+            "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
+        meta = next(iter(shard.values()))[2]["doc"].get("meta", {})
+        conns = [c for _, c, _ in shard.values()]
+        abandon = threading.Event()
+        self.waiting[step] = abandon
+        threading.Thread(target=self._await_nodes, name=f"cfrun-await-{step}", daemon=True,
+                         args=(step, world_size, meta, conns, t_trigger, abandon)).start()
+
+    def _await_nodes(self, step: int, world_size: int, meta: dict[str, Any],
+                     conns: list[socket.socket], t_trigger: float, abandon: threading.Event
+                     ) -> None:
+        t0 = time.time()
+        while True:
+            outcome = self._try_commit(step, world_size, meta, abandon)
+            if outcome is not None:
+                break
+            if abandon.wait(0.02):
+                continue  # the next _try_commit takes the abandon path under the lock
+        self.waiting.pop(step, None)
+        committed, nbytes, by_me = outcome
+        t1 = time.time()
+        if not committed:
+            reply = {"op": "persisted", "step": step, "ok": False,
+                     "error": "abandoned: the ranks restarted before every node's shard arrived"}
+        else:
+            self.last_committed = max(self.last_committed, step)
+            reply = {"op": "persisted", "step": step, "ok": True, "bytes": nbytes,
+                     "tier": "local", "persist_s": round(t1 - t0, 6),
+                     "pgt_s": round(t1 - t_trigger, 6),
+                     "bandwidth_bytes_per_s": round(nbytes / max(t1 - t0, 1e-9))}
+            if by_me:
+                self.jobdir.emit_event("commit", step=step, bytes=nbytes, nodes=self.nnodes,
+                                       persist_s=reply["persist_s"], pgt_s=reply["pgt_s"],
+                                       tier="local")
+        for c in conns:
+            self._reply(c, reply)
+
+    def _try_commit(self, step: int, world_size: int, meta: dict[str, Any],
+                    abandon: threading.Event) -> tuple[bool, int, bool] | None:
+        """Under the commit lock: ``(True, bytes, by_me)`` once ``step`` is committed (by any
+        node), ``(False, 0, False)`` when abandoned (this node's mark removed, so the step can
+        never commit), ``None`` while other nodes' marks are missing."""
+        checkpoints = self.jobdir.checkpoints
+        final = checkpoints / step_dir_name(step)
+        staging = staging_dir(checkpoints, step)
+        with self._commit_lock():
+            if (final / "manifest.json").is_file():
+                return True, _manifest_bytes(final), False
+            if abandon.is_set():
+                self._mark_path(step).unlink(missing_ok=True)
+                return False, 0, False
+            marks = []
+            for node in range(self.nnodes):
+                try:
+                    marks.append(json.loads(self._mark_path(step, node).read_text()))
+                except (OSError, ValueError):
+                    return None
+            files = [FileEntry(**f) for m in marks for f in m["files"]]
+            ranks = sorted(r for m in marks for r in m["ranks"])
+            if ranks != list(range(world_size)):
+                raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
+                                   f"0..{world_size - 1}")
+            commit(checkpoints, step, files, world_size=world_size,
+                   meta={k: meta.get(k) for k in ("step", "mode", "epoch", "batches",
+                                                  "not_exact")}, keep=self.keep)
+            for p in checkpoints.iterdir():  # older steps can no longer complete
+                if p.name.startswith(STAGING_PREFIX) and p != staging:
+                    try:
+                        if int(p.name[len(STAGING_PREFIX):]) < step:
+                            shutil.rmtree(p, ignore_errors=True)
+                    except ValueError:
+                        continue
+            return True, sum(f.nbytes for f in files), True
+
+    def _abandon_waiting(self) -> None:
+        """A rank said hello: this node's ranks restarted, so every step still waiting for
+        other nodes belongs to the old run. Abandon them (under the commit lock, so a step is
+        either committed by then, and counts, or can never commit) before the ranks look for
+        the newest checkpoint: every node's ranks then see the same committed steps."""
+        for step in list(self.pending):  # local shards of a step that never completed here
+            del self.pending[step]
+        events = list(self.waiting.items())
+        for _, ev in events:
+            ev.set()
+        deadline = time.monotonic() + 30.0
+        while any(s in self.waiting for s, _ in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _drop_own_marks(self) -> None:
+        """At start (several nodes): remove this node's marks of steps not committed; they
+        belong to an agent of this node that died."""
+        checkpoints = self.jobdir.checkpoints
+        if not checkpoints.is_dir():
+            return
+        with self._commit_lock():
+            for p in checkpoints.iterdir():
+                if p.name.startswith(STAGING_PREFIX):
+                    (p / f"node-{self.node_rank:05d}.json").unlink(missing_ok=True)
 
     def _open(self, path: Path) -> tuple[int, bool]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -467,6 +612,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-streams", type=int, default=4)
     p.add_argument("--peer-job", default=None)
     p.add_argument("--persist-to", default=None, help="level-2 directory or URL to resume from")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--local-world-size", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[cfrun agent] %(message)s")
     _lower_priority()
@@ -486,7 +634,8 @@ def main(argv: list[str] | None = None) -> None:
 
         level2 = open_storage(args.persist_to)
     agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,
-                         peer=peer, level2=level2, job=job)
+                         peer=peer, level2=level2, job=job, nnodes=args.nnodes,
+                         node_rank=args.node_rank, local_world_size=args.local_world_size)
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to cfrun, which stops us
     agent.serve()

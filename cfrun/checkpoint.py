@@ -278,8 +278,47 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     return decode(doc["tree"], tensors), doc.get("meta", {})
 
 
-def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None
-                ) -> tuple[int, Any, dict[str, Any]] | None:
+def check_complete(step_dir: Path) -> dict[str, Any]:
+    """Every rank's shard is listed in the manifest and present at its recorded size.
+
+    Each rank checks this for the whole checkpoint before loading its own shard, so that all
+    ranks skip the same incomplete checkpoint (a rank whose shard is missing must not fall back
+    to an older step while the others load this one). Reads only the manifest and ``stat``s.
+
+    Raises:
+        CheckpointCorruptError: a rank's shard is missing from the manifest or the directory,
+            or has another size.
+    """
+    manifest = read_manifest(step_dir)
+    names = {f["name"]: int(f["nbytes"]) for f in manifest["files"]}
+    for r in range(int(manifest.get("world_size", 1))):
+        for name in shard_names(r):
+            if name not in names:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is not in "
+                                             "the manifest")
+            try:
+                size = (step_dir / name).stat().st_size
+            except OSError:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is "
+                                             "missing") from None
+            if size != names[name]:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} has {size} "
+                                             f"bytes, the manifest says {names[name]}")
+    return manifest
+
+
+class WorldSizeChangedError(Exception):
+    """The newest checkpoint was written by another number of ranks (nothing is skipped or
+    quarantined: the checkpoint is fine, the run is not)."""
+
+    def __init__(self, step: int, saved: int, now: int) -> None:
+        super().__init__(f"checkpoint step {step} was written by {saved} ranks, this run has "
+                         f"{now}")
+        self.step, self.saved, self.now = step, saved, now
+
+
+def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
+                world_size: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
     """The newest checkpoint that verifies, falling back to older ones.
 
     A checkpoint that fails verification is quarantined (:func:`quarantine`) so that neither
@@ -288,10 +327,18 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None
 
     Returns:
         ``(step, state, meta)``, or ``None`` when no committed checkpoint verifies.
+
+    Raises:
+        WorldSizeChangedError: ``world_size`` is given and the newest readable manifest was
+            written by another number of ranks (before any rank loads or quarantines anything).
     """
     for step in committed_steps(checkpoints):
         step_dir = checkpoints / step_dir_name(step)
         try:
+            manifest = check_complete(step_dir)
+            saved = int(manifest.get("world_size", 1))
+            if world_size is not None and saved != world_size:
+                raise WorldSizeChangedError(step, saved, world_size)
             state, meta = load_shard(step_dir, rank)
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
             logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",

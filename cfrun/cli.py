@@ -160,12 +160,25 @@ def run_cmd(
         "--persist-to", envvar=E.PERSIST_TO,
         help="Level-2 store (directory or URL such as s3://bucket/prefix) that a resume also "
              "searches: give the peer's --flush-to.")] = None,
+    nnodes: Annotated[str, typer.Option(
+        "--nnodes", envvar=E.NNODES,
+        help="Nodes in the job; run one cfrun per node with the same --job-dir on a shared "
+             "file system (torchrun c10d rendezvous).")] = "1",
+    node_rank: Annotated[str, typer.Option(
+        "--node-rank", envvar=E.NODE_RANK, help="This node's index, 0..nnodes-1.")] = "0",
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+        "--rdzv-endpoint", envvar=E.RDZV_ENDPOINT,
+        help="HOST:PORT of the rendezvous (required with --nnodes > 1).")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option(
+        "--rdzv-id", envvar=E.RDZV_ID,
+        help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
-                        peer_streams=peer_streams, persist_to=persist_to)
+                        peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
+                        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     _run(cfg)
 
 
@@ -174,7 +187,8 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   keep: str, grace: str, mtbf: str | None, hang_timeout: str, crash_loop: str,
                   inject_crash: str, *, profile_only: bool, peer: str | None = None,
                   peer_token_file: str | None = None, peer_streams: str = "4",
-                  persist_to: str | None = None) -> RunConfig:
+                  persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
+                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> RunConfig:
     script_path = _resolve_script(script)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
@@ -223,6 +237,10 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         profile_only=profile_only,
         crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
         inject_crash=inject_crash,
+        nnodes=parse_positive_int("--nnodes", nnodes, minimum=1),
+        node_rank=parse_positive_int("--node-rank", node_rank, minimum=0),
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id or jd.name,
         peer=peer or None,
         peer_token_file=token_path,
         peer_streams=parse_positive_int("--peer-streams", peer_streams, minimum=1),
@@ -318,10 +336,16 @@ def profile_cmd(
 @app.command("resume")
 def resume_cmd(
     job_dir: Annotated[str, typer.Argument(help="A job dir written by an earlier cfrun run.")],
+    node_rank: Annotated[str, typer.Option(
+        "--node-rank", envvar=E.NODE_RANK,
+        help="Which node's settings to resume in a multi-node job dir.")] = "0",
 ) -> None:
     """Continue a stopped, failed or preempted job with its recorded command and settings."""
     jd = Path(job_dir).expanduser().absolute()
-    cfg_path = jd / "config.json"
+    os.environ[E.NODE_RANK] = str(parse_positive_int("--node-rank", node_rank, minimum=0))
+    from cfrun.env import node_suffix
+
+    cfg_path = jd / f"config{node_suffix()}.json"
     if not jd.is_dir():
         raise BadInputError(f"job dir {job_dir!r} does not exist; give the --job-dir of an "
                             "earlier run (default ./cfrun-jobs/<script name>)")
@@ -509,6 +533,9 @@ def peer_cmd(
 def _run(cfg: RunConfig) -> None:
     from cfrun.supervisor import Supervisor
 
+    # the node's identity names its config, lock, agent socket and slots (cfrun.env.node_suffix)
+    os.environ[E.NODE_RANK] = str(cfg.node_rank)
+    os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
     code = Supervisor(cfg).run()

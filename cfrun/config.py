@@ -159,6 +159,14 @@ class RunConfig:
     """Parallel connections per rank shard to the peer (ACUTE's sharding degree), 1..64."""
     persist_to: str | None = None
     """Level-2 store (directory or fsspec URL) that a resume also searches."""
+    nnodes: int = 1
+    """Nodes in the job (torchrun ``--nnodes``); each runs its own cfrun, supervisor and agent."""
+    node_rank: int = 0
+    """This node's index, 0..nnodes-1 (torchrun ``--node-rank``)."""
+    rdzv_endpoint: str | None = None
+    """``HOST:PORT`` of torchrun's c10d rendezvous; required with ``nnodes > 1``."""
+    rdzv_id: str | None = None
+    """Rendezvous id shared by the nodes (default: the job dir's name)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables recorded for ``cfrun resume`` (CFRUN_*, CUDA_*, OMP_*, PYTHON*)."""
 
@@ -177,6 +185,20 @@ class RunConfig:
             raise BadInputError("--peer needs --peer-token-file F (the peer's shared secret)")
         if not 1 <= self.peer_streams <= 64:
             raise BadInputError(f"--peer-streams {self.peer_streams} must lie in 1..64")
+        if self.nnodes < 1:
+            raise BadInputError(f"--nnodes {self.nnodes} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise BadInputError(f"--node-rank {self.node_rank} must lie in 0..{self.nnodes - 1} "
+                                f"(--nnodes {self.nnodes})")
+        if self.nnodes > 1:
+            host, _, port = (self.rdzv_endpoint or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise BadInputError(
+                    f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the c10d "
+                    f"rendezvous every node reaches), got {self.rdzv_endpoint!r}")
+            if self.peer:
+                raise BadInputError("--peer is not supported with --nnodes > 1 yet; run one "
+                                    "node per job with --peer, or drop --peer")
 
 
     def to_json(self) -> dict[str, Any]:

@@ -20,6 +20,12 @@ INJECT_CRASH = "CFRUN_INJECT_CRASH"
 HANG_TIMEOUT = "CFRUN_HANG_TIMEOUT"
 CRASH_LOOP = "CFRUN_CRASH_LOOP"
 DEBUG = "CFRUN_DEBUG"
+NNODES = "CFRUN_NNODES"
+NODE_RANK = "CFRUN_NODE_RANK"
+"""This node's index in a multi-node job (torchrun ``--node-rank``); also names this node's
+config, lock, agent socket and snapshot slots in the shared job dir."""
+RDZV_ENDPOINT = "CFRUN_RDZV_ENDPOINT"
+RDZV_ID = "CFRUN_RDZV_ID"
 PEER = "CFRUN_PEER"
 """``HOST:PORT`` of a ``cfrun peer``: checkpoints go to its RAM (ACUTE level 1)."""
 PEER_TOKEN_FILE = "CFRUN_PEER_TOKEN_FILE"
@@ -61,3 +67,20 @@ HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
 """Pid of the rank process whose hook is live; children that inherit it stay inert."""
 PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"
 """The PYTHONPATH the user had, so the hook can chain the user's own sitecustomize."""
+
+
+def node_rank() -> int:
+    """This process's node in a multi-node job (``CFRUN_NODE_RANK``; 0 when unset)."""
+    import os
+
+    try:
+        return max(0, int(os.environ.get(NODE_RANK, "0") or 0))
+    except ValueError:
+        return 0
+
+
+def node_suffix() -> str:
+    """``""`` on node 0 (or a single-node job), ``"-node<R>"`` on node R > 0: keeps the names of
+    per-node things apart when several nodes share one job dir (or one machine, in tests)."""
+    node = node_rank()
+    return f"-node{node}" if node > 0 else ""

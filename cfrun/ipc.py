@@ -25,8 +25,10 @@ class ProtocolError(ConnectionError):
 
 def agent_address(job_dir: Path | str) -> str:
     """The agent's abstract socket name for ``job_dir``."""
+    from cfrun.env import node_suffix
+
     digest = hashlib.sha1(str(Path(job_dir).absolute()).encode()).hexdigest()[:24]
-    return f"\0cfrun-agent-{digest}"
+    return f"\0cfrun-agent-{digest}{node_suffix()}"
 
 
 def send(sock: socket.socket, msg: dict[str, Any]) -> None:

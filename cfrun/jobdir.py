@@ -22,6 +22,7 @@ from typing import Any
 import filelock
 
 from cfrun.errors import BadInputError, JobDirLockedError
+from cfrun.env import node_rank
 
 CHECKPOINTS = "checkpoints"
 STAGING_PREFIX = ".staging-"
@@ -69,7 +70,9 @@ class JobDir:
 
     @property
     def config_path(self) -> Path:
-        return self.root / "config.json"
+        from cfrun.env import node_suffix
+
+        return self.root / f"config{node_suffix()}.json"  # one per node in a shared job dir
 
     @property
     def events_path(self) -> Path:
@@ -81,7 +84,9 @@ class JobDir:
 
     @property
     def lock_path(self) -> Path:
-        return self.root / "job.lock"
+        from cfrun.env import node_suffix
+
+        return self.root / f"job{node_suffix()}.lock"  # one supervisor per node
 
     def check_usable(self) -> None:
         """Raise if ``root`` exists but cannot be a job dir (a file, or a foreign directory).
@@ -94,11 +99,17 @@ class JobDir:
             raise BadInputError(
                 f"--job-dir {str(self.root)!r} is a file; give a directory path (it is created)"
             )
-        if self.root.is_dir() and any(self.root.iterdir()) and not self.config_path.exists():
+        if self.root.is_dir() and any(self.root.iterdir()) and not self._looks_like_job_dir():
             raise BadInputError(
                 f"--job-dir {str(self.root)!r} is a non-empty directory that is not a cfrun job dir;"
                 " give a new or empty directory"
             )
+
+    def _looks_like_job_dir(self) -> bool:
+        """Written by cfrun: a node's config or lock (several nodes share one job dir and
+        start at about the same time), the events or the checkpoints."""
+        return (any(self.root.glob("config*.json")) or any(self.root.glob("job*.lock"))
+                or (self.root / "events.jsonl").exists() or (self.root / "checkpoints").is_dir())
 
     def create(self) -> None:
         """Create the directory tree (idempotent)."""
@@ -137,8 +148,13 @@ class JobDir:
         return False
 
     def emit_event(self, kind: str, **fields: Any) -> None:
-        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes)."""
+        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes).
+
+        Events of node R > 0 of a multi-node job carry ``"node": R`` (node 0's carry none)."""
         record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
+        node = node_rank()
+        if node:
+            record.setdefault("node", node)
         line = json.dumps(record, sort_keys=True, default=str) + "\n"
         fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:

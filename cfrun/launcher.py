@@ -1,6 +1,7 @@
 """Build the torchrun command line and the ranks' environment (pure), then start torchrun.
 
-The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` with the same
+The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` (one node) or
+with torchrun's c10d rendezvous (``--nnodes N``) with the same
 interpreter as cfrun. cfrun restarts torchrun itself (``--max-restarts 0`` to torchrun) so that
 it can apply its own policy and keep the persist agent across restarts.
 """
@@ -27,10 +28,20 @@ def hooks_dir() -> Path:
 
 
 def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list[str]:
-    """The torchrun command for one attempt (no I/O)."""
+    """The torchrun command for one attempt (no I/O).
+
+    One node: ``--standalone``. Several: torchrun's c10d rendezvous at ``--rdzv-endpoint`` (the
+    first node there to bind the port hosts the store; torchrun ``--rdzv-backend c10d``), with a
+    fixed node count, so the world size cannot change between restarts.
+    """
+    if cfg.nnodes > 1:
+        launch = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+                  f"--rdzv-id={cfg.rdzv_id}"]
+    else:
+        launch = ["--standalone"]
     return [
         python, "-m", "torch.distributed.run",
-        "--standalone",
+        *launch,
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--max-restarts=0",
         "--monitor-interval=0.1",

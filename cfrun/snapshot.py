@@ -77,7 +77,10 @@ def shm_dir(job_dir: Path, nbytes: int) -> Path:
 
 def slot_prefix(job_dir: Path) -> str:
     """File-name prefix of a job's slots; the supervisor removes ``<prefix>*`` at the end."""
-    return "cfrun-" + hashlib.sha1(str(job_dir.absolute()).encode()).hexdigest()[:12]
+    from cfrun.env import node_suffix
+
+    return "cfrun-" + hashlib.sha1(str(job_dir.absolute()).encode()).hexdigest()[:12] \
+        + node_suffix()
 
 
 class SnapshotSlot:

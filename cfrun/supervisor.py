@@ -116,7 +116,9 @@ class Supervisor:
         self.jobdir.emit_event("state", state=state.value, **fields)
 
     def _first_attempt_number(self) -> int:
-        return sum(1 for e in self.jobdir.read_events() if e.get("event") == "attempt_start")
+        """This node's attempts so far (several nodes share events.jsonl)."""
+        return sum(1 for e in self.jobdir.read_events() if e.get("event") == "attempt_start"
+                   and e.get("node", 0) == self.cfg.node_rank)
 
     def run(self) -> int:
         """Run until success, preemption, or failure. Returns the exit code.
@@ -174,7 +176,14 @@ class Supervisor:
             result = self._run_attempt(attempt)
             jd.emit_event("attempt_end", attempt=attempt, returncode=result.returncode,
                           duration_s=round(result.duration_s, 3))
-            if result.returncode == 0 and not result.hung:
+            succeeded = result.returncode == 0 and not result.hung
+            if not succeeded and not result.hung and self._ended_clean(attempt):
+                logger.warning("cfrun: every rank finished the script, then a rank died during "
+                               "interpreter teardown (%s); counted as success",
+                               _describe(result.returncode))
+                jd.emit_event("teardown_failure", attempt=attempt, returncode=result.returncode)
+                succeeded = True
+            if succeeded:
                 self._set(SupervisorState.SUCCEEDED, attempt=attempt)
                 return EXIT_SUCCESS
             fatal = jd.root / "fatal.json"
@@ -285,6 +294,18 @@ class Supervisor:
                 continue
         return max(steps) if steps else None
 
+    def _ended_clean(self, attempt: int) -> bool:
+        """Every rank of this node wrote a clean end-of-script mark in ``attempt``
+        (cfrun.runtime.core.Runtime._mark_end)."""
+        ended = self.jobdir.root / "ended"
+        marks = list(ended.glob(f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"))
+        if len(marks) != self.cfg.nproc_per_node:
+            return False
+        try:
+            return all(json.loads(p.read_text()).get("clean") is True for p in marks)
+        except (OSError, ValueError):
+            return False
+
     def _failure_signature(self, result: AttemptResult) -> dict[str, Any]:
         """What a failure looked like: exit, the failing rank's error, the step it reached."""
         error = None
@@ -371,6 +392,9 @@ class Supervisor:
                 argv += ["--peer-job", os.environ[E.PEER_JOB]]
         if self.cfg.persist_to:
             argv += ["--persist-to", self.cfg.persist_to]
+        if self.cfg.nnodes > 1:
+            argv += ["--nnodes", str(self.cfg.nnodes), "--node-rank", str(self.cfg.node_rank),
+                     "--local-world-size", str(self.cfg.nproc_per_node)]
         self.agent = subprocess.Popen(argv, start_new_session=True)
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:

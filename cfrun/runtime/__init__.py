@@ -73,6 +73,13 @@ def _install() -> Any:
             orig_hook(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+    orig_exit = sys.exit
+
+    def exit(status: Any = None) -> Any:  # the script's exit code, for the end-of-script mark
+        rt.note_exit(status)
+        return orig_exit(status)
+
+    sys.exit = exit
     atexit.register(rt.at_exit)
     rt.connect_agent()
     rt.load_plan()

@@ -36,7 +36,14 @@ from typing import Any, Callable
 import torch
 
 from cfrun import env as E
-from cfrun.checkpoint import commit, load_newest, shard_names, staging_dir, write_shard
+from cfrun.checkpoint import (
+    WorldSizeChangedError,
+    commit,
+    load_newest,
+    shard_names,
+    staging_dir,
+    write_shard,
+)
 from cfrun.config import parse_inject_crash
 from cfrun.format import UnsupportedValueError, decode, encode
 from cfrun.jobdir import JobDir, atomic_write_json
@@ -332,6 +339,7 @@ class Runtime:
         if self.s.rank == 0:
             self.jobdir.emit_event("preempted", step=self.step, final_checkpoint=committed,
                                    newest_committed=last)
+        self.note_exit(EXIT_PREEMPTED)
         raise SystemExit(EXIT_PREEMPTED)
 
     def _last_cost_s(self) -> float:
@@ -614,13 +622,15 @@ class Runtime:
             if self.s.rank == 0:
                 self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
 
-        got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped)
+        try:
+            got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
+                              world_size=self.s.world_size)
+        except WorldSizeChangedError as e:
+            self.fatal(f"{e}; run with the same --nnodes x --nproc-per-node ({e.saved} ranks), "
+                       "or start a new --job-dir (the checkpoints are kept)")
         if got is None:
             return
         step, state, meta = got
-        if meta.get("world_size", 1) != self.s.world_size:
-            self.fatal(f"checkpoint step {step} was written by {meta.get('world_size')} ranks, "
-                       f"this run has {self.s.world_size}; run with the same --nproc-per-node")
         self.plan = ResumePlan(step, state, meta)
         say(f"resuming from checkpoint step {step}")
         if self.plan.mode == "loop":
@@ -804,9 +814,8 @@ class Runtime:
         self.resumed = True
         self._exit_fast_forward()
         say(f"resumed at step {plan.step} ({len(restored)} script variables restored)")
-        if self.s.rank == 0:
-            self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
-                                   variables=sorted(restored))
+        self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
+                               rank=self.s.rank, variables=sorted(restored))
 
     def _enter_fast_forward(self, epochs: int) -> None:
         if self.fast_forwarding:
@@ -844,6 +853,7 @@ class Runtime:
         import traceback
 
         if exc_type is not SystemExit:
+            self._uncaught = True
             errors = self.jobdir.root / "errors"
             try:
                 errors.mkdir(exist_ok=True)
@@ -858,7 +868,30 @@ class Runtime:
                 "batch; the next attempt runs them in full (fallback)")
             self._ff_fallback_path.touch()
 
+    def note_exit(self, status: Any) -> None:
+        """``sys.exit(status)`` was called: remember the exit code for :meth:`_mark_end`."""
+        self._exit_code = 0 if status is None else status if isinstance(status, int) else 1
+
+    def _mark_end(self) -> None:
+        """The script's end on this rank, written before interpreter teardown: ``clean`` when
+        it returned (or called ``sys.exit(0)``) with no uncaught exception. The supervisor
+        counts an attempt whose ranks all ended clean as a success even if a rank then died
+        in teardown: torch 2.13 with gloo aborts in C++ destructors at exit now and then
+        ("terminate called without an active exception", SIGABRT), and restarting a finished
+        job would only run its tail again."""
+        from cfrun.env import node_rank
+
+        clean = not getattr(self, "_uncaught", False) and getattr(self, "_exit_code", 0) == 0
+        try:
+            ended = self.jobdir.root / "ended"
+            ended.mkdir(exist_ok=True)
+            atomic_write_json(ended / f"node-{node_rank()}-attempt-{self.s.attempt}-rank-"
+                                      f"{self.s.rank}.json", {"clean": clean, "step": self.step})
+        except OSError:
+            pass
+
     def at_exit(self) -> None:
+        self._mark_end()
         self._exit_fast_forward()
         if self.snap is not None:
             self.snap.close()

@@ -144,3 +144,22 @@ def test_as_pid_1_reaps_orphans_and_forwards_sigterm(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-2000:]
     assert Run(0, "", "", tmp_path / "j").events("preempted")[0]["final_checkpoint"] is not None
+
+
+def test_a_rank_dying_in_teardown_after_the_script_finished_is_not_restarted(tmp_path):
+    """torch 2.13 + gloo sometimes SIGABRTs in C++ destructors after the script is done
+    ("terminate called without an active exception"): the job is done, not restarted."""
+    run = run_cfrun(["--interval", "10", "--job-dir", "j", str(SCRIPTS / "end_then_die.py"),
+                     "abort", "out.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("attempt_start")) == 1
+    [td] = run.events("teardown_failure")
+    assert td["returncode"] != 0
+    assert run.stdout.count("FINAL done") == 1
+
+
+def test_a_script_exiting_nonzero_after_training_is_still_a_failure(tmp_path):
+    run = run_cfrun(["--interval", "10", "--max-restarts", "0", "--job-dir", "j",
+                     str(SCRIPTS / "end_then_die.py"), "exit3", "out.pt"], cwd=tmp_path)
+    assert run.returncode == 4, run.stderr[-3000:]
+    assert not run.events("teardown_failure")

@@ -1,0 +1,176 @@
+"""Several ranks and nodes: cross-node commit, a node killed, incomplete checkpoints, world size.
+
+Two "nodes" are two cfrun processes on this machine sharing one job dir, rendezvous on loopback
+(torchrun's c10d backend); a node is killed by SIGKILLing its whole process tree (supervisor,
+persist agent, torchrun, ranks), as a lost VM would be, and started again as a cluster scheduler
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+
+pytestmark = pytest.mark.timeout(300)
+DDP = str(SCRIPTS / "train_ddp.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(tmp_path: Path, node: int, port: int, out: str, job: str = "job"
+               ) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "cfrun", "--nnodes", "2", "--node-rank", str(node),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--interval", "10", "--job-dir", job,
+            DDP, out]
+    return subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def events(job: Path) -> list[dict]:
+    path = job / "events.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a cfrun and every process under it (its ranks run in sessions of their own)."""
+    root = psutil.Process(proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def saved(tmp_path: Path, prefix: str) -> dict:
+    """The final state written by global rank 0, on whichever node the rendezvous put it."""
+    [path] = [p for p in (tmp_path / f"{prefix}0.pt", tmp_path / f"{prefix}1.pt") if p.exists()]
+    return torch.load(path, weights_only=True)
+
+
+def two_node_run(tmp_path: Path, job: str, out: str) -> None:
+    port = free_port()
+    nodes = [start_node(tmp_path, n, port, f"{out}{n}.pt", job) for n in (0, 1)]
+    for p in nodes:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+
+
+def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path):
+    """Every checkpoint of a 2-node job holds both ranks' shards, committed once."""
+    two_node_run(tmp_path, "job", "two")
+    ref = run_cfrun(["--nproc-per-node", "2", "--interval", "10", "--job-dir", "ref", DDP,
+                     "ref.pt"], cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ev = events(tmp_path / "job")
+    commits = [e["step"] for e in ev if e["event"] == "commit"]
+    assert commits == sorted(set(commits)) and commits[:3] == [10, 20, 30]  # once per step
+    assert all(e.get("nodes") == 2 for e in ev if e["event"] == "commit")
+    newest = max(commits)
+    manifest = json.loads((tmp_path / "job" / "checkpoints" / f"step-{newest:06d}" /
+                           "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert {f["name"] for f in manifest["files"]} >= {
+        "rank-00000.bin", "rank-00000.json", "rank-00001.bin", "rank-00001.json"}
+    # each node has its own config and attempt numbering; attempts start at 0 on both
+    assert (tmp_path / "job" / "config.json").exists()
+    assert (tmp_path / "job" / "config-node1.json").exists()
+    starts = [(e.get("node", 0), e["attempt"]) for e in ev if e["event"] == "attempt_start"]
+    assert sorted(starts) == [(0, 0), (1, 0)]
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         saved(tmp_path, "two"))
+
+
+def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path):
+    two_node_run(tmp_path, "ref", "ref")
+    port = free_port()
+    job = tmp_path / "job"
+    node0 = start_node(tmp_path, 0, port, "got0.pt")
+    node1 = start_node(tmp_path, 1, port, "got1.pt")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # kill node 1 once a rank is past step 35
+        beats = [int(p.read_text().strip() or 0) for p in job.glob("heartbeat-rank-*")
+                 if p.read_text().strip()]
+        if beats and max(beats) >= 35:
+            break
+        time.sleep(0.02)
+    kill_tree(node1)
+    killed_at = max(int(p.read_text().strip() or 0) for p in job.glob("heartbeat-rank-*"))
+    node1 = start_node(tmp_path, 1, port, "got1.pt")  # the scheduler brings the node back
+    for p in (node0, node1):
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    ev = events(job)
+    resumed = [(e.get("node", 0), e["rank"], e["step"]) for e in ev if e["event"] == "resumed"]
+    steps = {s for _, _, s in resumed}
+    assert len(steps) == 1, resumed  # every rank of both nodes, the same step
+    [step] = steps
+    assert {r for _, r, _ in resumed} == {0, 1}
+    assert killed_at - 2 * 10 <= step <= killed_at, (killed_at, step)
+    assert step in [e["step"] for e in ev if e["event"] == "commit"]
+    assert_bit_identical(saved(tmp_path, "ref"), saved(tmp_path, "got"))
+
+
+def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path):
+    """Rank 1's shard of the newest checkpoint is lost: both ranks resume from the previous one
+    (neither loads the incomplete one), and the job still ends bit-identical."""
+    common = ["--nproc-per-node", "2", "--interval", "10", "--keep", "3"]
+    ref = run_cfrun([*common, "--job-dir", "ref", DDP, "ref.pt"], cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = torch.load(tmp_path / "ref.pt", weights_only=True)
+    ckpts = tmp_path / "ref" / "checkpoints"
+    newest, previous = sorted((int(p.name[5:]) for p in ckpts.glob("step-*")), reverse=True)[:2]
+    (ckpts / f"step-{newest:06d}" / "rank-00001.bin").unlink()
+    again = run_cfrun(["resume", "ref"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [e for e in events(tmp_path / "ref") if e["event"] == "resumed"]
+    assert sorted(e["rank"] for e in resumed) == [0, 1]
+    assert {e["step"] for e in resumed} == {previous}
+    assert_bit_identical(first, torch.load(tmp_path / "ref.pt", weights_only=True))  # rewritten
+    assert any(p.name.startswith(f"corrupt-step-{newest:06d}") for p in ckpts.iterdir())
+
+
+def test_a_changed_world_size_is_refused_and_the_checkpoints_kept(tmp_path):
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "10", "--job-dir", "j",
+                     "--inject-crash", "35", "--max-restarts", "0", DDP, "x.pt"], cwd=tmp_path)
+    assert run.returncode == 4, run.stderr[-3000:]
+    ckpts = tmp_path / "j" / "checkpoints"
+    before = sorted(p.name for p in ckpts.iterdir())
+    assert any(n.startswith("step-") for n in before)
+    one = run_cfrun(["--nproc-per-node", "1", "--interval", "10", "--job-dir", "j", DDP, "x.pt"],
+                    cwd=tmp_path)
+    assert one.returncode == 5, one.stderr[-3000:]
+    [line] = [l for l in one.stderr.splitlines() if l.startswith("cfrun: error:")]
+    assert "written by 2 ranks, this run has 1" in line
+    assert sorted(p.name for p in ckpts.iterdir()) == before  # nothing skipped or quarantined
+
+
+def test_bad_multinode_options_are_one_line_errors(tmp_path):
+    script = str(SCRIPTS / "print_argv.py")
+    for args, needle in [
+        (["--nnodes", "2", script], "--rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", script],
+         "--node-rank 2 must lie in 0..1"),
+        (["--nnodes", "0", script], "--nnodes"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohost", script], "--rdzv-endpoint"),
+    ]:
+        run = run_cfrun(["--job-dir", "j", *args], cwd=tmp_path)
+        assert run.returncode == 2, (args, run.stderr)
+        lines = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
+        assert len(lines) == 1 and needle in lines[0], (args, run.stderr)
