@@ -266,16 +266,34 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
         IncompatibleFormatError: written by an incompatible cfrun.
     """
     manifest = read_manifest(step_dir)
+    doc, tensors = _read_rank(step_dir, manifest, rank)
+    layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
+    if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
+        from cfrun.sharding import reassemble
+
+        others = {}
+        for q in range(int(manifest.get("world_size", 1))):
+            if q != rank:
+                q_doc, q_tensors = _read_rank(step_dir, manifest, q)
+                others[q] = (q_tensors, q_doc["tree"].get("sharded") or [])
+        try:
+            reassemble(rank, tensors, layout, others)
+        except ValueError as e:
+            raise CheckpointCorruptError(f"{step_dir.name}: {e}") from None
+    return decode(doc["tree"], tensors), doc.get("meta", {})
+
+
+def _read_rank(step_dir: Path, manifest: dict[str, Any], rank: int
+               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One rank's verified JSON doc and its tensors (CPU)."""
     bin_name, json_name = shard_names(rank)
-    doc_bytes = _read_verified(step_dir, manifest, json_name)
+    doc = json.loads(_read_verified(step_dir, manifest, json_name))
     data = _read_verified(step_dir, manifest, bin_name)
-    doc = json.loads(doc_bytes)
-    entries = [TensorEntry.from_json(e) for e in doc["tensors"]]
     try:
-        tensors = [tensor_from_buffer(data, e) for e in entries]
+        tensors = [tensor_from_buffer(data, TensorEntry.from_json(e)) for e in doc["tensors"]]
     except ValueError as e:
         raise CheckpointCorruptError(f"{step_dir.name}/{bin_name}: {e}") from None
-    return decode(doc["tree"], tensors), doc.get("meta", {})
+    return doc, tensors
 
 
 def check_complete(step_dir: Path) -> dict[str, Any]:

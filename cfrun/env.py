@@ -20,6 +20,11 @@ INJECT_CRASH = "CFRUN_INJECT_CRASH"
 HANG_TIMEOUT = "CFRUN_HANG_TIMEOUT"
 CRASH_LOOP = "CFRUN_CRASH_LOOP"
 DEBUG = "CFRUN_DEBUG"
+SHARD = "CFRUN_SHARD"
+"""``0``: every data-parallel rank persists its whole state; ``rank0``: rank 0 alone persists
+the replicated tensors; default ``1``: each rank persists 1/N of them (DeepFreeze)."""
+EVENTS_ALL_RANKS = "CFRUN_EVENTS_ALL_RANKS"
+"""``1``: ranks other than 0 also log each checkpoint (``checkpoint_rank`` events)."""
 NNODES = "CFRUN_NNODES"
 NODE_RANK = "CFRUN_NODE_RANK"
 """This node's index in a multi-node job (torchrun ``--node-rank``); also names this node's

@@ -51,6 +51,7 @@ from cfrun.runtime import frames as F
 from cfrun.runtime.data import loader_fingerprint, set_epoch_rng
 from cfrun.runtime.rng import get_global_rng, set_global_rng
 from cfrun.runtime.tuner import Tuner, fingerprint
+from cfrun.sharding import shard_replicated
 from cfrun.snapshot import Snapshotter
 
 logger = logging.getLogger("cfrun.rank")
@@ -219,6 +220,15 @@ class Runtime:
             if first is not None:
                 ranked.append((first, m))
         ranked.sort(key=lambda x: x[0])
+        # data-parallel replicas: every rank holds these parameters identically (DeepFreeze 1/N)
+        self._replicated_params = {id(p) for _, m in ranked
+                                   if type(m).__name__ == "DistributedDataParallel"
+                                   for p in m.parameters()}
+        for _, m in ranked:
+            if type(m).__name__ == "FullyShardedDataParallel" or any(
+                    type(p).__name__ == "DTensor" for p in m.parameters()):
+                self._flag("FSDP / DTensor parameters: each rank's state_dict() is saved as it "
+                           "is; a resume needs the same world size and sharding (README)")
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
         return self._roots
@@ -503,6 +513,25 @@ class Runtime:
         tree["script"] = cap.records
         return tree, tensors, async_ids
 
+    def _shard(self, tensors: list[torch.Tensor], async_ids: set[int]) -> list[dict[str, Any]]:
+        """DeepFreeze 1/N (cfrun.sharding): with DDP, keep only this rank's slice of each large
+        parameter and of its optimizer state. ``CFRUN_SHARD=0`` turns it off (every rank then
+        persists everything; ``rank0``: rank 0 persists the replicated tensors alone; both for
+        bench/sharded_persist.py)."""
+        replicated = getattr(self, "_replicated_params", set())
+        how = os.environ.get(E.SHARD, "1")
+        if self.s.world_size < 2 or not replicated or how == "0":
+            return []
+        ids = set(replicated)
+        for o in self._alive(self.optimizers):
+            for p, st in o.state.items():
+                if id(p) in replicated:
+                    ids |= {id(v) for v in st.values() if isinstance(v, torch.Tensor)}
+        layout, views = shard_replicated(tensors, ids, self.s.rank, self.s.world_size,
+                                         rank0_only=how == "rank0")
+        async_ids |= {v for v, orig in views.items() if orig in async_ids}
+        return layout
+
     def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None) -> bool:
         """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
 
@@ -518,6 +547,9 @@ class Runtime:
             self.snap.persist_done.wait()  # ranks must checkpoint the same steps: wait
         t_trigger = time.time()
         tree, tensors, async_ids = self.capture(frame, data)
+        layout = self._shard(tensors, async_ids)
+        if layout:
+            tree["sharded"] = layout
         meta = {
             "step": step,
             "mode": self.mode,
@@ -570,6 +602,9 @@ class Runtime:
         if self.s.rank == 0:
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
                                    persist="agent", **fields)
+        elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
+            self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
+                                   **fields)
 
     def _persist_lost(self, step: int, error: str) -> None:
         say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")

@@ -127,3 +127,11 @@ def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path):
                          torch.load(tmp_path / "got.pt", weights_only=True))
     assert [l for l in got.stdout.splitlines() if l.startswith("epoch 2")] == \
         [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
+    # DeepFreeze 1/N: each rank persisted half of the 98 KiB weight and of its momentum buffer
+    import json
+
+    newest = sorted((tmp_path / "got" / "checkpoints").glob("step-*"))[-1]
+    layouts = [json.loads((newest / f"rank-{r:05d}.json").read_text())["tree"]["sharded"]
+               for r in (0, 1)]
+    assert [len(l) for l in layouts] == [2, 2]  # the first layer's weight and momentum
+    assert layouts[0][0]["shape"] == [384, 64] and layouts[0][0]["ranges"] == [[0, 192], [192, 384]]

@@ -16,7 +16,7 @@ y = torch.tensor(d.target)
 ds = TensorDataset(x[:1500], y[:1500])
 sampler = DistributedSampler(ds, shuffle=True, seed=1)
 loader = DataLoader(ds, batch_size=32, sampler=sampler, drop_last=True)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 384), nn.ReLU(), nn.Linear(384, 10)))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 for epoch in range(3):
     sampler.set_epoch(epoch)
