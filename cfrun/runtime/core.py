@@ -229,6 +229,7 @@ class Runtime:
                     type(p).__name__ == "DTensor" for p in m.parameters()):
                 self._flag("FSDP / DTensor parameters: each rank's state_dict() is saved as it "
                            "is; a resume needs the same world size and sharding (README)")
+        self._wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
         return self._roots
@@ -507,6 +508,7 @@ class Runtime:
             tree[kind] = items
         frames = F.script_frames(frame, self.s.script)
         saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
+        saved |= getattr(self, "_wrappers", set())  # the script's `model = DDP(net)` is saved
         cap = F.capture_frames(frames, tensors, saved)
         for name in cap.skipped:
             self._flag(f"script variable {name} cannot be stored")
