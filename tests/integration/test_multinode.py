@@ -174,3 +174,36 @@ def test_bad_multinode_options_are_one_line_errors(tmp_path):
         assert run.returncode == 2, (args, run.stderr)
         lines = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
         assert len(lines) == 1 and needle in lines[0], (args, run.stderr)
+
+
+def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path):
+    """2 ranks on one node, both SIGKILLed (not through cfrun) once past step 40."""
+    common = ["--nproc-per-node", "2", "--interval", "10"]
+    ref = run_cfrun([*common, "--job-dir", "ref", DDP, "ref.pt"], cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    argv = [sys.executable, "-m", "cfrun", *common, "--job-dir", "got", DDP, "got.pt"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    job = tmp_path / "got"
+    deadline = time.monotonic() + 120
+    ranks: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        beats = [p.read_text().strip() for p in job.glob("heartbeat-rank-*")]
+        if len(beats) == 2 and all(b and int(b) >= 40 for b in beats):
+            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                     if any("train_ddp.py" in a for a in c.cmdline())
+                     and "torch.distributed.run" not in c.cmdline()]
+            break
+        time.sleep(0.01)
+    assert len(ranks) == 2, ranks
+    for r in ranks:
+        r.send_signal(signal.SIGKILL)
+    killed_at = max(int(p.read_text().strip()) for p in job.glob("heartbeat-rank-*"))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    resumed = [e for e in events(job) if e["event"] == "resumed"]
+    assert sorted(e["rank"] for e in resumed) == [0, 1]
+    [step] = {e["step"] for e in resumed}
+    assert killed_at - 2 * 10 <= step <= killed_at
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         torch.load(tmp_path / "got.pt", weights_only=True))
