@@ -6,12 +6,13 @@ CheckFreq §4.3.2 and §4.4, done as DESIGN.md §4 asks:
   (the boundary copy plus the wait at the next step) plus its interference (the background copy
   and the persist agent slow the iterations they overlap). With iteration time ``t`` and budget
   ``p``, checkpointing every ``k`` steps costs ``(stall + interference) / (k * t)``; the smallest
-  ``k`` that keeps this under ``p`` is chosen, but never below ``ceil(persist / t)`` (one
+  ``k`` that keeps this under ``AIM_FRACTION * p`` is chosen (a margin for measurement noise),
+  but never below ``ceil(persist / t)`` (one
   checkpoint in flight: the next one would only be deferred) nor, when the MTBF is known, more
   often than the Young/Daly optimum ``sqrt(2 * C * MTBF)`` needs. CheckFreq's prototype
   ignores the budget in its first choice; this does not.
 * **Adaptation** (:func:`adapt_interval`): per window, the measured overhead against a fresh
-  baseline; over budget → ``k`` grows in proportion, well under (below half the budget) → ``k``
+  baseline; over budget → ``k`` grows in proportion (to ``AIM_FRACTION`` of it), well under (below half the budget) → ``k``
   shrinks towards the smallest allowed, at most halving per window. CheckFreq only ever raises
   the interval.
 
@@ -27,6 +28,10 @@ from typing import Any
 
 from cfrun.errors import BadInputError
 
+AIM_FRACTION = 0.75
+"""The interval is chosen (and re-chosen when a window is over budget) for this fraction of the
+budget: an overhead measured on a shared machine carries a noise of a percent or two, the size
+of a typical budget, and aiming at the budget itself puts every other window over it."""
 ADAPT_UNDER_FRACTION = 0.5
 """Lower ``k`` only when the measured overhead is below this fraction of the budget."""
 ADAPT_MAX_SHRINK = 2.0
@@ -80,7 +85,8 @@ def predicted_overhead(c: Costs, k: int) -> float:
 
 
 def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Decision:
-    """The smallest interval meeting ``budget`` and the in-flight and Young/Daly limits.
+    """The smallest interval whose predicted overhead is within ``AIM_FRACTION * budget``,
+    and no smaller than the in-flight and Young/Daly limits.
 
     Raises:
         ValueError: non-positive iteration time or budget.
@@ -88,14 +94,15 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
     if c.iter_s <= 0 or not 0 < budget < 1:
         raise ValueError(f"iter_s {c.iter_s} and budget {budget} must be positive")
     cost = per_checkpoint_cost_s(c)
-    k_budget = max(1, math.ceil(cost / (budget * c.iter_s) - 1e-9))
+    k_budget = max(1, math.ceil(cost / (AIM_FRACTION * budget * c.iter_s) - 1e-9))
     k_in_flight = max(1, math.ceil(c.persist_s / c.iter_s - 1e-9))
     k_daly = None
     if mtbf_s:
         k_daly = max(1, math.floor(math.sqrt(2.0 * max(cost, 1e-6) * mtbf_s) / c.iter_s))
     k = min(MAX_INTERVAL, max(k_budget, k_in_flight, k_daly or 1))
     if k == k_budget:
-        reason = f"budget: {cost * 1e3:.1f} ms per checkpoint within {budget:.2%} of " \
+        reason = f"budget: {cost * 1e3:.1f} ms per checkpoint within " \
+                 f"{AIM_FRACTION * budget:.2%} (3/4 of the {budget:.2%} budget) of " \
                  f"{c.iter_s * 1e3:.1f} ms iterations"
     elif k == k_in_flight:
         reason = f"one checkpoint in flight: persist takes {c.persist_s * 1e3:.0f} ms"
@@ -108,18 +115,18 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
 def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[int, str]:
     """The next interval after a window whose measured overhead was ``measured``.
 
-    Over budget: grow ``k`` by the ratio (at least +1): the per-checkpoint cost the window
-    measured, spread so that it fits the budget. Below half the budget: shrink it towards
+    Over budget: grow ``k`` by the ratio to ``AIM_FRACTION`` of the budget (at least +1):
+    the per-checkpoint cost the window measured, spread so that it fits with a margin. Below half the budget: shrink it towards
     ``k_min`` by the ratio (aiming at 3/4 of the budget), by at least 1 and at most by half
     per window: one window's measurement is noisy (a window whose mean came out below its
     baseline measures 0%), and a halving that overshoots costs one window over budget, where
     jumping from k to ``k_min`` on noise costs many checkpoints at once.
     """
     if measured > budget:
-        new = max(k + 1, math.ceil(k * measured / budget))
+        new = max(k + 1, math.ceil(k * measured / (AIM_FRACTION * budget)))
         return min(MAX_INTERVAL, new), f"over budget ({measured:.2%} > {budget:.2%})"
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
-        target = math.ceil(k * max(measured, 1e-9) / (0.75 * budget))
+        target = math.ceil(k * max(measured, 1e-9) / (AIM_FRACTION * budget))
         new = max(k_min, math.ceil(k / ADAPT_MAX_SHRINK), min(k - 1, target))
         return new, f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of {budget:.2%})"
     return k, "within budget"

@@ -15,8 +15,10 @@ Phases:
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
 * ``tuned``: every period of ``max(4k, 40)`` steps starts with ``QUIET_STEPS`` steps without
-  checkpoints, whose iterations are a fresh baseline; the window's measured overhead (its mean
-  iteration time against that baseline) adapts ``k`` both ways (:func:`cfrun.policy.adapt_interval`). Every decision goes to events.jsonl.
+  checkpoints; those after the first ``SETTLE_STEPS`` with nothing in flight, pooled with the
+  previous period's, are a fresh baseline; the window's measured overhead (its mean iteration
+  time against that baseline) adapts ``k`` both ways (:func:`cfrun.policy.adapt_interval`).
+  Every decision goes to events.jsonl, with the number of baseline iterations.
 
 With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
 interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
@@ -38,8 +40,16 @@ from cfrun.jobdir import JobDir, atomic_write_json
 from cfrun.policy import Costs, adapt_interval, choose_interval
 
 WARMUP_STEPS = 3
-QUIET_STEPS = 8
+QUIET_STEPS = 10
 """Steps at the start of each adaptation period without checkpoints (the fresh baseline)."""
+SETTLE_STEPS = 3
+"""The first quiet steps of a period are not part of the baseline: the period's last
+checkpoint (its copy, persist and what they leave behind in caches and memory bandwidth)
+still slows them, and a baseline that includes them hides that much of the overhead."""
+BASELINE_WINDOWS = 2
+"""The baseline pools the settled quiet iterations of this many periods (the current one and
+the one before): 7 iterations of a noisy machine give a mean a few percent off, the size of a
+budget."""
 PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
 allocation), then two per snapshot mode, alternating (a drift of the machine hits both)."""
@@ -95,6 +105,8 @@ class Tuner:
         self.cached_state_bytes: int | None = None
         self.opt_step_s: list[float] = []
         self._quiet_s: list[float] = []
+        self._quiet_prev_s: list[float] = []
+        """The previous period's settled quiet iterations (pooled into the baseline)."""
         self.model_bytes = 0
         """Durations of ``optimizer.step()`` seen while profiling."""
         self.done_profiling = False
@@ -146,7 +158,8 @@ class Tuner:
         now = time.perf_counter()
         if self._last_t is not None:
             if self._quiet(step):
-                if inflight is None:
+                settled = (step - self.base_step) % self._period() >= SETTLE_STEPS
+                if inflight is None and settled:
                     self._quiet_s.append(now - self._last_t)
             elif self.phase == "profiling":
                 self._prof_iters.append((step, now - self._last_t))
@@ -293,13 +306,15 @@ class Tuner:
         if len(self._iter_s) - start < self._period() - QUIET_STEPS:
             return
         stats = self._window_stats(start)
-        quiet = self._quiet_s[:]
+        quiet = self._quiet_prev_s + self._quiet_s
+        self._quiet_prev_s = self._quiet_s[:] if BASELINE_WINDOWS > 1 else []
         del self._iter_s[:], self._busy[:], self._quiet_s[:]  # one window in memory
         self._window_start = 0
         if stats is None:
             return
         mean_s = stats[0]
-        # fresh baseline: the quiet steps; else the window's iterations with nothing in flight
+        # fresh baseline: the settled quiet steps of this period and the one before; else the
+        # window's iterations with nothing in flight
         clean_s = statistics.fmean(quiet) if len(quiet) >= 3 else stats[1]
         if clean_s <= 0:
             return
@@ -307,7 +322,8 @@ class Tuner:
         new, reason = adapt_interval(self.interval, measured, self.budget, self.k_min)
         self.jobdir.emit_event("adapt", step=step, measured_overhead=round(measured, 5),
                                budget=self.budget, mean_iter_s=round(mean_s, 6),
-                               clean_iter_s=round(clean_s, 6), old_interval=self.interval,
+                               clean_iter_s=round(clean_s, 6), baseline_iters=len(quiet),
+                               old_interval=self.interval,
                                interval=new, reason=reason)
         if new != self.interval:
             self.interval = new
