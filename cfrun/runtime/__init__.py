@@ -114,7 +114,7 @@ def _install() -> Any:
     from cfrun.runtime import data
     from cfrun.runtime.core import RankSettings, Runtime
 
-    rt = Runtime(RankSettings.from_env())
+    rt: Any = Runtime(RankSettings.from_env())  # Any: hooks are set on the instance below
     guard = Guard(rt)
     rt.guard = guard
     # the loop-boundary tracer calls rt._boundary: guard it on the instance
