@@ -9,11 +9,81 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
-from typing import Any
+import traceback
+from typing import Any, Callable
 
 _runtime: Any = None
 loaded = False
+
+ENV_TEST_RAISE_IN_STEP = "CFRUN_TEST_RAISE_IN_STEP"
+"""Testing aid: the optimizer step hook raises an internal error right after this step."""
+
+
+class Guard:
+    """Keeps cfrun's own failures out of the user's script, after :func:`install` as well.
+
+    Every hook cfrun puts into the script's path (optimizer step hooks, DataLoader hooks,
+    ``__init__`` registration, the checkpoint boundary) runs through :meth:`wrap`. The first
+    ``Exception`` raised inside one turns cfrun off for the rest of this process: one loud
+    ``UNPROTECTED`` warning on stderr, an ``unprotected`` event, and from then on every hook
+    does what it would do without cfrun. ``SystemExit`` and ``KeyboardInterrupt`` (cfrun's
+    deliberate stops, the user's Ctrl-C) pass through unchanged. Training thread only.
+    """
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.disabled = False
+
+    def wrap(self, where: str, fn: Callable[..., Any],
+             fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
+        """``fn`` guarded: after a failure (or once disabled) ``fallback(*args)`` runs
+        instead, or nothing (``None``) when there is no fallback."""
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if not self.disabled:
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    self.disable(where, e)
+            return fallback(*args, **kwargs) if fallback is not None else None
+
+        return guarded
+
+    def disable(self, where: str, error: BaseException) -> None:
+        """Turn cfrun off in this process and say so, loudly, once. Never raises."""
+        if self.disabled:
+            return
+        self.disabled = True
+        rt = self.rt
+        try:
+            tracer = sys.gettrace()
+            if getattr(tracer, "__module__", None) == "cfrun.runtime.core":
+                sys.settrace(None)  # a boundary or resume tracer of cfrun's
+            rt._pending = None
+            rt._exit_fast_forward()  # give the script its stdout back
+            if rt.snap is not None:  # the step gate is off from now on: finish the copy first
+                rt.snap.copy_done.wait(60.0)
+        except Exception:
+            pass
+        step = getattr(rt, "step", None)
+        try:
+            sys.__stderr__.write(  # type: ignore[union-attr]
+                f"[cfrun rank {os.environ.get('RANK', '?')}] WARNING: cfrun failed inside "
+                f"{where} at step {step} ({error!r}); this job now runs UNPROTECTED: no more "
+                "checkpoints in this attempt, the script goes on without cfrun\n")
+            sys.__stderr__.flush()  # type: ignore[union-attr]
+        except Exception:
+            pass
+        try:
+            rt.jobdir.emit_event(
+                "unprotected", where=where, error=repr(error), step=step,
+                rank=rt.s.rank, attempt=rt.s.attempt,
+                traceback=traceback.format_exception(type(error), error,
+                                                     error.__traceback__)[-6:])
+        except Exception:
+            pass
 
 
 def install() -> None:
@@ -44,16 +114,30 @@ def _install() -> Any:
     from cfrun.runtime import data
     from cfrun.runtime.core import RankSettings, Runtime
 
-    rt = Runtime(RankSettings.from_env())
+    rt: Any = Runtime(RankSettings.from_env())  # Any: hooks are set on the instance below
+    guard = Guard(rt)
+    rt.guard = guard
+    # the loop-boundary tracer calls rt._boundary: guard it on the instance
+    rt._boundary = guard.wrap("the checkpoint boundary", rt._boundary)
 
-    _wrap_init(Optimizer, rt.register_optimizer)
-    _wrap_init(lrs.LRScheduler, rt.register_scheduler)
+    _wrap_init(Optimizer, guard.wrap("Optimizer.__init__", rt.register_optimizer))
+    _wrap_init(lrs.LRScheduler, guard.wrap("LRScheduler.__init__", rt.register_scheduler))
     if not issubclass(lrs.ReduceLROnPlateau, lrs.LRScheduler):
-        _wrap_init(lrs.ReduceLROnPlateau, rt.register_scheduler)
-    _wrap_init(torch.amp.GradScaler, rt.register_scaler)
-    register_optimizer_step_pre_hook(rt.on_before_step)
-    register_optimizer_step_post_hook(rt.on_optimizer_step)
-    data.install(rt)
+        _wrap_init(lrs.ReduceLROnPlateau,
+                   guard.wrap("ReduceLROnPlateau.__init__", rt.register_scheduler))
+    _wrap_init(torch.amp.GradScaler, guard.wrap("GradScaler.__init__", rt.register_scaler))
+    register_optimizer_step_pre_hook(guard.wrap("the optimizer step pre-hook",
+                                                rt.on_before_step))
+    raise_at = int(os.environ.get(ENV_TEST_RAISE_IN_STEP) or 0)
+
+    def on_step(opt: Any, args: Any, kwargs: Any) -> None:
+        rt.on_optimizer_step(opt, args, kwargs)
+        if raise_at and rt.step == raise_at:
+            raise RuntimeError(f"injected internal error at step {raise_at} "
+                               f"(${ENV_TEST_RAISE_IN_STEP})")
+
+    register_optimizer_step_post_hook(guard.wrap("the optimizer step hook", on_step))
+    data.install(rt, guard)
 
     orig_save = torch.save
 
@@ -69,6 +153,8 @@ def _install() -> Any:
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             rt.on_uncaught(exc_type, exc, tb)
+        except Exception:
+            pass
         finally:
             orig_hook(exc_type, exc, tb)
 
@@ -76,11 +162,21 @@ def _install() -> Any:
     orig_exit = sys.exit
 
     def exit(status: Any = None) -> Any:  # the script's exit code, for the end-of-script mark
-        rt.note_exit(status)
+        try:
+            rt.note_exit(status)
+        except Exception:
+            pass
         return orig_exit(status)
 
     sys.exit = exit
-    atexit.register(rt.at_exit)
+
+    def at_exit() -> None:  # runs when disabled too: the end mark, the last hand-off
+        try:
+            rt.at_exit()
+        except Exception as e:
+            sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
+
+    atexit.register(at_exit)
     rt.connect_agent()
     rt.load_plan()
     return rt

@@ -158,6 +158,8 @@ class Runtime:
         self._resume_kind = "replay"
         self._jumped = False
         self._deferred = 0
+        self._deferred_from: int | None = None
+        """Step whose due checkpoint was deferred (previous persist in flight), if any."""
         self.snap: Snapshotter | None = None
         self._hb_fd: int | None = None
         self._stop_step: int | None = None
@@ -244,6 +246,9 @@ class Runtime:
             self.tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
         if count <= self.step:  # a second optimizer in the same iteration (GAN)
             return
+        if self._jumped and not self.resumed and self.plan is not None:
+            # the epoch was jumped to, yet training goes on without the checkpoint's loader
+            self._loader_changed(self.plan.state["data"]["fingerprint"], None)
         self.step = count
         if self._next_since_step and self._last_next_iter is not None:
             self._train_iter = self._last_next_iter
@@ -447,9 +452,16 @@ class Runtime:
         self._pending = None
         if due and not self._stopping:
             try:
-                if not self.checkpoint(self.step, frame, data):
+                # one rank defers a due checkpoint by one boundary at most (then waits for the
+                # previous persist), so no more than K+1 iterations separate two checkpoints
+                may_defer = self._deferred_from is None or self.tuner.phase == "profiling"
+                if not self.checkpoint(self.step, frame, data, may_defer=may_defer):
                     self._pending = (step, True, False)  # previous one in flight: next boundary
                     self._deferred += 1
+                    if self._deferred_from is None:
+                        self._deferred_from = step
+                else:
+                    self._deferred_from = None
             except Exception as e:  # never break the user's job
                 say(f"WARNING: checkpoint at step {step} failed: {e!r}")
                 self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
@@ -534,19 +546,22 @@ class Runtime:
         async_ids |= {v for v, orig in views.items() if orig in async_ids}
         return layout
 
-    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None) -> bool:
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None,
+                   *, may_defer: bool = True) -> bool:
         """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
 
         With the persist agent (the normal case): capture, snapshot into shared memory, hand
-        off (two-phase; :mod:`cfrun.snapshot`). Returns False, taking nothing, while the
-        previous checkpoint is still in flight (the caller retries at the next boundary).
-        Without an agent: capture and write synchronously.
+        off (two-phase; :mod:`cfrun.snapshot`). With one rank and ``may_defer``, returns False,
+        taking nothing, while the previous checkpoint is still in flight (the caller retries
+        at the next boundary); otherwise waits for it (several ranks must checkpoint the same
+        steps). Without an agent: capture and write synchronously.
         """
         t0 = time.perf_counter()
+        hold = _kill_after_snapshot_armed(step, self.s.attempt)
         if self.snap is not None and self.snap.busy():
-            if self.s.world_size == 1:
+            if self.s.world_size == 1 and may_defer and not hold:
                 return False
-            self.snap.persist_done.wait()  # ranks must checkpoint the same steps: wait
+            self.snap.persist_done.wait()
         t_trigger = time.time()
         tree, tensors, async_ids = self.capture(frame, data)
         layout = self._shard(tensors, async_ids)
@@ -569,6 +584,8 @@ class Runtime:
                 self.snap.mode = self.tuner.mode_for(step)
             self.snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
             _injected_stall(step)
+            if hold:  # the snapshot thread SIGKILLs the rank right after the hand-off
+                self.snap.persist_done.wait()
             return True
         self.tuner.mode_for(step)
         t1 = time.perf_counter()
@@ -692,15 +709,19 @@ class Runtime:
         plan = self.plan
         if plan is not None and not self.resumed and plan.mode == "loader" \
                 and self._resume_kind == "jump":
-            if self._jumped and loader_fingerprint(loader) == plan.state["data"]["fingerprint"]:
+            saved = plan.state["data"]["fingerprint"]
+            got = loader_fingerprint(loader)
+            if self._jumped and got == saved:
                 return self._resume_at_loader(loader, n, sys._getframe(2))
+            if self._jumped and loader._cfrun_ordinal == plan.state["data"]["loader"] and (
+                    got["dataset_len"] == saved["dataset_len"]
+                    or got["batch_size"] == saved["batch_size"]):
+                self._loader_changed(saved, got)
         elif plan is not None and not self.resumed and plan.mode == "loader":
             data = plan.state["data"]
             if loader._cfrun_ordinal == data["loader"]:
                 if loader_fingerprint(loader) != data["fingerprint"]:
-                    self.fatal(f"the training DataLoader changed since the checkpoint "
-                               f"({data['fingerprint']} -> {loader_fingerprint(loader)}); "
-                               "resume with the same script and arguments, or a new --job-dir")
+                    self._loader_changed(data["fingerprint"], loader_fingerprint(loader))
                 if n < data["iter_index"]:
                     self._enter_fast_forward(data["iter_index"])
                     return iter(())
@@ -713,6 +734,18 @@ class Runtime:
         it = start()
         it._cfrun_iter_index = n
         return it
+
+    def _loader_changed(self, saved: dict[str, Any] | None, got: dict[str, Any] | None) -> None:
+        """Stop (exit 5): the checkpoint's training DataLoader is not in this run."""
+        if got is None:
+            what = "was not iterated in the checkpoint's epoch before an optimizer step"
+        else:
+            what = "changed: " + ", ".join(
+                f"{k} {saved.get(k)} -> {v}" for k, v in got.items()
+                if saved is not None and saved.get(k) != v)
+        step = self.plan.step if self.plan is not None else "?"
+        self.fatal(f"the training DataLoader of checkpoint step {step} {what}; resume with the "
+                   "same script and arguments, or a new --job-dir")
 
     def _resume_at_loader(self, loader: Any, n: int, caller: types.FrameType) -> Any:
         plan = self.plan
@@ -947,6 +980,17 @@ def _injected_stall(step: int) -> None:
         first, _, last = span.partition("-")
         if int(first) <= step < int(last):
             time.sleep(float(seconds))
+
+
+def _kill_after_snapshot_armed(step: int, attempt: int) -> bool:
+    """``CFRUN_TEST_KILL_AFTER_SNAPSHOT=STEP`` (testing aid, :mod:`cfrun.snapshot`): the
+    checkpoint of this step is the one after whose hand-off the rank is SIGKILLed. The training
+    thread then takes it without deferring and waits there, so the kill lands right after step
+    ``step``'s hand-off and before the next iteration, not at a racy point."""
+    from cfrun.snapshot import ENV_TEST_KILL_AFTER_SNAPSHOT
+
+    at = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
+    return attempt == 0 and bool(at) and step >= int(at or 0)
 
 
 def _ignore_calls(frame: types.FrameType, event: str, arg: Any) -> None:

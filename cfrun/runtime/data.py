@@ -175,27 +175,41 @@ def epoch_seed_of(state: dict[str, Any]) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def install(rt: Any) -> None:
-    """Patch DataLoader so ``rt`` (the rank's Runtime) sees loaders, epochs and batches."""
+def install(rt: Any, guard: Any) -> None:
+    """Patch DataLoader so ``rt`` (the rank's Runtime) sees loaders, epochs and batches.
+
+    Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.runtime.Guard`):
+    after an internal error, and once ``guard.disabled``, the loaders behave as without cfrun.
+    """
     orig_init = DataLoader.__init__
     orig_iter = DataLoader.__iter__
     orig_index_sampler = DataLoader._index_sampler
     orig_next = _dl._BaseDataLoaderIter.__next__
 
+    def register(self: DataLoader) -> None:
+        object.__setattr__(self, "_cfrun_ordinal", rt.register_loader(self))
+        object.__setattr__(self, "_cfrun_iter_calls", 0)
+        if self.num_workers > 0:
+            self.worker_init_fn = WorkerInit(self.worker_init_fn)
+
+    guarded_register = guard.wrap("DataLoader.__init__", register)
+
     def __init__(self: DataLoader, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         if "_cfrun_ordinal" not in self.__dict__:
-            object.__setattr__(self, "_cfrun_ordinal", rt.register_loader(self))
-            object.__setattr__(self, "_cfrun_iter_calls", 0)
-            if self.num_workers > 0:
-                self.worker_init_fn = WorkerInit(self.worker_init_fn)
+            guarded_register(self)
 
-    def __iter__(self: DataLoader) -> Any:
-        if "_cfrun_ordinal" not in self.__dict__:
-            return orig_iter(self)
+    def on_iter(self: DataLoader) -> Any:
         n = self.__dict__["_cfrun_iter_calls"]
         object.__setattr__(self, "_cfrun_iter_calls", n + 1)
         return rt.on_loader_iter(self, n, lambda: _start_epoch(self, orig_iter))
+
+    guarded_iter = guard.wrap("iter(DataLoader)", on_iter, fallback=orig_iter)
+
+    def __iter__(self: DataLoader) -> Any:
+        if "_cfrun_ordinal" not in self.__dict__ or guard.disabled:
+            return orig_iter(self)
+        return guarded_iter(self)
 
     def _start_epoch(loader: DataLoader, it_fn: Any, state: dict[str, Any] | None = None) -> Any:
         state = state if state is not None else epoch_rng(loader)
@@ -215,13 +229,16 @@ def install(rt: Any) -> None:
 
     def _index_sampler(self: DataLoader) -> Any:
         inner = orig_index_sampler.fget(self)  # type: ignore[attr-defined]
-        if "_cfrun_ordinal" not in self.__dict__ or self._dataset_kind != _dl._DatasetKind.Map:
+        if "_cfrun_ordinal" not in self.__dict__ or self._dataset_kind != _dl._DatasetKind.Map \
+                or guard.disabled:
             return inner
         return ResumableIndexSampler(self, inner)
 
+    guarded_next = guard.wrap("next(DataLoader iterator)", rt.on_loader_next)
+
     def __next__(self: Any) -> Any:
-        if "_cfrun_loader" in self.__dict__:
-            rt.on_loader_next(self, sys._getframe(1))
+        if "_cfrun_loader" in self.__dict__ and not guard.disabled:
+            guarded_next(self, sys._getframe(1))
             out = orig_next(self)
             self._cfrun_consumed += 1
             return out

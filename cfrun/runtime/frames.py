@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import functools
+import io
 import json
 import logging
 import os
@@ -102,6 +103,10 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
             return None
         local = [value.detach().clone()]
         return _with_tensors("value", {"__t__": 0}, local, tensors, budget)
+    if isinstance(value, io.IOBase) and not value.closed and not any(
+            value is s for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__,
+                                 sys.__stdout__, sys.__stderr__)):
+        raise UnsupportedValueError("an open file: its position is not restored")
     cls = type(value)
     if (cls.__module__ == "__main__" and hasattr(value, "__dict__")
             and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler))):

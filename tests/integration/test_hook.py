@@ -47,3 +47,19 @@ def test_runtime_failure_leaves_job_running_unprotected(tmp_path):
     assert "UNPROTECTED" in p.stderr
     assert "FINAL" in p.stdout
     assert not (tmp_path / "j" / "checkpoints").exists()
+
+
+def test_internal_error_in_step_hook_leaves_job_running_unprotected(tmp_path):
+    """cfrun's optimizer step hook raises at step 5 (test aid): the script is not broken, it
+    finishes in the same attempt with one loud warning, and cfrun takes no more checkpoints."""
+    run = run_cfrun(["--interval", "3", "--job-dir", "j", str(SCRIPTS / "train_steps_for.py"),
+                     "12", "out.pt"], cwd=tmp_path, env={"CFRUN_TEST_RAISE_IN_STEP": "5"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FINAL" in run.stdout and "it 11" in run.stdout
+    assert (tmp_path / "out.pt").exists()
+    assert run.stderr.count("UNPROTECTED") == 1, run.stderr[-3000:]
+    assert "injected internal error at step 5" in run.stderr
+    assert len(run.events("attempt_start")) == 1  # no crash, no restart
+    [event] = run.events("unprotected")
+    assert event["step"] == 5 and event["where"] == "the optimizer step hook"
+    assert [e["step"] for e in run.events("checkpoint")] == [3]  # none after the failure

@@ -43,3 +43,30 @@ def test_for_range_loop_resumes_bit_identical(tmp_path):
     iters = (tmp_path / "got.iters").read_text().split()
     assert len(iters) == 50 + (31 - resumed)  # only the steps after the checkpoint ran twice
     assert iters[-1] == "49"
+
+
+NOT_EXACT = {  # README, "What is not exact, and how cfrun says so"
+    "next": ["the training DataLoader is advanced with next() outside a for statement",
+             "the training DataLoader reads an IterableDataset",
+             "script variable <module>:log (an open file"],
+    "for_list": ["the loop around optimizer.step() is a for loop over something other than "
+                 "range()"],
+    "trace": ["(or a tracer is active)"],
+}
+
+
+@pytest.mark.parametrize("mode, crash", [("next", None), ("for_list", "7"), ("trace", None)])
+def test_an_inexact_resume_is_said_at_run_time(tmp_path, mode, crash):
+    """Each README 'not exact' case: a WARNING line on stderr and a not_exact event."""
+    inject = ["--inject-crash", crash] if crash else []
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", *inject,
+                     str(SCRIPTS / "not_exact.py"), mode, "12"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FINAL done" in run.stdout
+    assert len(run.events("resumed")) == (1 if crash else 0)
+    warned = [l.split("WARNING: resume may not be exact: ", 1)[1]
+              for l in run.stderr.splitlines() if "WARNING: resume may not be exact: " in l]
+    reasons = [e["reason"] for e in run.events("not_exact")]
+    for needle in NOT_EXACT[mode]:
+        assert sum(needle in w for w in warned) == 1, (needle, run.stderr[-3000:])
+        assert sum(needle in r for r in reasons) == 1, (needle, reasons)

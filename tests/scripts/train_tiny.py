@@ -1,12 +1,15 @@
 """An unmodified loader-based trainer for cfrun's crash tests (digits, BatchNorm, 2 workers).
 
+Draws from the torch, numpy and python RNGs in the workers' augmentation and in the main loop.
 Writes the final model + optimizer state to --out, prints per-epoch metrics, appends one line per
-training iteration to $ITER_LOG, and SIGKILLs itself once inside the validation loop of epoch
+training iteration to $ITER_LOG and one per training sample loaded to $GETITEM_LOG (the loading
+worker's parent pid, the sample index), and SIGKILLs itself once inside the validation loop of epoch
 $DIE_IN_VAL_EPOCH (marker file $DIE_MARKER makes it once per job).
 """
 
 import argparse
 import os
+import random
 import signal
 
 import numpy as np
@@ -17,12 +20,18 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 best_acc = 0.0
+GETITEM_LOG = os.environ.get("GETITEM_LOG")
 
 
 class Augmented(TensorDataset):
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
-        return x + 0.1 * torch.randn_like(x), y
+        if GETITEM_LOG:  # which process loaded which sample
+            with open(GETITEM_LOG, "a") as f:
+                f.write(f"{os.getppid()} {i}\n")
+        # all three RNGs a worker has: torch, numpy, python
+        shift = 0.05 * float(np.random.rand()) + 0.05 * random.random()
+        return x + 0.1 * torch.randn_like(x) + shift, y
 
 
 def validate(model, loader, epoch):
@@ -50,6 +59,7 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     np.random.seed(0)
+    random.seed(0)
     torch.set_num_threads(1)
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0
@@ -67,7 +77,9 @@ def main():
     for epoch in range(args.epochs):
         total_loss = 0.0
         for i, (xb, yb) in enumerate(train_loader):
-            loss = F.cross_entropy(model(xb), yb)
+            # the main process's python and numpy RNGs as well (torch's: dropout)
+            weight = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+            loss = weight * F.cross_entropy(model(xb), yb)
             opt.zero_grad()
             loss.backward()
             opt.step()
