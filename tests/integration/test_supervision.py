@@ -17,6 +17,8 @@ from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = str(SCRIPTS / "slow_steps.py")
+DDP_SLOW = str(SCRIPTS / "train_ddp_slow.py")
+DEFAULT_GRACE_S = 25.0
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -45,15 +47,30 @@ def _descendants_gone(pid: int, before: set[int]) -> None:
     assert not alive, f"processes survived cfrun: {alive}"
 
 
+def _grace_s(extra: list[str]) -> float:
+    return float(extra[extra.index("--grace") + 1]) if "--grace" in extra else DEFAULT_GRACE_S
+
+
 def _sigterm_run(cwd: Path, job: str, extra: list[str], at_step: int,
-                 env: dict[str, str] | None = None) -> tuple[Run, set[int]]:
-    proc = _start(["--interval", "5", "--job-dir", job, *extra, SLOW, "60", f"{job}.pt", "0.05"],
-                  cwd, env)
+                 env: dict[str, str] | None = None, *, sig: int = signal.SIGTERM,
+                 script: list[str] | None = None, second_after_s: float | None = None,
+                 ) -> tuple[Run, set[int], float]:
+    """Start cfrun, send ``sig`` once rank 0 is past ``at_step`` (and the same signal again
+    ``second_after_s`` later); returns the run, the pids of its process tree at the signal,
+    and the seconds from the (first) signal to cfrun's exit."""
+    script = script or [SLOW, "60", f"{job}.pt", "0.05"]
+    proc = _start(["--interval", "5", "--job-dir", job, *extra, *script], cwd, env)
     _wait_for_step(cwd, job, at_step, proc)
     tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    if second_after_s is not None:
+        time.sleep(second_after_s)
+        proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    return Run(proc.returncode, out, err, cwd / job), tree
+    elapsed_s = time.monotonic() - t0
+    assert elapsed_s <= _grace_s(extra) + 3.0, (elapsed_s, err[-2000:])
+    return Run(proc.returncode, out, err, cwd / job), tree, elapsed_s
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +81,19 @@ def reference(tmp_path_factory):
     return torch.load(cwd / "ref.pt", weights_only=True)
 
 
-def _resume_and_compare(cwd: Path, job: str, reference, preempted_at: int | None) -> None:
+def _resume_and_compare(cwd: Path, job: str, reference, preempted_at: int | None,
+                        nranks: int = 1) -> None:
     run = run_cfrun(["resume", job], cwd=cwd)
     run.job_dir = cwd / job
     assert run.returncode == 0, run.stderr[-2000:]
     resumed = [e["step"] for e in run.events("resumed")]
-    if preempted_at is not None:
-        assert resumed == [preempted_at]  # nothing recomputed: the final checkpoint is the stop
+    if preempted_at is not None:  # nothing recomputed: the final checkpoint is the stop step
+        assert resumed == [preempted_at] * nranks
     assert_bit_identical(reference, torch.load(cwd / f"{job}.pt", weights_only=True))
 
 
 def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", [], at_step=12)
+    run, tree, _ = _sigterm_run(tmp_path, "j", [], at_step=12)
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
     assert pre["final_checkpoint"] == pre["step"] >= 12
@@ -85,7 +103,7 @@ def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, 
 
 
 def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
                              env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"})
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
@@ -95,7 +113,7 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
 
 
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
                              env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"})
     assert run.returncode == 75, run.stderr[-2000:]
     pre = run.events("preempted")
@@ -104,6 +122,33 @@ def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
         assert "no time for a final checkpoint" in run.stderr
     _descendants_gone(0, tree)
     _resume_and_compare(tmp_path, "j", reference, None)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("ddpref")
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "5", "--job-dir", "ref", DDP_SLOW,
+                     "ref.pt", "0"], cwd=cwd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return torch.load(cwd / "ref.pt", weights_only=True)
+
+
+def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path):
+    """Both ranks stop at the same step and the final checkpoint holds both shards; no rank is
+    killed by torchrun because another one exited first (persists slowed: the signal may land
+    during one)."""
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--nproc-per-node", "2"], at_step=12,
+                                env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"},
+                                script=[DDP_SLOW, "j.pt", "0.1"])
+    assert run.returncode == 75, run.stderr[-3000:]
+    [pre] = run.events("preempted")
+    assert pre["final_checkpoint"] == pre["step"] >= 12, pre
+    assert pre["ranks_stopped"] == 2
+    step_dir = tmp_path / "j" / "checkpoints" / f"step-{pre['step']:06d}"
+    assert {p.name for p in step_dir.glob("rank-*.bin")} == {"rank-00000.bin", "rank-00001.bin"}
+    assert "FINAL done" not in run.stdout  # the script's code after the loop did not run
+    _descendants_gone(0, tree)
+    _resume_and_compare(tmp_path, "j", ddp_reference, pre["step"], nranks=2)
 
 
 def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
