@@ -13,7 +13,7 @@ Signals to cfrun become a ``SignalReceived`` exception on the main thread. The s
 grace deadline, the ranks stop at one step, take a final checkpoint if rank 0 decided it fits,
 write ``preempted/`` marks and exit 0 (so torchrun does not SIGTERM a rank still finishing). At
 the deadline, or at once on a second signal, every rank and the persist agent are SIGKILLed, so
-cfrun exits within ``grace_s`` (+ about 1 s) and no process outlives it. One ``preempted``
+cfrun exits within ``grace_s`` (plus its own exit) and no process outlives it. One ``preempted``
 event says which step the job stopped at and whether the final checkpoint was committed.
 """
 
@@ -167,11 +167,11 @@ class Supervisor:
         raise SignalReceived(signum)
 
     def _preempt(self, sig: SignalReceived) -> int:
-        """SIGTERM/SIGINT: stop the ranks within ``grace_s``, stop the agent by the deadline
-        (+1 s), report the final checkpoint (or its absence). Returns ``EXIT_PREEMPTED``."""
+        """SIGTERM/SIGINT: stop the ranks and the agent within ``grace_s``, then report the
+        final checkpoint (or its absence). Returns ``EXIT_PREEMPTED``."""
         deadline_s = time.monotonic() + self.cfg.grace_s  # monotonic seconds
         self._shutdown(sig.signum, deadline_s)
-        self._stop_agent(deadline_s + 1.0)
+        self._stop_agent(deadline_s)
         self._report_preemption(str(sig))
         self._set(SupervisorState.PREEMPTED, signal=str(sig))
         logger.warning("cfrun: stopped by %s; resume with: cfrun resume %s", sig,

@@ -1008,7 +1008,10 @@ class Runtime:
         self._mark_end()
         self._exit_fast_forward()
         if self.snap is not None:
-            self.snap.close()
+            timeout_s = 60.0
+            if self._preempted and self._stop_deadline:  # the supervisor kills us then anyway
+                timeout_s = max(0.0, self._stop_deadline - time.time())
+            self.snap.close(timeout_s)
             if self.snap.last_error:
                 say(f"WARNING: last checkpoint problem: {self.snap.last_error}")
         if self.plan is not None and not self.resumed:
