@@ -134,7 +134,7 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
 
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
-                             env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"})
+                                env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"}, during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
     newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
