@@ -8,9 +8,13 @@ States (``SupervisorState``)::
                        -> FATAL                      a rank found the resume would be wrong (5)
                        -> PREEMPTED                  SIGTERM/SIGINT to cfrun          (exit 75)
 
-Signals to cfrun become a ``SignalReceived`` exception on the main thread; the shutdown forwards
-SIGTERM to torchrun's process group, waits ``grace_s``, then SIGKILLs the group (as
-torch.distributed.elastic's ``close()``), so no process outlives cfrun.
+Signals to cfrun become a ``SignalReceived`` exception on the main thread. The shutdown
+(:meth:`Supervisor._shutdown`) does not signal torchrun: it writes ``stop_request.json`` with the
+grace deadline, the ranks stop at one step, take a final checkpoint if rank 0 decided it fits,
+write ``preempted/`` marks and exit 0 (so torchrun does not SIGTERM a rank still finishing). At
+the deadline, or at once on a second signal, every rank and the persist agent are SIGKILLed, so
+cfrun exits within ``grace_s`` (plus its own exit) and no process outlives it. One ``preempted``
+event says which step the job stopped at and whether the final checkpoint was committed.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class Supervisor:
         self.agent: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
+        self._attempt = -1
         self.progress_s = float(os.environ.get("CFRUN_PROGRESS_S", "30")) \
             if sys.stderr.isatty() else 0.0
         self._progress_at = 0.0
@@ -138,13 +143,14 @@ class Supervisor:
             self._start_agent()
             return self._run_locked()
         except SignalReceived as sig:
-            self._shutdown(sig.signum)
-            self._set(SupervisorState.PREEMPTED, signal=str(sig))
-            logger.warning("cfrun: stopped by %s; resume with: cfrun resume %s", sig,
-                           self.cfg.job_dir)
-            return EXIT_PREEMPTED
+            return self._preempt(sig)
         finally:
             try:
+                # from here on a signal ends at once (_on_signal) instead of raising
+                self._shutting_down = True
+                self._stop_agent()
+            except SignalReceived:  # it came before the flag was set
+                self._second_signal = True
                 self._stop_agent()
             finally:
                 for s, h in old_handlers.items():
@@ -157,14 +163,27 @@ class Supervisor:
             if self.agent is not None and self.agent.poll() is None:
                 self.agent.kill()
             return
+        self._shutting_down = True  # set before raising: a signal from now on is the second
         raise SignalReceived(signum)
+
+    def _preempt(self, sig: SignalReceived) -> int:
+        """SIGTERM/SIGINT: stop the ranks and the agent within ``grace_s``, then report the
+        final checkpoint (or its absence). Returns ``EXIT_PREEMPTED``."""
+        deadline_s = time.monotonic() + self.cfg.grace_s  # monotonic seconds
+        self._shutdown(sig.signum, deadline_s)
+        self._stop_agent(deadline_s)
+        self._report_preemption(str(sig))
+        self._set(SupervisorState.PREEMPTED, signal=str(sig))
+        logger.warning("cfrun: stopped by %s; resume with: cfrun resume %s", sig,
+                       self.cfg.job_dir)
+        return EXIT_PREEMPTED
 
     def _run_locked(self) -> int:
         jd = self.jobdir
         cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
                     "format_version": FORMAT_VERSION}
         atomic_write_json(jd.config_path, cfg_json)
-        for stale in ("fatal.json", "stop_request.json", "stop_step.json"):
+        for stale in ("fatal.json", "stop_request.json", "stop_step.json", "stop_decision.json"):
             (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()
         restarts = 0
@@ -177,6 +196,10 @@ class Supervisor:
             jd.emit_event("attempt_end", attempt=attempt, returncode=result.returncode,
                           duration_s=round(result.duration_s, 3))
             succeeded = result.returncode == 0 and not result.hung
+            if succeeded and self._preempted_marks(attempt):  # a stop request (another node's)
+                self._report_preemption(None)
+                self._set(SupervisorState.PREEMPTED, attempt=attempt)
+                return EXIT_PREEMPTED
             if not succeeded and not result.hung and self._ended_clean(attempt):
                 logger.warning("cfrun: every rank finished the script, then a rank died during "
                                "interpreter teardown (%s); counted as success",
@@ -224,6 +247,9 @@ class Supervisor:
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
         started_unix_s = time.time()
+        self._attempt = attempt
+        # a signal during spawn_fn can leave torchrun running with self.proc unset: _shutdown's
+        # _kill_ranks finds it among our descendants
         self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
         hung = False
         while True:
@@ -340,11 +366,13 @@ class Supervisor:
             out.append(p)
         return out
 
-    def _kill_ranks(self) -> None:
-        """SIGKILL torchrun and every rank and worker below it, then reap them.
+    def _kill_ranks(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL torchrun and every rank and worker below it, then reap them, waiting at
+        most about ``timeout_s`` seconds (a process stuck in the kernel is left to init).
 
         torchrun starts each rank in a session of its own, so a process-group kill would miss
         them; cfrun is a child subreaper, so ranks orphaned by a dead torchrun are still ours.
+        A torchrun not yet in ``self.proc`` (a signal during spawn) is among the descendants.
         """
         import psutil
 
@@ -356,9 +384,12 @@ class Supervisor:
                 pass
         own = self.proc.pid if self.proc is not None else None
         # torchrun itself is reaped by its Popen (reaping it here would lose its exit status)
-        psutil.wait_procs([p for p in procs if p.pid != own], timeout=10)
+        psutil.wait_procs([p for p in procs if p.pid != own], timeout=timeout_s)
         if self.proc is not None:
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("cfrun: torchrun (pid %d) did not die after SIGKILL", self.proc.pid)
         self._reap_orphans()
 
     def _reap_orphans(self) -> None:
@@ -414,40 +445,95 @@ class Supervisor:
         self.jobdir.emit_event("agent_restart", returncode=rc)
         self._start_agent()
 
-    def _stop_agent(self) -> None:
-        """Let the agent finish queued persists (SIGTERM), then make sure it is gone."""
-        agent, self.agent = self.agent, None
+    def _stop_agent(self, deadline_s: float | None = None) -> None:
+        """Let the agent finish queued persists (SIGTERM), then make sure it is gone.
+
+        ``deadline_s`` (monotonic seconds; preemption): SIGKILL it if it is still running
+        then; an unfinished checkpoint stays uncommitted (staging is never visible). After a
+        second signal it is killed at once; otherwise it gets 120 s.
+        """
+        agent = self.agent
         if agent is not None and agent.poll() is None:
             agent.send_signal(signal.SIGTERM)
+            if self._second_signal:
+                wait_s = 0.0
+            elif deadline_s is not None:
+                wait_s = max(0.0, deadline_s - time.monotonic())
+            else:
+                wait_s = 120.0
             try:
-                agent.wait(timeout=5 if self._second_signal else 120)
+                agent.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
+                if deadline_s is not None and not self._second_signal:
+                    logger.warning("cfrun: the persist agent did not finish by the grace "
+                                   "deadline; killed it (what it was writing is not committed)")
                 agent.kill()
-                agent.wait()
+                try:
+                    agent.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.agent = None
         remove_slots(self.jobdir.root)
 
-    def _shutdown(self, signum: int) -> None:
-        """Preemption: ask the ranks to stop at one step and checkpoint within ``grace_s``.
+    def _shutdown(self, signum: int, deadline_s: float) -> None:
+        """Preemption: ask the ranks to stop at one step and checkpoint by ``deadline_s``
+        (monotonic seconds).
 
-        Writes ``stop_request.json`` with the deadline; the ranks agree on a stop step, take a
-        final checkpoint if it can be durable in time, and exit. torchrun is not signalled (its
-        handler would kill the ranks at once). At the deadline, or on a second signal, every
-        rank is SIGKILLed. Then the agent finishes what it has and stops.
+        Writes ``stop_request.json`` with the deadline (unix seconds); the ranks agree on a stop
+        step, take a final checkpoint if rank 0 decided it can be durable in time, and exit 0.
+        torchrun is not signalled (its handler would kill the ranks at once). At the deadline,
+        or on a second signal, every rank is SIGKILLed (a torchrun whose spawn the signal
+        interrupted too).
         """
         self._shutting_down = True
-        proc = self.proc
-        if proc is None:
-            return
-        deadline = time.time() + self.cfg.grace_s
+        deadline_unix_s = time.time() + max(0.0, deadline_s - time.monotonic())
         atomic_write_json(self.jobdir.root / "stop_request.json",
-                          {"deadline_unix_s": deadline, "signal": signal.Signals(signum).name})
-        while time.time() < deadline and not self._second_signal:
-            try:
-                proc.wait(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                self._reap_orphans()
-        if self._second_signal:
-            logger.warning("cfrun: second signal; killed the ranks without a final checkpoint")
-        self._kill_ranks()
+                          {"deadline_unix_s": deadline_unix_s,
+                           "signal": signal.Signals(signum).name})
+        proc = self.proc
+        if proc is not None:
+            while time.monotonic() < deadline_s and not self._second_signal:
+                try:
+                    proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    self._reap_orphans()
+            if self._second_signal:
+                logger.warning("cfrun: second signal; killing the ranks and the persist agent "
+                               "now")
+            elif proc.poll() is None:
+                logger.warning("cfrun: the ranks did not stop within --grace %ss; killing them",
+                               self.cfg.grace_s)
+        self._kill_ranks(timeout_s=1.0)
         self.proc = None
+
+    def _preempted_marks(self, attempt: int) -> list[dict[str, Any]]:
+        """This node's ranks' ``preempted`` marks of ``attempt`` (cfrun.runtime.core)."""
+        marks = []
+        for p in (self.jobdir.root / "preempted").glob(
+                f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):
+            try:
+                marks.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return marks
+
+    def _report_preemption(self, signame: str | None) -> None:
+        """One ``preempted`` event: the stop step, the final checkpoint (None if there is
+        none) and the newest committed step; a log line says which."""
+        steps = committed_steps(self.jobdir.checkpoints)
+        newest = steps[0] if steps else None
+        marks = self._preempted_marks(self._attempt)
+        stop_step = max((int(m["step"]) for m in marks), default=None)
+        if stop_step is None:
+            stop_step = self._last_step()
+        final = stop_step if stop_step is not None and stop_step in steps else None
+        self.jobdir.emit_event("preempted", step=stop_step, final_checkpoint=final,
+                               newest_committed=newest, signal=signame,
+                               ranks_stopped=len(marks))
+        if final is not None:
+            logger.warning("cfrun: preempted at step %d; the final checkpoint (step %d) is "
+                           "committed", stop_step, final)
+        else:
+            logger.warning("cfrun: no final checkpoint; newest committed is step %s",
+                           newest if newest is not None else "none (the job starts over)")

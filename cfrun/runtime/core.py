@@ -165,6 +165,7 @@ class Runtime:
         self._stop_step: int | None = None
         self._stop_deadline: float | None = None
         self._stopping = False
+        self._preempted = False
         self._sync_cost_s = 0.0
         self._done_records: list[dict[str, Any]] = []
         self._step_t0 = 0.0
@@ -240,6 +241,7 @@ class Runtime:
 
     def on_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Global optimizer step post-hook (``register_optimizer_step_post_hook``)."""
+        self._preempted_guard()
         count = opt.__dict__.get("_cfrun_steps", 0) + 1
         opt.__dict__["_cfrun_steps"] = count
         if self.tuner.phase == "profiling" and self._step_t0:
@@ -325,25 +327,36 @@ class Runtime:
         return self.step >= self._stop_step
 
     def _stop_now(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
-        """Final checkpoint if it can be durable before the grace deadline, then exit 75."""
-        from cfrun.errors import EXIT_PREEMPTED
+        """Every rank, at the stop step's boundary: the final checkpoint (all ranks or none),
+        a ``preempted`` mark, then the end of the script with exit code 0.
 
+        Rank 0 decides once whether a final checkpoint can be durable before the grace
+        deadline (:meth:`_stop_decision`, shared through ``stop_decision.json``); every rank
+        follows it, so either all ranks hand their shard to the agent or none does (the agent
+        commits a step only with every rank's shard). Exit code 0, not 75: torchrun SIGTERMs
+        the remaining ranks as soon as one rank exits non-zero, which would kill a rank still
+        waiting for the final commit. The supervisor turns the marks into exit code 75 and the
+        one ``preempted`` event. ``SystemExit`` unwinds the script, so its code after the
+        training loop does not run (its ``finally`` blocks do); a script that swallows it is
+        ended at its next optimizer step or batch (:meth:`_preempted_guard`).
+        """
         deadline = self._stop_deadline or time.time()
-        committed = None
-        if self.snap is not None:
+        if self.snap is not None:  # an in-flight persist first: it may be the stop step's
             self.snap.persist_done.wait(max(0.0, deadline - time.time() - 0.5))
-        need_s = 1.5 * self._last_cost_s() + 0.5
-        if self._last_committed_step() == self.step:
-            committed = self.step
-        elif time.time() + need_s < deadline and not (self.snap and self.snap.busy()):
+        decision = self._stop_decision(deadline)
+        committed = self.step if decision == "have" else None
+        if decision == "take":
             try:
-                self.checkpoint(self.step, frame, data)
-                if self.snap is not None:
+                if self.snap is not None and self.snap.busy():
                     self.snap.persist_done.wait(max(0.0, deadline - time.time() - 0.2))
-                    if not self.snap.busy() and self.snap.last_committed == self.step:
+                if self.snap is None or not self.snap.busy():
+                    self.checkpoint(self.step, frame, data)
+                    if self.snap is not None:
+                        self.snap.persist_done.wait(max(0.0, deadline - time.time() - 0.2))
+                        if not self.snap.busy() and self.snap.last_committed == self.step:
+                            committed = self.step
+                    else:
                         committed = self.step
-                else:
-                    committed = self.step
             except Exception as e:
                 say(f"WARNING: final checkpoint failed: {e!r}")
         last = self._last_committed_step()
@@ -351,12 +364,72 @@ class Runtime:
             say(f"preempted: final checkpoint at step {committed} is durable")
         else:
             say(f"preempted: no time for a final checkpoint within the grace period "
-                f"(needs ~{need_s:.1f}s); the newest committed checkpoint is step {last}")
+                f"(needs ~{self._need_s():.1f}s); the newest committed checkpoint is step {last}")
+        self._mark_preempted(committed)
+        self.note_exit(0)
+        raise SystemExit(0)
+
+    def _need_s(self) -> float:
+        """Seconds a final checkpoint needs to be durable (margin over the last one's cost)."""
+        return 1.5 * self._last_cost_s() + 0.5
+
+    def _stop_decision(self, deadline: float) -> str:
+        """``"have"`` (the stop step is already committed), ``"take"`` (a final checkpoint
+        fits before ``deadline``, unix seconds) or ``"none"``. Rank 0 decides and writes
+        ``stop_decision.json``; the other ranks wait for it until the deadline (``"none"``
+        then: rank 0's checkpoint alone can never commit)."""
+        path = self.jobdir.root / "stop_decision.json"
         if self.s.rank == 0:
-            self.jobdir.emit_event("preempted", step=self.step, final_checkpoint=committed,
-                                   newest_committed=last)
-        self.note_exit(EXIT_PREEMPTED)
-        raise SystemExit(EXIT_PREEMPTED)
+            if self._last_committed_step() == self.step:
+                decision = "have"
+            elif (time.time() + self._need_s() < deadline
+                  and not (self.snap is not None and self.snap.busy())):
+                decision = "take"
+            else:
+                decision = "none"
+            atomic_write_json(path, {"step": self.step, "decision": decision,
+                                     "need_s": round(self._need_s(), 3)})
+            return decision
+        while True:
+            try:
+                doc = json.loads(path.read_text())
+                if int(doc["step"]) == self.step:
+                    return str(doc["decision"])
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.time() >= deadline:
+                return "none"
+            time.sleep(0.01)
+
+    def _mark_preempted(self, committed: int | None) -> None:
+        """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption
+        (the supervisor's evidence that exit code 0 means "preempted", not "done")."""
+        from cfrun.env import node_rank
+
+        self._preempted = True
+        try:
+            marks = self.jobdir.root / "preempted"
+            marks.mkdir(exist_ok=True)
+            atomic_write_json(marks / f"node-{node_rank()}-attempt-{self.s.attempt}-rank-"
+                                      f"{self.s.rank}.json",
+                              {"step": self.step, "final_checkpoint": committed})
+        except OSError:
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+
+    def _preempted_guard(self) -> None:
+        """The script swallowed the stop's ``SystemExit`` and trains on: end it now."""
+        if self._preempted:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(0)
 
     def _last_cost_s(self) -> float:
         return self.snap.last_cost_s if self.snap is not None else self._sync_cost_s
@@ -369,6 +442,7 @@ class Runtime:
 
     def on_loader_next(self, it: Any, caller: types.FrameType) -> None:
         """Called before every ``next()`` on a tracked DataLoader iterator."""
+        self._preempted_guard()
         if self._enum_fix is not None and self._enum_fix[0]() is it:
             consumed = self._enum_fix[1]
             self._enum_fix = None
@@ -951,12 +1025,15 @@ class Runtime:
         job would only run its tail again."""
         from cfrun.env import node_rank
 
-        clean = not getattr(self, "_uncaught", False) and getattr(self, "_exit_code", 0) == 0
+        preempted = self._preempted
+        clean = (not getattr(self, "_uncaught", False) and getattr(self, "_exit_code", 0) == 0
+                 and not preempted)
         try:
             ended = self.jobdir.root / "ended"
             ended.mkdir(exist_ok=True)
             atomic_write_json(ended / f"node-{node_rank()}-attempt-{self.s.attempt}-rank-"
-                                      f"{self.s.rank}.json", {"clean": clean, "step": self.step})
+                                      f"{self.s.rank}.json", {"clean": clean, "step": self.step,
+                                       "preempted": preempted})
         except OSError:
             pass
 
@@ -964,7 +1041,10 @@ class Runtime:
         self._mark_end()
         self._exit_fast_forward()
         if self.snap is not None:
-            self.snap.close()
+            timeout_s = 60.0
+            if self._preempted and self._stop_deadline:  # the supervisor kills us then anyway
+                timeout_s = max(0.0, self._stop_deadline - time.time())
+            self.snap.close(timeout_s)
             if self.snap.last_error:
                 say(f"WARNING: last checkpoint problem: {self.snap.last_error}")
         if self.plan is not None and not self.resumed:

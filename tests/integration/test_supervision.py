@@ -13,10 +13,13 @@ import psutil
 import pytest
 import torch
 
+from cfrun.checkpoint import committed_steps
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = str(SCRIPTS / "slow_steps.py")
+DDP_SLOW = str(SCRIPTS / "train_ddp_slow.py")
+DEFAULT_GRACE_S = 25.0
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -39,21 +42,55 @@ def _wait_for_step(cwd: Path, job: str, step: int, proc: subprocess.Popen, timeo
     raise AssertionError(f"step {step} not reached")
 
 
+def _wait_for_persist(cwd: Path, job: str, proc: subprocess.Popen, timeout_s=90) -> None:
+    """A checkpoint is committed and the next one is being persisted (its staging dir)."""
+    ckpts = cwd / job / "checkpoints"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if committed_steps(ckpts) and any(ckpts.glob(".staging-*")):
+            return
+        time.sleep(0.01)
+    raise AssertionError("no persist in flight after a commit")
+
+
 def _descendants_gone(pid: int, before: set[int]) -> None:
     alive = [p for p in before if psutil.pid_exists(p)
              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"processes survived cfrun: {alive}"
 
 
+def _grace_s(extra: list[str]) -> float:
+    return float(extra[extra.index("--grace") + 1]) if "--grace" in extra else DEFAULT_GRACE_S
+
+
 def _sigterm_run(cwd: Path, job: str, extra: list[str], at_step: int,
-                 env: dict[str, str] | None = None) -> tuple[Run, set[int]]:
-    proc = _start(["--interval", "5", "--job-dir", job, *extra, SLOW, "60", f"{job}.pt", "0.05"],
-                  cwd, env)
+                 env: dict[str, str] | None = None, *, sig: int = signal.SIGTERM,
+                 script: list[str] | None = None, second_after_s: float | None = None,
+                 during_persist: bool = False) -> tuple[Run, set[int], float]:
+    """Start cfrun, send ``sig`` once rank 0 is past ``at_step`` (and the same signal again
+    ``second_after_s`` later); returns the run, the pids of its process tree at the signal,
+    and the seconds from the (first) signal to the supervisor's final ``preempted`` state
+    (its own interpreter exit, ~1 s with torch imported on a loaded machine, comes after)."""
+    script = script or [SLOW, "60", f"{job}.pt", "0.05"]
+    proc = _start(["--interval", "5", "--job-dir", job, *extra, *script], cwd, env)
     _wait_for_step(cwd, job, at_step, proc)
+    if during_persist:
+        _wait_for_persist(cwd, job, proc)
     tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    t0_unix_s = time.time()
+    proc.send_signal(sig)
+    if second_after_s is not None:
+        time.sleep(second_after_s)
+        proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    return Run(proc.returncode, out, err, cwd / job), tree
+    exit_s = time.monotonic() - t0
+    assert exit_s <= _grace_s(extra) + 3.0, (exit_s, err[-2000:])
+    run = Run(proc.returncode, out, err, cwd / job)
+    states = [e for e in run.events("state") if e["state"] == "preempted"]
+    stopped_s = states[-1]["t_unix_s"] - t0_unix_s if states else exit_s
+    return run, tree, stopped_s
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +101,19 @@ def reference(tmp_path_factory):
     return torch.load(cwd / "ref.pt", weights_only=True)
 
 
-def _resume_and_compare(cwd: Path, job: str, reference, preempted_at: int | None) -> None:
+def _resume_and_compare(cwd: Path, job: str, reference, preempted_at: int | None,
+                        nranks: int = 1) -> None:
     run = run_cfrun(["resume", job], cwd=cwd)
     run.job_dir = cwd / job
     assert run.returncode == 0, run.stderr[-2000:]
     resumed = [e["step"] for e in run.events("resumed")]
-    if preempted_at is not None:
-        assert resumed == [preempted_at]  # nothing recomputed: the final checkpoint is the stop
+    if preempted_at is not None:  # nothing recomputed: the final checkpoint is the stop step
+        assert resumed == [preempted_at] * nranks
     assert_bit_identical(reference, torch.load(cwd / f"{job}.pt", weights_only=True))
 
 
 def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", [], at_step=12)
+    run, tree, _ = _sigterm_run(tmp_path, "j", [], at_step=12)
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
     assert pre["final_checkpoint"] == pre["step"] >= 12
@@ -85,7 +123,7 @@ def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, 
 
 
 def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
                              env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"})
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
@@ -95,15 +133,126 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
 
 
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
-    run, tree = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
-                             env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"})
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
+                                env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"}, during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
-    pre = run.events("preempted")
-    if pre:  # the ranks got to say it before the deadline
-        assert pre[0]["final_checkpoint"] is None
-        assert "no time for a final checkpoint" in run.stderr
+    [pre] = run.events("preempted")
+    newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
+    assert pre["final_checkpoint"] is None and pre["newest_committed"] == newest
+    assert f"no final checkpoint; newest committed is step {newest}" in run.stderr
     _descendants_gone(0, tree)
-    _resume_and_compare(tmp_path, "j", reference, None)
+    _resume_and_compare(tmp_path, "j", reference, newest)
+
+
+def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
+    run, tree, _ = _sigterm_run(tmp_path, "j", [], at_step=12, sig=signal.SIGINT)
+    assert run.returncode == 75, run.stderr[-2000:]
+    [pre] = run.events("preempted")
+    assert pre["final_checkpoint"] == pre["step"] >= 12 and pre["signal"] == "SIGINT"
+    assert "FINAL done" not in run.stdout  # the script's code after the loop did not run
+    _descendants_gone(0, tree)
+    _resume_and_compare(tmp_path, "j", reference, pre["step"])
+
+
+def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
+    """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
+    about a second after the grace, and the newest committed checkpoint stays the resume point."""
+    run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "1"], at_step=12,
+                                        env={"CFRUN_TEST_AGENT_SLOW_S": "3"},
+                                        script=[SLOW, "60", "j.pt", "0.1"], during_persist=True)
+    assert run.returncode == 75, run.stderr[-2000:]
+    assert elapsed_s < 1.5, elapsed_s  # killed at the deadline, not when the persist ends
+    [pre] = run.events("preempted")
+    newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
+    assert pre["final_checkpoint"] is None and pre["newest_committed"] == newest
+    assert f"no final checkpoint; newest committed is step {newest}" in run.stderr
+    _descendants_gone(0, tree)  # the agent included
+    _resume_and_compare(tmp_path, "j", reference, newest)
+
+
+def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
+    run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=12,
+                                        env={"CFRUN_TEST_AGENT_SLOW_S": "3"},
+                                        script=[SLOW, "60", "j.pt", "0.1"], during_persist=True,
+                                        second_after_s=0.3)
+    assert run.returncode == 75, run.stderr[-2000:]
+    assert elapsed_s < 0.3 + 1.0, elapsed_s
+    assert "second signal" in run.stderr
+    [pre] = run.events("preempted")
+    newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
+    assert pre["final_checkpoint"] is None and pre["newest_committed"] == newest
+    _descendants_gone(0, tree)
+    _resume_and_compare(tmp_path, "j", reference, newest)
+
+
+def test_step_longer_than_the_grace_ranks_killed_and_it_says_so(reference, tmp_path):
+    """The rank is inside a long step (it sleeps at step 12) when the grace runs out."""
+    proc = _start(["--interval", "5", "--grace", "1", "--job-dir", "j", SLOW, "60", "j.pt",
+                   "0.05", "12"], tmp_path)
+    _wait_for_step(tmp_path, "j", 12, proc)
+    while 10 not in committed_steps(tmp_path / "j" / "checkpoints"):
+        assert proc.poll() is None
+        time.sleep(0.05)
+    tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 <= 1 + 3.0
+    assert proc.returncode == 75, err[-2000:]
+    assert "did not stop within --grace" in err
+    assert "no final checkpoint; newest committed is step 10" in err
+    [pre] = Run(75, out, err, tmp_path / "j").events("preempted")
+    assert pre["step"] == 12 and pre["final_checkpoint"] is None
+    assert pre["newest_committed"] == 10 and pre["ranks_stopped"] == 0
+    _descendants_gone(0, tree)
+    _resume_and_compare(tmp_path, "j", reference, 10)
+
+
+@pytest.mark.parametrize("case", ["during_spawn", "during_stop_agent"])
+def test_signal_races_leave_no_process(tmp_path, case):
+    """A signal between torchrun's start and its Popen being recorded; a signal while a
+    finished job stops the agent (it must neither escape as a traceback nor leave the agent)."""
+    import json
+
+    done = subprocess.run([sys.executable, str(SCRIPTS / "signal_races.py"), "j", case],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    pids = [result[k] for k in ("child", "agent") if result.get(k)]
+    alive = [p for p in pids if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        psutil.Process(p).kill()
+    assert result["rc"] == (75 if case == "during_spawn" else 0), done.stderr[-2000:]
+    assert not alive, done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("ddpref")
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "5", "--job-dir", "ref", DDP_SLOW,
+                     "ref.pt", "0"], cwd=cwd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return torch.load(cwd / "ref.pt", weights_only=True)
+
+
+def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path):
+    """Both ranks stop at the same step and the final checkpoint holds both shards; no rank is
+    killed by torchrun because another one exited first (persists slowed: the signal may land
+    during one)."""
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--nproc-per-node", "2"], at_step=12,
+                                env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"},
+                                script=[DDP_SLOW, "j.pt", "0.1"])
+    assert run.returncode == 75, run.stderr[-3000:]
+    [pre] = run.events("preempted")
+    assert "ChildFailedError" not in run.stderr  # torchrun saw no failed rank
+    assert "FINAL done" not in run.stdout  # the script's code after the loop did not run
+    assert pre["final_checkpoint"] == pre["step"] >= 12, pre
+    step_dir = tmp_path / "j" / "checkpoints" / f"step-{pre['step']:06d}"
+    assert {p.name for p in step_dir.glob("rank-*.bin")} == {"rank-00000.bin", "rank-00001.bin"}
+    assert pre["ranks_stopped"] == 2  # both ranks reached the stop step and said so
+    _descendants_gone(0, tree)
+    _resume_and_compare(tmp_path, "j", ddp_reference, pre["step"], nranks=2)
 
 
 def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
