@@ -220,7 +220,9 @@ class Snapshotter:
 
     Args:
         emit: called with a ``checkpoint`` event's fields when a checkpoint is committed and its
-            stall is known (rank 0 writes it to events.jsonl).
+            stall is known (rank 0 writes it to events.jsonl): ``step``, ``bytes``, ``stall_s``,
+            ``snapshot_s``, ``persist_s``, ``pgt_s``, ``bandwidth_bytes_per_s``, ``tier`` and
+            ``t_trigger_unix_s`` (wall-clock time the snapshot started).
         on_lost: called (background thread) with a step whose hand-off failed because the agent
             was unreachable or died, or because the copy or hand-off raised; the next
             checkpoint reconnects.
@@ -358,7 +360,7 @@ class Snapshotter:
         if later_cpu:
             self.copy_done.clear()
         with self._record_lock:
-            self._record = {"step": step}
+            self._record = {"step": step, "t_trigger_unix_s": t_trigger}
         self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
                                        args=(later_cpu, later_cuda, done_events, msg),
                                        daemon=True)
@@ -523,7 +525,8 @@ class Snapshotter:
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],
                            "bandwidth_bytes_per_s": rec["bandwidth_bytes_per_s"],
-                           "tier": rec.get("tier", "local")})
+                           "tier": rec.get("tier", "local"),
+                           "t_trigger_unix_s": round(rec["t_trigger_unix_s"], 6)})
 
     def close(self, timeout_s: float = 60.0) -> None:
         """At exit: let the last hand-off and persist finish, then free the slot."""
