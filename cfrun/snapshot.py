@@ -405,8 +405,9 @@ class Snapshotter:
                 fits = gpu_buf is not None and gpu_buf.numel() >= staged_bytes
                 use_gpu_buf = self.mode == "gpu" or (self.mode != "host" and (
                     fits or torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))
-                if not use_gpu_buf or not fits:
-                    self._gpu_bufs.pop(device, None)  # freed on the side stream it was made on
+                if not use_gpu_buf or not fits:  # free it (its last use is complete) first
+                    self._gpu_bufs.pop(device, None)
+                    gpu_buf = None
                 with torch.cuda.stream(side):
                     if use_gpu_buf:
                         if not fits:
