@@ -17,6 +17,13 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
   thread, on CUDA by making the current stream wait for the copy's event (the host never blocks).
   With ``gpu`` mode, state is first copied device-to-device into a buffer allocated once when
   free memory allows (CheckFreq's GPU snapshot), so the step waits only for that fast copy.
+* **CUDA details.** Small tensors and module buffers are copied with ``non_blocking=True`` on the
+  current stream, ordered before the next forward without a host sync. The rest is copied on one
+  side stream per device (created once, reused), which first waits for an event recorded at the
+  boundary; the slot is page-locked so these copies are asynchronous. The training thread never
+  waits for the queued step (only ``inline`` mode does); the background thread waits for the
+  copies' events before the hand-off and holds the source tensors until then. Tensors on several
+  devices get one stream, event and gate per device.
 * **Hand-off.** When the copy is complete the rank sends the agent one message (step, slot,
   bytes, the JSON tree); from then on the agent persists and commits it even if the rank dies.
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
@@ -49,6 +56,8 @@ SLOT_ALIGN_BYTES = 4096
 """Slot sizes are multiples of this, so the agent can write them with O_DIRECT."""
 SYNC_COPY_MAX_BYTES = 1 << 16
 """Tensors up to this size are copied on the training thread (cheaper than a hand-off)."""
+STAGING_ALIGN_BYTES = 256
+"""Offsets in the device-side staging buffer are multiples of this (any dtype can view them)."""
 ENV_SHM_DIR = "CFRUN_SHM_DIR"
 ENV_SNAPSHOT_MODE = "CFRUN_SNAPSHOT_MODE"
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
@@ -59,6 +68,15 @@ after this step to the agent."""
 ENV_TEST_KILL_BEFORE_HANDOFF = "CFRUN_TEST_KILL_BEFORE_COMMIT"
 """Testing aid: in attempt 0, SIGKILL the rank mid-snapshot (copied, not yet handed off) of
 the first checkpoint at or after this step."""
+ENV_TEST_COPY_DELAY_S = "CFRUN_TEST_SNAPSHOT_COPY_DELAY_S"
+"""Testing aid: the background copy sleeps this many seconds before it starts (a slow copy: the
+next ``optimizer.step()`` must wait for it at the gate)."""
+ENV_TEST_SYNC_COPY_MAX_BYTES = "CFRUN_TEST_SYNC_COPY_MAX_BYTES"
+"""Testing aid: replaces :data:`SYNC_COPY_MAX_BYTES` (``0``: every parameter and optimizer state
+tensor goes through the background copy, however small)."""
+ENV_TEST_HANDOFF_ERROR = "CFRUN_TEST_SNAPSHOT_HANDOFF_ERROR"
+"""Testing aid: in attempt 0, the background thread raises ``TypeError`` while handing off the
+first checkpoint at or after this step (a bug there must not stop later checkpoints)."""
 
 
 def shm_dir(job_dir: Path, nbytes: int) -> Path:
@@ -84,7 +102,12 @@ def slot_prefix(job_dir: Path) -> str:
 
 
 class SnapshotSlot:
-    """A shared-memory byte buffer that grows but is otherwise allocated once."""
+    """A shared-memory byte buffer that grows but is otherwise allocated once.
+
+    Its file is named ``<prefix>-rank<R>-<pid>-<generation>.slot``. A restarted rank does not
+    reuse its predecessor's file (the agent might still read a snapshot the predecessor handed
+    off); :meth:`remove_stale` deletes it once the agent has drained that work.
+    """
 
     def __init__(self, job_dir: Path, rank: int) -> None:
         self.job_dir = job_dir
@@ -97,7 +120,9 @@ class SnapshotSlot:
     def ensure(self, nbytes: int, *, pin: bool) -> torch.Tensor:
         """A ``uint8`` tensor over the first ``nbytes`` of the slot, (re)allocating if needed.
 
-        Call only when the agent is not reading the slot (no persist in flight).
+        With ``pin`` (the state has CUDA tensors), the slot is page-locked the first time it is
+        needed, even if it was created earlier for CPU tensors; :attr:`pinned` tells whether
+        that worked. Call only when the agent is not reading the slot (no persist in flight).
         """
         if self.buf is None or self.buf.numel() < nbytes:
             self.release()
@@ -110,18 +135,83 @@ class SnapshotSlot:
                 f.truncate(nbytes)
             self.buf = torch.from_file(str(self.path), shared=True, size=nbytes,
                                        dtype=torch.uint8)
-            if pin and torch.cuda.is_available():
-                rc = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0)
-                self.pinned = int(rc) == 0
+        if pin and not self.pinned and torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
+            self.pinned = int(rc) == 0
         return self.buf[:nbytes]
 
     def release(self) -> None:
+        """Unpin, unmap and delete the slot file (the agent must not be reading it)."""
         if self.buf is not None and self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+        self.pinned = False
         self.buf = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+    def remove_stale(self) -> int:
+        """Delete this node's slot files whose process is gone (ranks of earlier attempts).
+
+        Call right after the agent answered ``ready`` to a ``hello``: it has then persisted
+        everything those ranks handed off before it, so nothing reads their slots any more (a
+        mapping the agent still holds stays valid after the unlink anyway). Keeps /dev/shm at
+        one slot per live rank across restarts. Returns the number of files deleted.
+        """
+        n = 0
+        pattern = f"{slot_prefix(self.job_dir)}-rank*.slot"  # not another node's "-node<R>-rank"
+        for directory in {shm_dir(self.job_dir, 0), Path("/dev/shm"), self.job_dir / ".slots"}:
+            if not directory.is_dir():
+                continue
+            for p in directory.glob(pattern):
+                pid = _slot_pid(p.name)
+                if pid is None or pid == os.getpid() or _pid_alive(pid):
+                    continue
+                p.unlink(missing_ok=True)
+                n += 1
+        return n
+
+
+def _slot_pid(name: str) -> int | None:
+    """The pid in a slot file name ``...-rank<R>-<pid>-<generation>.slot``, or None."""
+    parts = name.removesuffix(".slot").split("-")
+    try:
+        return int(parts[-2])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def staging_layout(sources: list[torch.Tensor],
+                   align_bytes: int = STAGING_ALIGN_BYTES) -> tuple[list[int], int]:
+    """Byte offsets of ``sources`` packed into one device-side staging buffer, and its size.
+
+    Every offset is a multiple of ``align_bytes`` (256: a multiple of every element size), so a
+    ``uint8`` slice at it can be viewed as the tensor's dtype. A plain running sum of byte
+    counts is not enough: after a bf16 tensor with an odd element count, a float32 tensor
+    would start at an offset that is not a multiple of 4, and ``.view(torch.float32)`` raises.
+    """
+    offsets = []
+    offset = 0
+    for s in sources:
+        offsets.append(offset)
+        offset += -(-(s.numel() * s.element_size()) // align_bytes) * align_bytes
+    return offsets, offset
+
+
+def staged_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A view of the ``uint8`` tensor ``buf`` at byte ``offset`` with ``like``'s dtype and shape."""
+    nbytes = like.numel() * like.element_size()
+    return buf[offset:offset + nbytes].view(like.dtype).view(like.shape)
 
 
 class Snapshotter:
@@ -130,9 +220,12 @@ class Snapshotter:
 
     Args:
         emit: called with a ``checkpoint`` event's fields when a checkpoint is committed and its
-            stall is known (rank 0 writes it to events.jsonl).
+            stall is known (rank 0 writes it to events.jsonl): ``step``, ``bytes``, ``stall_s``,
+            ``snapshot_s``, ``persist_s``, ``pgt_s``, ``bandwidth_bytes_per_s``, ``tier`` and
+            ``t_trigger_unix_s`` (wall-clock time the snapshot started).
         on_lost: called (background thread) with a step whose hand-off failed because the agent
-            was unreachable or died; the next checkpoint reconnects.
+            was unreachable or died, or because the copy or hand-off raised; the next
+            checkpoint reconnects.
     """
 
     def __init__(self, job_dir: Path, rank: int, world_size: int, attempt: int,
@@ -147,6 +240,7 @@ class Snapshotter:
         self.slot = SnapshotSlot(job_dir, rank)
         self.sock: socket.socket | None = None
         self.copy_done = threading.Event()
+        """Set when no host-thread copy reads the live tensors (what :meth:`gate` waits for)."""
         self.copy_done.set()
         self.persist_done = threading.Event()
         self.persist_done.set()
@@ -154,10 +248,13 @@ class Snapshotter:
         self.mode = os.environ.get(ENV_SNAPSHOT_MODE, "thread")
         self.mode_is_forced = ENV_SNAPSHOT_MODE in os.environ
         self._inflight = -1
-        self._cuda_gate: Any = None
-        self._gpu_buf: torch.Tensor | None = None
+        self._cuda_gates: list[tuple[torch.device, Any]] = []
+        self._streams: dict[torch.device, Any] = {}
+        self._gpu_bufs: dict[torch.device, torch.Tensor] = {}
         self._record: dict[str, Any] = {}
         self._record_lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._test_error_done = False
         self.last_error: str | None = None
         self.last_cost_s = 0.0
         """Seconds the last checkpoint took from snapshot start to commit (for the grace)."""
@@ -169,8 +266,8 @@ class Snapshotter:
         """Connect to the persist agent and wait until it has drained earlier work.
 
         Called before looking for checkpoints, so a snapshot handed off by a previous attempt
-        of this rank is committed first. Returns False if no agent answers (then checkpoints
-        are written synchronously by the caller).
+        of this rank is committed first; then deletes the slots of dead earlier ranks. Returns
+        False if no agent answers (then checkpoints are written synchronously by the caller).
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -180,12 +277,19 @@ class Snapshotter:
                 ipc.send(self.sock, {"op": "hello", "rank": self.rank})
                 reply = ipc.recv(self.sock)
                 self.sock.settimeout(None)
-                return reply.get("op") == "ready"
+                is_ready = reply.get("op") == "ready"
+                break
             except OSError:
                 self.sock = None
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.1)
+        if is_ready:
+            try:
+                self.slot.remove_stale()
+            except OSError as e:
+                logger.warning("cfrun: could not remove old snapshot slots: %r", e)
+        return is_ready
 
     # ------------------------------------------------------------------ training thread
 
@@ -199,18 +303,19 @@ class Snapshotter:
         return self._inflight if self.busy() else None
 
     def gate(self) -> float:
-        """Block until the background copy no longer needs the live tensors. Returns seconds.
+        """Make the coming ``optimizer.step()`` wait until the snapshot no longer reads the live
+        tensors. Returns the seconds the training thread was blocked.
 
-        Called from the optimizer step pre-hook on the training thread.
+        Called from the optimizer step pre-hook on the training thread. CUDA copies are waited
+        for on the device (each device's current stream waits for the copy's event); only a
+        host-thread copy blocks the host.
         """
-        waited = 0.0
-        if self._cuda_gate is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_gate)  # device-side wait only
-            self._cuda_gate = None
-        if not self.copy_done.is_set():
-            t0 = time.perf_counter()
-            self.copy_done.wait()
-            waited = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for device, event in self._cuda_gates:
+            torch.cuda.current_stream(device).wait_event(event)
+        self._cuda_gates = []
+        self.copy_done.wait()
+        waited = time.perf_counter() - t0
         if "gate_s" not in self._record and self._record:
             self._finish(gate_s=waited)
         return waited
@@ -219,139 +324,210 @@ class Snapshotter:
               meta: dict[str, Any], t_trigger: float, t_boundary: float) -> None:
         """Copy ``tensors`` into the slot and hand the checkpoint to the agent.
 
-        Small tensors and those not in ``async_ids`` are copied now; the rest in the
-        background. Raises OSError/RuntimeError on failure (the caller logs it).
+        Training thread, every rank, only when :meth:`busy` is False. Small tensors and those
+        not in ``async_ids`` are copied now (CUDA ones asynchronously on the current stream);
+        the rest in the background. Returns without waiting for any of it, except in
+        ``inline`` mode. Raises OSError/RuntimeError on failure (the caller logs it).
         """
         entries, total = plan_layout(tensors)
         total = max(SLOT_ALIGN_BYTES, -(-total // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
-        has_cuda = any(t.is_cuda for t in tensors)
-        buf = self.slot.ensure(total, pin=has_cuda)
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        buf = self.slot.ensure(total, pin=bool(devices))
+        if devices and not self.slot.pinned:
+            self._warn_once("unpinned", "cfrun: the snapshot slot could not be page-locked; "
+                            "CUDA snapshots will block the training thread")
+        inline = self.mode == "inline"
+        sync_max_bytes = int(os.environ.get(ENV_TEST_SYNC_COPY_MAX_BYTES, SYNC_COPY_MAX_BYTES))
+        later_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e, t in zip(entries, tensors):
             dst = _view(buf, e, t)
-            if (id(t) in async_ids and e.nbytes > SYNC_COPY_MAX_BYTES and self.mode != "inline"):
-                later.append((dst, t))
-            else:
-                dst.copy_(t.detach())
-        done_event = None
-        if has_cuda:
-            later, done_event = self._enqueue_cuda(later)
+            if not inline and id(t) in async_ids and e.nbytes > sync_max_bytes:
+                (later_cuda if t.is_cuda else later_cpu).append((dst, t))
+            else:  # a CUDA copy here is queued on the current stream, before the next forward
+                dst.copy_(t.detach(), non_blocking=t.is_cuda)
+        done_events = self._enqueue_cuda(later_cuda, devices) if devices else []
+        if inline:
+            for event in done_events:
+                event.synchronize()
         doc = {"format_version": FORMAT_VERSION, "rank": self.rank, "tree": tree,
                "tensors": [e.to_json() for e in entries], "meta": meta}
         msg = {"op": "persist", "step": step, "rank": self.rank, "world_size": self.world_size,
                "slot": str(self.slot.path), "nbytes": total, "doc": doc,
                "t_trigger_unix_s": t_trigger}
         self._inflight = step
-        self.copy_done.clear()
         self.persist_done.clear()
+        if later_cpu:
+            self.copy_done.clear()
         with self._record_lock:
-            self._record = {"step": step, "boundary_s": time.perf_counter() - t_boundary}
+            self._record = {"step": step, "t_trigger_unix_s": t_trigger}
         self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
-                                       args=(later, done_event, msg), daemon=True)
+                                       args=(later_cpu, later_cuda, done_events, msg),
+                                       daemon=True)
         self.thread.start()
-        if self.mode == "inline" or not later:
-            self.copy_done.wait()
+        with self._record_lock:  # after every wait above: all of it is stall
+            self._record["boundary_s"] = time.perf_counter() - t_boundary
 
-    def _enqueue_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
-                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
-        """Queue device-to-host copies on a side stream; the step waits on the device only."""
-        cuda = [(d, s) for d, s in pairs if s.is_cuda]
-        cpu = [(d, s) for d, s in pairs if not s.is_cuda]
-        if not cuda:
-            return pairs, None
-        ready = torch.cuda.Event()
-        ready.record()
-        side = torch.cuda.Stream()
-        side.wait_event(ready)
-        nbytes = sum(s.numel() * s.element_size() for _, s in cuda)
-        use_gpu_buf = self.mode == "gpu" or (
-            self.mode != "host" and torch.cuda.mem_get_info()[0] > 1.2 * nbytes + (256 << 20))
-        with torch.cuda.stream(side):
-            if use_gpu_buf:
-                if self._gpu_buf is None or self._gpu_buf.numel() < nbytes:
-                    self._gpu_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-                staged = []
-                off = 0
-                for d, s in cuda:
-                    n = s.numel() * s.element_size()
-                    g = self._gpu_buf[off:off + n].view(s.dtype).view(s.shape)
-                    g.copy_(s, non_blocking=True)
-                    staged.append((d, g))
-                    off += n
-                d2d = torch.cuda.Event()
-                d2d.record(side)
-                self._cuda_gate = d2d
-                for d, g in staged:
-                    d.copy_(g, non_blocking=True)
-            else:
-                for d, s in cuda:
-                    d.copy_(s, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        if not use_gpu_buf:
-            self._cuda_gate = done
-        return cpu, done
+    def _side_stream(self, device: torch.device) -> Any:
+        """This device's side stream, created on first use and reused by every checkpoint."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _enqueue_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                      devices: list[torch.device]) -> list[Any]:
+        """Queue the device-to-host copies of ``pairs`` on each device's side stream.
+
+        Training thread. Returns one event per device in ``devices``, complete once every copy
+        into the slot from that device (the ones on the current stream included) has landed;
+        sets the gates :meth:`gate` makes the next step's stream wait for. Never blocks the host
+        (unless the slot is not page-locked).
+        """
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {
+            d: [] for d in devices}
+        for dst, src in pairs:
+            by_device[src.device].append((dst, src))
+        done_events: list[Any] = []
+        self._cuda_gates = []
+        for device, dev_pairs in by_device.items():
+            with torch.cuda.device(device):
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))  # after the step's kernels
+                if not dev_pairs:  # only current-stream copies from this device
+                    done_events.append(ready)
+                    continue
+                side = self._side_stream(device)
+                side.wait_event(ready)
+                sources = [s.detach() for _, s in dev_pairs]
+                offsets, staged_bytes = staging_layout(sources)
+                gpu_buf = self._gpu_bufs.get(device)
+                fits = gpu_buf is not None and gpu_buf.numel() >= staged_bytes
+                use_gpu_buf = self.mode == "gpu" or (self.mode != "host" and (
+                    fits or torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))
+                if not use_gpu_buf or not fits:  # free it (its last use is complete) first
+                    self._gpu_bufs.pop(device, None)
+                    gpu_buf = None
+                with torch.cuda.stream(side):
+                    if use_gpu_buf:
+                        if not fits:
+                            self._gpu_bufs[device] = torch.empty(staged_bytes, dtype=torch.uint8,
+                                                                 device=device)
+                        gpu_buf = self._gpu_bufs[device]
+                        staged = [staged_view(gpu_buf, off, s) for off, s in zip(offsets, sources)]
+                        for g, s in zip(staged, sources):
+                            g.copy_(s, non_blocking=True)
+                        d2d = torch.cuda.Event()
+                        d2d.record(side)
+                        gate = d2d  # the next step waits only for the device-side copy
+                        for (dst, _), g in zip(dev_pairs, staged):
+                            dst.copy_(g, non_blocking=True)
+                    else:
+                        for dst, s in zip((d for d, _ in dev_pairs), sources):
+                            dst.copy_(s, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                self._cuda_gates.append((device, gate if use_gpu_buf else done))
+                done_events.append(done)
+        return done_events
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
 
     # ------------------------------------------------------------------ background thread
 
-    def _background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], done_event: Any,
+    def _background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                    cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]], done_events: list[Any],
                     msg: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
+        """Copy, wait for the CUDA copies, hand off, await the persist. Never dies silently:
+        any error is reported once (``on_lost``) and the in-flight flags are always cleared."""
+        step = int(msg["step"])
+        stage = "copy"
         try:
+            t0 = time.perf_counter()
+            delay_s = float(os.environ.get(ENV_TEST_COPY_DELAY_S, "0") or 0)
+            if delay_s > 0:
+                time.sleep(delay_s)
             for dst, src in pairs:
                 dst.copy_(src.detach())
-            if done_event is not None:
-                done_event.synchronize()
-        except Exception as e:
-            self.last_error = repr(e)
             self.copy_done.set()
+            for event in done_events:
+                event.synchronize()
+            cuda_pairs = []  # the side streams are done with the sources
+            snapshot_s = time.perf_counter() - t0
+            stage = "hand-off"
+            self._hand_off(step, msg, snapshot_s)
+        except Exception as e:
+            if stage == "hand-off" and isinstance(e, OSError):
+                self.last_error = f"persist agent unavailable: {e!r}"
+            else:
+                self.last_error = f"snapshot {stage} of step {step} failed: {e!r}"
+            if stage == "hand-off":
+                self._drop_connection()  # a reply may still come: start afresh
+            try:
+                self.on_lost(step, self.last_error)
+            except Exception as e2:
+                logger.warning("cfrun: %s (reporting it failed too: %r)", self.last_error, e2)
+        finally:
+            self.copy_done.set()
+            for event in done_events:  # before the slot and the sources may be reused
+                try:
+                    event.synchronize()
+                except Exception:
+                    pass
+            del cuda_pairs
             self.persist_done.set()
-            return
-        snapshot_s = time.perf_counter() - t0
-        self.copy_done.set()
-        step = msg["step"]
+
+    def _drop_connection(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None  # reconnect (to a restarted agent) next time
+
+    def _hand_off(self, step: int, msg: dict[str, Any], snapshot_s: float) -> None:
+        """Send the checkpoint to the agent and wait for its commit (background thread)."""
         kill_at = os.environ.get(ENV_TEST_KILL_BEFORE_HANDOFF)
         if self.attempt == 0 and kill_at and step >= int(kill_at):
             os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            if self.sock is None and not self.ready(timeout_s=30.0):
-                raise ConnectionError("no persist agent")
-            assert self.sock is not None
-            ipc.send(self.sock, msg)
-            kill_after = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
-            if self.attempt == 0 and kill_after and step >= int(kill_after):
-                os.kill(os.getpid(), signal.SIGKILL)
-            reply = ipc.recv(self.sock)
-        except (OSError, AssertionError) as e:
-            self.last_error = f"persist agent unavailable: {e!r}"
-            self.on_lost(step, self.last_error)
-            if self.sock is not None:
-                self.sock.close()
-            self.sock = None  # reconnect (to a restarted agent) next time
-            self.persist_done.set()
-            return
+        if self.sock is None and not self.ready(timeout_s=30.0):
+            raise ConnectionError("no persist agent")
+        if self.sock is None:
+            raise ConnectionError("the persist agent is not ready")
+        error_at = os.environ.get(ENV_TEST_HANDOFF_ERROR)
+        if self.attempt == 0 and error_at and step >= int(error_at) and not self._test_error_done:
+            self._test_error_done = True
+            raise TypeError(f"injected hand-off error at step {step} ({ENV_TEST_HANDOFF_ERROR})")
+        ipc.send(self.sock, msg)
+        kill_after = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
+        if self.attempt == 0 and kill_after and step >= int(kill_after):
+            os.kill(os.getpid(), signal.SIGKILL)
+        reply = ipc.recv(self.sock)
         if not reply.get("ok"):
             self.last_error = str(reply.get("error"))
-        else:
-            self.last_cost_s = snapshot_s + float(reply["persist_s"])
-            self.last_committed = step
-            self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{
-                k: reply[k] for k in ("bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
-        self.persist_done.set()
+            return
+        self.last_cost_s = snapshot_s + float(reply["persist_s"])
+        self.last_committed = step
+        self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{
+            k: reply[k] for k in ("bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
 
     def _finish(self, **fields: Any) -> None:
         """Merge measurements; emit the event once both the gate and the persist reported."""
         with self._record_lock:
             self._record.update(fields)
             rec = self._record
-            if "gate_s" in rec and "persist_s" in rec:
+            if "gate_s" in rec and "persist_s" in rec and "boundary_s" in rec:
                 self._record = {}
                 stall_s = rec["boundary_s"] + rec["gate_s"]
                 self.emit({"step": rec["step"], "bytes": rec["bytes"],
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],
                            "bandwidth_bytes_per_s": rec["bandwidth_bytes_per_s"],
-                           "tier": rec.get("tier", "local")})
+                           "tier": rec.get("tier", "local"),
+                           "t_trigger_unix_s": round(rec["t_trigger_unix_s"], 6)})
 
     def close(self, timeout_s: float = 60.0) -> None:
         """At exit: let the last hand-off and persist finish, then free the slot."""

@@ -1,0 +1,201 @@
+"""Unit tests for cfrun.snapshot against a real persist agent process: the staging layout, the
+background thread's error handling, and (GPU only) the CUDA path's overlap and exactness."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cfrun import ipc
+from cfrun import snapshot as S
+from cfrun.checkpoint import committed_steps, load_shard
+from cfrun.format import encode
+from cfrun.jobdir import step_dir_name
+from conftest import assert_bit_identical
+
+pytestmark = pytest.mark.timeout(120)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ---------------------------------------------------------------- staging layout (pure)
+
+def test_staging_offsets_are_aligned_after_an_odd_bf16_tensor():
+    """A bf16 tensor of odd element count over 64 KiB, then a float32 one: every staged view
+    has its dtype (a running sum of byte counts would put the float32 at an offset 2 mod 4)."""
+    odd = torch.arange(40_001, dtype=torch.float32).to(torch.bfloat16)  # 80,002 bytes
+    f32 = torch.linspace(-1, 1, 1000, dtype=torch.float32)
+    i64 = torch.arange(7, dtype=torch.int64)
+    sources = [odd, f32, odd[:3], i64]
+    offsets, total = S.staging_layout(sources)
+    assert all(off % S.STAGING_ALIGN_BYTES == 0 for off in offsets)
+    assert offsets == sorted(offsets) and total >= offsets[-1] + i64.numel() * 8
+    buf = torch.zeros(total, dtype=torch.uint8)
+    views = [S.staged_view(buf, off, s) for off, s in zip(offsets, sources)]
+    for v, s in zip(views, sources):
+        v.copy_(s)
+    for off, s in zip(offsets, sources):  # no overlap: each range still holds its tensor
+        assert_bit_identical(s, S.staged_view(buf, off, s))
+
+
+# ---------------------------------------------------------------- against a real agent
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A job dir served by a real ``python -m cfrun.agent`` process."""
+    job_dir = tmp_path / "job"
+    (job_dir / "checkpoints").mkdir(parents=True)
+    monkeypatch.setenv(S.ENV_SHM_DIR, str(tmp_path / "shm"))
+    for name in (S.ENV_SNAPSHOT_MODE, S.ENV_TEST_SYNC_COPY_MAX_BYTES, S.ENV_TEST_COPY_DELAY_S):
+        monkeypatch.delenv(name, raising=False)
+    agent = subprocess.Popen([sys.executable, "-m", "cfrun.agent", "--job-dir", str(job_dir),
+                              "--keep", "100"])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ipc.connect(job_dir).close()
+            break
+        except OSError:
+            assert agent.poll() is None and time.monotonic() < deadline, "agent did not start"
+            time.sleep(0.05)
+    yield job_dir
+    agent.terminate()
+    agent.wait(30)
+
+
+class Rank:
+    """A Snapshotter as one rank uses it, recording what it reports."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.job_dir = job_dir
+        self.events: list[dict[str, Any]] = []
+        self.lost: list[tuple[int, str]] = []
+        self.snap = S.Snapshotter(job_dir, 0, 1, 0, self.events.append,
+                                  lambda step, error: self.lost.append((step, error)))
+        assert self.snap.ready(timeout_s=30)
+
+    def start(self, step: int, state: dict[str, torch.Tensor], async_names: set[str]) -> float:
+        """Snapshot ``state`` as the state after step ``step``; returns seconds start() took."""
+        tensors: list[torch.Tensor] = []
+        tree = encode(state, tensors)
+        async_ids = {id(state[k]) for k in async_names}
+        t0 = time.perf_counter()
+        self.snap.start(step, tree, tensors, async_ids, {"step": step}, time.time(), t0)
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        assert self.snap.thread is not None
+        self.snap.thread.join(60)
+        assert not self.snap.busy()
+
+    def committed(self, step: int) -> dict[str, torch.Tensor]:
+        state, _ = load_shard(self.job_dir / "checkpoints" / step_dir_name(step), 0)
+        return state
+
+
+def test_handoff_error_is_reported_and_later_checkpoints_still_happen(job, monkeypatch):
+    """An unexpected exception in the background thread (here from sending the hand-off) clears
+    the in-flight flags, is reported once, and the next checkpoint commits."""
+    rank = Rank(job)
+    real_send = ipc.send
+    calls = []
+
+    def broken_send(sock, msg):
+        calls.append(msg.get("op"))
+        if msg.get("op") == "persist" and msg["step"] == 1:
+            raise TypeError("Object of type device is not JSON serializable")
+        real_send(sock, msg)
+
+    monkeypatch.setattr(ipc, "send", broken_send)
+    w = torch.randn(50_000)
+    rank.start(1, {"w": w}, {"w"})
+    rank.snap.gate()
+    rank.wait()
+    assert [s for s, _ in rank.lost] == [1] and "TypeError" in rank.lost[0][1]
+    assert rank.snap.last_error is not None and "TypeError" in rank.snap.last_error
+    w.add_(1.0)
+    rank.start(2, {"w": w}, {"w"})
+    rank.snap.gate()
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == [2]
+    assert_bit_identical(w, rank.committed(2)["w"])
+    assert [e["step"] for e in rank.events] == [2] and len(rank.lost) == 1
+
+
+def test_copy_error_is_reported_and_flags_cleared(job):
+    """A failure in the copy itself (a source that cannot be copied) is reported, not silent."""
+    rank = Rank(job)
+    w = torch.randn(50_000)
+    rank.start(1, {"w": w}, {"w"})
+    rank.wait()
+    bad_src = torch.randn(10)
+    rank.snap._background([(torch.empty(20), bad_src)], [], [], {"step": 5})  # shape mismatch
+    assert [s for s, _ in rank.lost] == [5] and "copy" in rank.lost[0][1]
+    assert rank.snap.copy_done.is_set() and not rank.snap.busy()
+
+
+# ---------------------------------------------------------------- CUDA (GPU only)
+
+def _long_kernel() -> None:
+    """Queue about a second of GPU work on the current stream."""
+    torch.cuda._sleep(int(2e9))
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["gpu", "host"])
+def test_cuda_start_does_not_wait_for_the_queued_step_and_snapshot_is_exact(job, mode):
+    """start() returns while a long kernel is still queued before the step's last update; the
+    committed bytes equal the state right after that step, although the next forward (here an
+    in-place change of a buffer) and the next step change it while the copy runs. Includes a
+    bf16 tensor of odd element count followed by float32 (staging alignment in gpu mode)."""
+    rank = Rank(job)
+    rank.snap.mode = mode
+    dev = torch.device("cuda", torch.cuda.current_device())
+    state = {
+        "w": torch.randn(1 << 20, device=dev),                            # 4 MiB, async
+        "odd": torch.randn(40_001, device=dev).to(torch.bfloat16),          # async, odd bf16
+        "f32": torch.randn(30_000, device=dev),                            # async, after it
+        "bn_mean": torch.randn(512, device=dev),                           # small buffer
+        "big_buf": torch.randn(100_000, device=dev),                       # large buffer
+        "cpu": torch.randn(100_000),                                       # CPU, async
+    }
+    rank.start(2, state, {"w", "odd", "f32", "cpu"})  # warm-up: slot, pinning, side stream
+    rank.snap.gate()
+    rank.wait()
+    torch.cuda.synchronize()
+    _long_kernel()  # the step's kernels are still running when start() is called
+    for t in state.values():
+        t.add_(1)
+    expected = {k: v.clone() for k, v in state.items()}
+    took_s = rank.start(3, state, {"w", "odd", "f32", "cpu"})
+    assert took_s < 0.2, f"start() blocked for {took_s:.3f} s behind the queued step"
+    state["bn_mean"].mul_(2)  # next forward: buffers change before the next step
+    state["big_buf"].mul_(2)
+    rank.snap.gate()          # next optimizer.step() (device-side wait)
+    for k in ("w", "odd", "f32", "cpu"):
+        state[k].mul_(3)
+    rank.wait()
+    got = rank.committed(3)
+    assert_bit_identical({k: v.cpu() for k, v in expected.items()}, got)
+    assert rank.snap.slot.pinned
+    assert [e["step"] for e in rank.events] == [2, 3]
+    assert rank.events[-1]["stall_s"] < 0.2
+
+
+@needs_cuda
+def test_cuda_side_stream_is_created_once_and_reused(job):
+    rank = Rank(job)
+    w = torch.randn(1 << 18, device="cuda")
+    for step in (1, 2, 3):
+        w.add_(1)
+        rank.start(step, {"w": w}, {"w"})
+        rank.snap.gate()
+        rank.wait()
+        assert_bit_identical(w.cpu(), rank.committed(step)["w"])
+    assert len(rank.snap._streams) == 1
