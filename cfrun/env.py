@@ -68,6 +68,10 @@ RANK_INJECT_CRASH = "CFRUN_RANK_INJECT_CRASH"
 RANK_FF_EVAL = "CFRUN_RANK_FF_EVAL"
 RANK_AGENT = "CFRUN_RANK_AGENT"
 """``1`` when the supervisor runs a persist agent for this job (two-phase checkpoints)."""
+RANK_SUPERVISOR_PID = "CFRUN_RANK_SUPERVISOR_PID"
+"""Pid of the supervisor that started this torchrun; marks every process of the job (inherited
+by ranks, workers and their children) so that none outlives the supervisor
+(cfrun.launcher.kill_job_processes)."""
 HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
 """Pid of the rank process whose hook is live; children that inherit it stay inert."""
 PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"

@@ -39,7 +39,15 @@ from cfrun.errors import (
 )
 from cfrun.format import FORMAT_VERSION
 from cfrun.jobdir import JobDir, atomic_write_json
-from cfrun.launcher import build_torchrun_argv, build_worker_env, spawn
+from cfrun.launcher import (
+    build_torchrun_argv,
+    build_worker_env,
+    die_with_parent,
+    kill_job_processes,
+    leftover_agent_pid,
+    spawn,
+    start_reaper,
+)
 from cfrun.policy import learned_mtbf_s
 from cfrun.snapshot import remove_slots
 
@@ -86,6 +94,16 @@ class AttemptResult:
     hung: bool = False
 
 
+MAX_BACKOFF_S = 30.0
+"""The longest wait before a restart."""
+
+
+def backoff_delay_s(base_s: float, restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): ``base_s`` doubled per
+    restart, at most ``MAX_BACKOFF_S``."""
+    return min(base_s * (2 ** (restart - 1)), MAX_BACKOFF_S)
+
+
 def _describe(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
@@ -104,6 +122,7 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
         self.progress_s = float(os.environ.get("CFRUN_PROGRESS_S", "30")) \
@@ -132,6 +151,8 @@ class Supervisor:
         jd.check_usable()
         jd.create()
         jd.lock()
+        self._kill_leftovers()
+        self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -150,6 +171,47 @@ class Supervisor:
                 for s, h in old_handlers.items():
                     signal.signal(s, h)
                 jd.unlock()
+                self._stop_reaper()
+
+    def _kill_leftovers(self) -> None:
+        """With the lock held: kill what a dead supervisor of this job dir (this node) left.
+
+        A persist agent still answering on the job's socket, and torchrun, ranks and workers
+        marked with this job dir (cfrun.launcher.job_processes), would go on writing into the
+        job dir and keep the new agent from binding its socket. Logged and recorded as a
+        ``leftovers_killed`` event."""
+        import psutil
+
+        pids = []
+        agent_pid = leftover_agent_pid(self.cfg.job_dir)
+        if agent_pid is not None and agent_pid != os.getpid():
+            try:
+                agent = psutil.Process(agent_pid)
+                agent.kill()
+                psutil.wait_procs([agent], timeout=5)
+                pids.append(agent_pid)
+            except psutil.Error:
+                pass
+        pids += kill_job_processes(self.cfg.job_dir, self.cfg.node_rank,
+                                   exclude_supervisor_pid=os.getpid())
+        if pids:
+            logger.warning("cfrun: killed %d leftover process(es) of a cfrun that died on this "
+                           "job dir (pids %s)", len(pids), ", ".join(map(str, sorted(pids))))
+            self.jobdir.emit_event("leftovers_killed", pids=sorted(pids),
+                                   agent_pid=agent_pid)
+
+    def _stop_reaper(self) -> None:
+        """Close the reaper's pipe (it kills what is left of this run, none normally) and wait."""
+        reaper, self.reaper = self.reaper, None
+        if reaper is None:
+            return
+        try:
+            if reaper.stdin is not None:
+                reaper.stdin.close()
+            reaper.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            reaper.kill()
+            reaper.wait()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._shutting_down:  # a second signal: end at once, leave nothing behind
@@ -215,8 +277,17 @@ class Supervisor:
             attempt += 1
             logger.warning("cfrun: training failed (%s); restart %d of %d from the newest "
                            "checkpoint", cause, restarts, self.cfg.max_restarts)
-            self._set(SupervisorState.RESTARTING, attempt=attempt, cause=cause, restart=restarts)
-            time.sleep(min(self.backoff_s * (2 ** (restarts - 1)), 30.0))
+            delay_s = backoff_delay_s(self.backoff_s, restarts)
+            self._set(SupervisorState.RESTARTING, attempt=attempt, cause=cause, restart=restarts,
+                      backoff_s=delay_s)
+            self._backoff_wait(delay_s)
+
+    def _backoff_wait(self, delay_s: float) -> None:
+        """Wait ``delay_s`` seconds before a restart, reaping orphans meanwhile (PID 1)."""
+        deadline = time.monotonic() + delay_s
+        while (left_s := deadline - time.monotonic()) > 0:
+            time.sleep(min(left_s, 0.1))
+            self._reap_orphans()
 
     def _run_attempt(self, attempt: int) -> AttemptResult:
         argv = build_torchrun_argv(self.cfg)
@@ -327,9 +398,7 @@ class Supervisor:
         import psutil
 
         me = psutil.Process()
-        keep = set()
-        if self.agent is not None:
-            keep.add(self.agent.pid)
+        keep = {p.pid for p in (self.agent, self.reaper) if p is not None}
         out = []
         for p in me.children(recursive=True):
             try:
@@ -365,7 +434,7 @@ class Supervisor:
         """Reap exited processes re-parented to us (PID 1, or as subreaper), not our own."""
         import psutil
 
-        own = {p.pid for p in (self.proc, self.agent) if p is not None}
+        own = {p.pid for p in (self.proc, self.agent, self.reaper) if p is not None}
         try:
             children = psutil.Process().children()
         except psutil.Error:
@@ -382,7 +451,8 @@ class Supervisor:
     # ------------------------------------------------------------------ persist agent
 
     def _start_agent(self) -> None:
-        """Start the node's persist agent (its own process group: it outlives rank restarts)."""
+        """Start the node's persist agent (its own process group: it outlives rank restarts;
+        it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG)."""
         argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
                 "--keep", str(self.cfg.keep)]
         if self.cfg.peer:
@@ -395,7 +465,8 @@ class Supervisor:
         if self.cfg.nnodes > 1:
             argv += ["--nnodes", str(self.cfg.nnodes), "--node-rank", str(self.cfg.node_rank),
                      "--local-world-size", str(self.cfg.nproc_per_node)]
-        self.agent = subprocess.Popen(argv, start_new_session=True)
+        # dies with the supervisor: a SIGKILLed cfrun leaves no agent holding the socket
+        self.agent = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent())
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:
             try:

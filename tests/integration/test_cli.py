@@ -124,3 +124,61 @@ def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
     # the lock died with its owner: a new run on the same job dir is accepted
     again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
+
+
+def _alive(pids: set[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path):
+    """kill -9 of cfrun alone: its agent, torchrun and ranks die with it (they would go on
+    training into the job dir and hold the agent socket); the same command then resumes."""
+    import signal
+
+    import psutil
+    import torch
+
+    from conftest import assert_bit_identical
+
+    slow = str(SCRIPTS / "slow_steps.py")
+    ref = run_cfrun(["--interval", "5", "--job-dir", "ref", slow, "30", "ref.pt", "0"],
+                    cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    args = ["--interval", "5", "--job-dir", "j", slow, "30", "out.pt", "0.1"]
+    proc = subprocess.Popen([sys.executable, "-m", "cfrun", *args], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 90
+        while not list((tmp_path / "j" / "checkpoints").glob("step-*/manifest.json")):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(tree) >= 3  # at least the agent, torchrun and the rank
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)  # not communicate(): survivors would hold its pipes open
+        deadline = time.time() + 5
+        while _alive(tree) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(tree), [psutil.Process(p).cmdline() for p in _alive(tree)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _alive(tree):  # without the fix: do not leave them running
+            psutil.Process(p).kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    again = run_cfrun(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(again.events("resumed")) == 1
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         torch.load(tmp_path / "out.pt", weights_only=True))
