@@ -19,6 +19,7 @@ import enum
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,33 @@ def backoff_delay_s(base_s: float, restart: int) -> float:
     """Seconds to wait before restart number ``restart`` (1, 2, ...): ``base_s`` doubled per
     restart, at most ``MAX_BACKOFF_S``."""
     return min(base_s * (2 ** (restart - 1)), MAX_BACKOFF_S)
+
+
+_VOLATILE = [
+    (re.compile(r"\[[0-9A-Fa-f:.]*\]:\d+"), "[ADDR]:PORT"),  # gloo: [127.0.0.1]:24987, [::1]:5
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b"), "ADDR:PORT"),
+    (re.compile(r"\b(port|pid)([ =:]\s*)\d+", re.I), r"\1\2N"),
+    (re.compile(r"\b0x[0-9A-Fa-f]+\b"), "0xADDR"),
+]
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def normalise_error_message(message: str | None) -> str | None:
+    """``message`` with its volatile parts (socket addresses, ports, pids, hex pointers)
+    replaced by placeholders, so one bug has one failure signature across attempts."""
+    if message is None:
+        return None
+    for pattern, repl in _VOLATILE:
+        message = pattern.sub(repl, message)
+    return message
+
+
+def _is_transport_error(error: dict[str, Any]) -> bool:
+    """A rank's error that only reports another rank's death (a collective lost its peer)."""
+    message = str(error.get("message") or "")
+    return error.get("type") in ("DistNetworkError", "DistBackendError") or \
+        any(t in message for t in _TRANSPORT)
 
 
 def _describe(returncode: int) -> str:
@@ -378,16 +406,26 @@ class Supervisor:
             return False
 
     def _failure_signature(self, result: AttemptResult) -> dict[str, Any]:
-        """What a failure looked like: exit, the failing rank's error, the step it reached."""
+        """What a failure looked like: exit, the first failing rank's error, the step it reached.
+
+        Of the ranks' errors (``errors/attempt-A-rank-R.json``) the earliest wins (``t_unix_s``,
+        else the file's mtime), and a transport error (a peer's death seen through a collective)
+        only when no rank had another error. The message is normalised (addresses, ports, hex
+        pointers, pids) so that the same bug gives the same signature in every attempt."""
         error = None
-        errors = sorted((self.jobdir.root / "errors").glob(f"attempt-{result.attempt}-rank-*.json"))
-        if errors:
+        candidates = []
+        for path in (self.jobdir.root / "errors").glob(f"attempt-{result.attempt}-rank-*.json"):
             try:
-                e = json.loads(errors[0].read_text())
-                error = {"type": e.get("type"), "message": e.get("message"),
-                         "step": e.get("step"), "rank": int(errors[0].stem.rsplit("-", 1)[1])}
-            except (OSError, json.JSONDecodeError):
-                pass
+                e = json.loads(path.read_text())
+                t = float(e.get("t_unix_s") or path.stat().st_mtime)
+                rank = int(path.stem.rsplit("-", 1)[1])
+            except (OSError, ValueError, TypeError):
+                continue
+            candidates.append((_is_transport_error(e), t, rank, e))
+        if candidates:
+            _, _, rank, e = min(candidates, key=lambda c: c[:3])
+            error = {"type": e.get("type"), "message": normalise_error_message(e.get("message")),
+                     "step": e.get("step"), "rank": rank}
         return {"returncode": result.returncode, "hung": result.hung, "error": error,
                 "step": error["step"] if error else self._last_step()}
 

@@ -182,3 +182,19 @@ def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path
     assert len(again.events("resumed")) == 1
     assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
                          torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_path):
+    """Only rank 1 raises; rank 0 then fails in gloo with 'Connection closed by peer
+    [127.0.0.1]:<a new port each attempt>'. The crash loop is still detected (exit 5) and
+    reported with rank 1's ValueError (--crash-loop 2 keeps it short)."""
+    run = run_cfrun(["--interval", "5", "--max-restarts", "3", "--crash-loop", "2",
+                     "--nproc-per-node", "2", "--job-dir", "j",
+                     str(SCRIPTS / "fail_rank_at_step.py"), "12", "1"], cwd=tmp_path)
+    assert run.returncode == 5, run.stderr[-3000:]
+    last = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
+    assert last and "crash loop" in last[-1], run.stderr[-3000:]
+    assert "ValueError: bad batch at step 12 on rank 1" in last[-1]
+    assert len(run.events("attempt_start")) == 2
+    failures = run.events("failure")
+    assert [f["error"]["rank"] for f in failures] == [1, 1]
