@@ -198,3 +198,26 @@ def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_
     assert len(run.events("attempt_start")) == 2
     failures = run.events("failure")
     assert [f["error"]["rank"] for f in failures] == [1, 1]
+
+
+def test_resume_from_elsewhere_uses_the_recorded_cwd_and_env(tmp_path):
+    """`cfrun resume /abs/job` from another directory with a cleared environment runs the
+    script in the recorded cwd with the recorded OMP_NUM_THREADS."""
+    import os
+
+    origin, elsewhere = tmp_path / "origin", tmp_path / "elsewhere"
+    origin.mkdir()
+    elsewhere.mkdir()
+    first = run_cfrun(["--interval", "5", "--max-restarts", "0", "--job-dir", "job",
+                       str(SCRIPTS / "cwd_env_probe.py"), "probe.jsonl"], cwd=origin,
+                      env={"OMP_NUM_THREADS": "3"})
+    assert first.returncode == 4, first.stderr[-2000:]
+    bare = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
+    p = subprocess.run([sys.executable, "-m", "cfrun", "resume", str(origin / "job")],
+                       cwd=elsewhere, env=bare, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "FINAL done" in p.stdout
+    assert not (elsewhere / "probe.jsonl").exists()
+    probes = [json.loads(l) for l in (origin / "probe.jsonl").read_text().splitlines()]
+    assert probes == [{"cwd": str(origin), "omp": "3", "attempt": "0"},
+                      {"cwd": str(origin), "omp": "3", "attempt": "1"}]
