@@ -346,7 +346,8 @@ class Supervisor:
 
     def _progress(self, started_unix_s: float) -> None:
         """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
-        steps/s, newest checkpoint. Whole lines never cut into the script's own output."""
+        steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
+        ``write``, so it never cuts into a line of the script's own output."""
         now = time.monotonic()
         if not self.progress_s or now - self._progress_at < self.progress_s:
             return
@@ -360,8 +361,33 @@ class Supervisor:
         rate = (step - s0) / max(now - t0, 1e-9)
         self._progress_step = (now, step)
         steps = committed_steps(self.jobdir.checkpoints)
-        logger.info("cfrun: step %d (%.2f steps/s), newest checkpoint step %s", step, rate,
-                    steps[0] if steps else "none")
+        line = (f"cfrun: step {step} ({rate:.2f} steps/s), newest checkpoint step "
+                f"{steps[0] if steps else 'none'}, {self._overhead_text(started_unix_s)}\n")
+        try:
+            os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError):
+            pass
+
+    def _overhead_text(self, started_unix_s: float) -> str:
+        """``overhead S% (budget B%)``: training time this attempt lost in checkpoint stalls
+        (``checkpoint`` events' ``stall_s`` over the wall time since the attempt started), and
+        the policy's latest measured overhead (``adapt`` events) when there is one."""
+        stall_s = 0.0
+        measured = None
+        for e in self.jobdir.read_events():
+            if e.get("t_unix_s", 0) < started_unix_s:
+                continue
+            if e.get("event") == "checkpoint":
+                stall_s += float(e.get("stall_s") or 0.0)
+            elif e.get("event") == "adapt" and e.get("measured_overhead") is not None:
+                measured = float(e["measured_overhead"])
+        wall_s = max(time.time() - started_unix_s, 1e-9)
+        text = f"overhead {100 * stall_s / wall_s:.2f}% stalled"
+        if measured is not None:
+            text += f", {100 * measured:.2f}% measured"
+        if self.cfg.interval is not None:
+            return text + f" (budget {100 * self.cfg.overhead:.2f}%, not applied: --interval)"
+        return text + f" (budget {100 * self.cfg.overhead:.2f}%)"
 
     def _mtbf_s(self) -> float | None:
         """``--mtbf``, else learned from this job's history (wall time per failure)."""

@@ -109,8 +109,10 @@ def test_status_plot_writes_a_png(job, tmp_path):
 
 
 def test_progress_lines_on_a_terminal_only(tmp_path):
-    """Under a pseudo-terminal cfrun logs whole progress lines; piped, it stays quiet."""
+    """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
+    budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
+    import re
     import pty
     import sys
 
@@ -133,8 +135,15 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
         out += chunk
     os.waitpid(pid, 0)
     text = out.decode(errors="replace")
-    progress = [l for l in text.splitlines() if "steps/s" in l]
+    lines = text.splitlines()
+    progress = [l for l in lines if "steps/s" in l]
     assert progress and all("newest checkpoint step" in l for l in progress)
+    assert all(re.fullmatch(r"cfrun: step \d+ \([\d.]+ steps/s\), newest checkpoint step "
+                            r"(\d+|none), overhead [\d.]+% stalled \(budget 3\.50%, not "
+                            r"applied: --interval\)", l) for l in progress), progress
+    # the script's own lines come through whole and in order, none cut by a progress line
+    script_lines = [l for l in lines if l.startswith("step ")]
+    assert script_lines == [f"step {i}" for i in range(1, 41)], text
     piped = run_cfrun(["--interval", "5", "--job-dir", "k", str(SCRIPTS / "slow_steps.py"),
                        "40", "p.pt", "0.05"], cwd=tmp_path, env={"CFRUN_PROGRESS_S": "0.5"})
     assert piped.returncode == 0 and "steps/s" not in piped.stderr + piped.stdout
