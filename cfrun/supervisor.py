@@ -11,6 +11,10 @@ States (``SupervisorState``)::
 Signals to cfrun become a ``SignalReceived`` exception on the main thread; the shutdown forwards
 SIGTERM to torchrun's process group, waits ``grace_s``, then SIGKILLs the group (as
 torch.distributed.elastic's ``close()``), so no process outlives cfrun.
+
+SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT) are passed on to the ranks
+(:func:`forwarded_signals`). A supervisor killed by SIGKILL leaves nothing running either
+(``cfrun.launcher``: a parent-death signal for torchrun and the agent, a reaper for the rest).
 """
 
 from __future__ import annotations
@@ -53,6 +57,16 @@ from cfrun.policy import learned_mtbf_s
 from cfrun.snapshot import remove_slots
 
 logger = logging.getLogger("cfrun")
+
+
+def forwarded_signals() -> tuple[signal.Signals, ...]:
+    """Signals cfrun passes on to the ranks: SIGUSR1 and SIGUSR2 always; SIGHUP and SIGQUIT too
+    when cfrun is PID 1 (a container's entrypoint), where the kernel would otherwise drop them
+    (elsewhere they end cfrun, and with it every process of the job, as for any program)."""
+    sigs = [signal.SIGUSR1, signal.SIGUSR2]
+    if os.getpid() == 1:
+        sigs += [signal.SIGHUP, signal.SIGQUIT]
+    return tuple(sigs)
 
 
 def _become_subreaper() -> None:
@@ -157,6 +171,7 @@ class Supervisor:
             if sys.stderr.isatty() else 0.0
         self._progress_at = 0.0
         self._progress_step = (0.0, 0)
+        self._pending_signals: list[int] = []
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -183,6 +198,7 @@ class Supervisor:
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
             self._start_agent()
             return self._run_locked()
@@ -198,8 +214,36 @@ class Supervisor:
             finally:
                 for s, h in old_handlers.items():
                     signal.signal(s, h)
+                for s, h in old_forward.items():
+                    signal.signal(s, h)
                 jd.unlock()
                 self._stop_reaper()
+
+    def _queue_forward(self, signum: int, frame: Any) -> None:
+        """Handler of :func:`forwarded_signals`: forwarded by the attempt's loop (≤ 0.1 s)."""
+        self._pending_signals.append(signum)
+
+    def _forward_pending(self) -> None:
+        """Send the queued signals to the ranks (torchrun's children; not torchrun, whose own
+        handler would end the attempt on SIGHUP or SIGQUIT). Event ``signal_forwarded``."""
+        import psutil
+
+        while self._pending_signals:
+            signum = self._pending_signals.pop(0)
+            ranks = []
+            if self.proc is not None:
+                try:
+                    ranks = psutil.Process(self.proc.pid).children()
+                except psutil.Error:
+                    ranks = []
+            for r in ranks:
+                try:
+                    r.send_signal(signum)
+                except psutil.Error:
+                    pass
+            name = signal.Signals(signum).name
+            logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
+            self.jobdir.emit_event("signal_forwarded", signal=name, ranks=len(ranks))
 
     def _kill_leftovers(self) -> None:
         """With the lock held: kill what a dead supervisor of this job dir (this node) left.
@@ -330,6 +374,7 @@ class Supervisor:
                 rc = self.proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
+                self._forward_pending()
                 self._check_agent()
                 self._reap_orphans()
                 self._progress(started_unix_s)

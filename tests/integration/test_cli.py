@@ -221,3 +221,41 @@ def test_resume_from_elsewhere_uses_the_recorded_cwd_and_env(tmp_path):
     probes = [json.loads(l) for l in (origin / "probe.jsonl").read_text().splitlines()]
     assert probes == [{"cwd": str(origin), "omp": "3", "attempt": "0"},
                       {"cwd": str(origin), "omp": "3", "attempt": "1"}]
+
+
+@pytest.mark.skipif(__import__("shutil").which("unshare") is None,
+                    reason="needs util-linux unshare")
+def test_as_pid_1_hup_quit_usr1_usr2_reach_the_script(tmp_path):
+    """The kernel drops signals that PID 1 has no handler for; cfrun as PID 1 passes SIGHUP,
+    SIGQUIT, SIGUSR1 and SIGUSR2 on to the ranks, whose own handlers get them."""
+    import signal
+
+    import psutil
+
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no permission for PID namespaces here")
+    names = ["SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+                             "cfrun", "--interval", "5", "--job-dir", "j",
+                             str(SCRIPTS / "signal_probe.py"), "got.txt", *names],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        hb = tmp_path / "j" / "heartbeat-rank-00000"
+        deadline = time.time() + 60
+        while not (hb.exists() and hb.read_text().strip() not in ("", "0")):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        [pid1] = psutil.Process(proc.pid).children()  # cfrun, PID 1 inside the namespace
+        for name in names:
+            pid1.send_signal(getattr(signal, name))
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert sorted((tmp_path / "got.txt").read_text().split()) == sorted(names)
+    assert "FINAL got" in out

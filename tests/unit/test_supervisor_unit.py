@@ -122,3 +122,18 @@ def test_restarts_back_off_exponentially_up_to_30_s(tmp_path: Path, monkeypatch)
                   if e["event"] == "state" and e["state"] == "restarting"]
     assert [e["backoff_s"] for e in restarting] == slept
     assert S.backoff_delay_s(0.5, 1) == 0.5 and S.backoff_delay_s(0.5, 4) == 4.0
+
+
+def test_backoff_wait_reaps_orphans_meanwhile(tmp_path: Path) -> None:
+    """As PID 1 orphans become cfrun's children: they must not stay zombies during a backoff."""
+    sup = S.Supervisor(_cfg(tmp_path))
+    orphan = subprocess.Popen(["true"])  # exits at once; nobody waits for it: a zombie
+    deadline = time.monotonic() + 10
+    while psutil.Process(orphan.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    sup._backoff_wait(0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert not psutil.pid_exists(orphan.pid)
+    orphan.wait(timeout=1)
