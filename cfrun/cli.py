@@ -340,7 +340,19 @@ def resume_cmd(
         "--node-rank", envvar=E.NODE_RANK,
         help="Which node's settings to resume in a multi-node job dir.")] = "0",
 ) -> None:
-    """Continue a stopped, failed or preempted job with its recorded command and settings."""
+    """Continue a stopped, failed or preempted job with its recorded command and settings.
+
+    The script, its arguments, every option and the working directory come from the job dir's
+    ``config.json`` (current ``CFRUN_*`` variables do not change them; only ``--node-rank``
+    picks the node). Recorded environment variables (``CFRUN_``, ``CUDA_``, ``OMP_``,
+    ``PYTHON``, ``NCCL_``, ``MKL_`` prefixes) are set again where the current environment lacks
+    them. The job dir named here is used even if it was moved since.
+    """
+    import dataclasses
+
+    from cfrun.errors import JobDirLockedError
+    from cfrun.jobdir import JobDir
+
     jd = Path(job_dir).expanduser().absolute()
     os.environ[E.NODE_RANK] = str(parse_positive_int("--node-rank", node_rank, minimum=0))
     from cfrun.env import node_suffix
@@ -350,11 +362,28 @@ def resume_cmd(
         raise BadInputError(f"job dir {job_dir!r} does not exist; give the --job-dir of an "
                             "earlier run (default ./cfrun-jobs/<script name>)")
     if not cfg_path.is_file():
-        raise BadInputError(f"{job_dir!r} is not a cfrun job dir (no config.json)")
+        raise BadInputError(f"{job_dir!r} is not a cfrun job dir (no {cfg_path.name}); give "
+                            "the --job-dir of an earlier run")
     try:
-        cfg = RunConfig.from_json(json.loads(cfg_path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise BadInputError(f"{cfg_path} is unreadable ({e}); start a new job dir") from None
+        data = json.loads(cfg_path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        cfg = RunConfig.from_json(data)
+        if not isinstance(cfg.env, dict) or not isinstance(cfg.script_args, list):
+            raise TypeError("env or script_args has the wrong type")
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
+        raise BadInputError(f"{cfg_path} is unreadable ({e}); start the job again with "
+                            "cfrun SCRIPT into a new --job-dir") from None
+    if not Path(cfg.cwd).is_dir():
+        raise BadInputError(f"the recorded working directory {cfg.cwd!r} no longer exists; "
+                            "recreate it, or start the job again with cfrun SCRIPT from "
+                            "another directory") from None
+    if not Path(cfg.script).is_file():
+        raise BadInputError(f"the recorded script {cfg.script!r} no longer exists; restore "
+                            "it, or start the job again with cfrun SCRIPT") from None
+    cfg = dataclasses.replace(cfg, job_dir=str(jd))
+    if JobDir(jd).is_locked():
+        raise JobDirLockedError(f"job dir {str(jd)!r} is in use by another cfrun")
     for k, v in cfg.env.items():
         os.environ.setdefault(k, v)
     _run(cfg)

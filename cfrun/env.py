@@ -1,8 +1,12 @@
 """Every ``CFRUN_*`` environment variable, in one place.
 
-Precedence, for every setting: command-line flag > environment variable > ``config.json`` of the
-job dir (``cfrun resume``) > default. The launcher passes the resolved values to the ranks through
-the ``CFRUN_RANK_*`` variables below; users do not set those.
+Precedence of ``cfrun [run]``'s settings: command-line flag > environment variable > default.
+``cfrun resume JOBDIR`` takes every setting from the job dir's ``config.json`` instead (the
+variables below do not change a resumed job; only ``--node-rank``/``CFRUN_NODE_RANK`` picks
+the node); it sets the environment variables recorded there (prefixes ``CFRUN_``, ``CUDA_``,
+``OMP_``, ``PYTHON``, ``NCCL_``, ``MKL_``) where the current environment lacks them, and runs the
+script in the recorded working directory. The launcher passes the resolved values to the ranks
+through the ``CFRUN_RANK_*`` variables below; users do not set those.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ RANK_INJECT_CRASH = "CFRUN_RANK_INJECT_CRASH"
 RANK_FF_EVAL = "CFRUN_RANK_FF_EVAL"
 RANK_AGENT = "CFRUN_RANK_AGENT"
 """``1`` when the supervisor runs a persist agent for this job (two-phase checkpoints)."""
+RANK_SUPERVISOR_PID = "CFRUN_RANK_SUPERVISOR_PID"
+"""Pid of the supervisor that started this torchrun; marks every process of the job (inherited
+by ranks, workers and their children) so that none outlives the supervisor
+(cfrun.launcher.kill_job_processes)."""
 HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
 """Pid of the rank process whose hook is live; children that inherit it stay inert."""
 PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"

@@ -4,14 +4,25 @@ The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`
 with torchrun's c10d rendezvous (``--nnodes N``) with the same
 interpreter as cfrun. cfrun restarts torchrun itself (``--max-restarts 0`` to torchrun) so that
 it can apply its own policy and keep the persist agent across restarts.
+
+Nothing of a job outlives its supervisor, even one killed by SIGKILL: torchrun and the persist
+agent get a parent-death signal (``PR_SET_PDEATHSIG``, :func:`die_with_parent`); torchrun's ranks
+(their own sessions; torchrun does not kill them when it is SIGKILLed) and their workers carry
+``CFRUN_RANK_SUPERVISOR_PID`` in their environment, and a small reaper process
+(:func:`start_reaper`) SIGKILLs every process carrying it when the supervisor is gone. A new
+supervisor on the same job dir also kills leftovers of a dead one (:func:`kill_leftovers`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import cfrun
 from cfrun import env as E
@@ -72,10 +83,145 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         E.RANK_INJECT_CRASH: cfg.inject_crash,
         E.RANK_FF_EVAL: env.get(E.FF_EVAL, "one"),
         E.RANK_AGENT: "1" if agent else "0",
+        E.RANK_SUPERVISOR_PID: str(os.getpid()),
+        E.NODE_RANK: str(cfg.node_rank),
     })
     return env
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
+
+    Linux sends it when the *thread* that forked the child exits, so call ``Popen`` with it only
+    from a thread that lives as long as the parent (the supervisor's main thread: the supervisor
+    runs no other threads). libc is looked up here, in the parent; the child only calls
+    ``prctl``. If the parent already died before ``prctl`` ran, the child exits at once.
+    No-op where ``prctl`` is missing (not Linux).
+    """
+    parent_pid = os.getpid()
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
 def spawn(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
-    """Start torchrun in its own process group (so signals reach the whole tree)."""
-    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)
+    """Start torchrun in its own process group (so signals reach the whole tree); it is SIGKILLed
+    if the supervisor dies (:func:`die_with_parent`). Call from the supervisor's main thread."""
+    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True,
+                            preexec_fn=die_with_parent())
+
+
+def job_processes(job_dir: str, node_rank: int, *, supervisor_pid: int | None = None,
+                  exclude_supervisor_pid: int | None = None) -> list[Any]:
+    """Live processes started for ``job_dir``'s node ``node_rank`` (torchrun, ranks, their
+    workers and children): those whose environment holds that job dir, node and supervisor pid
+    (:func:`build_worker_env`). ``supervisor_pid`` keeps only one supervisor's;
+    ``exclude_supervisor_pid`` leaves one out. Processes of other users are skipped.
+    Returns psutil.Process objects; never raises for a process that vanishes."""
+    import psutil
+
+    out = []
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            env = p.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get(E.RANK_JOB_DIR) != job_dir or env.get(E.NODE_RANK, "0") != str(node_rank):
+            continue
+        owner = env.get(E.RANK_SUPERVISOR_PID)
+        if supervisor_pid is not None and owner != str(supervisor_pid):
+            continue
+        if exclude_supervisor_pid is not None and owner == str(exclude_supervisor_pid):
+            continue
+        out.append(p)
+    return out
+
+
+def kill_job_processes(job_dir: str, node_rank: int, *, supervisor_pid: int | None = None,
+                       exclude_supervisor_pid: int | None = None,
+                       timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL :func:`job_processes` until none is left (a rank may fork a worker meanwhile),
+    for at most ``timeout_s`` seconds. Returns the pids killed."""
+    import psutil
+
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs = job_processes(job_dir, node_rank, supervisor_pid=supervisor_pid,
+                              exclude_supervisor_pid=exclude_supervisor_pid)
+        if not procs:
+            break
+        for p in procs:
+            try:
+                p.kill()
+                killed.append(p.pid)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=0.5)
+    return killed
+
+
+def leftover_agent_pid(job_dir: str) -> int | None:
+    """Pid of a persist agent answering on ``job_dir``'s socket (this node's), else None.
+
+    Called by a supervisor that holds the job dir's lock: any agent found then is a leftover of
+    a supervisor that died without stopping it. The pid comes from ``SO_PEERCRED``."""
+    import socket
+    import struct
+
+    from cfrun import ipc
+
+    try:
+        sock = ipc.connect(job_dir, timeout_s=1.0)
+    except OSError:
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    finally:
+        sock.close()
+    pid = struct.unpack("3i", creds)[0]
+    return pid if pid > 0 else None
+
+
+def start_reaper(job_dir: str, node_rank: int) -> subprocess.Popen[bytes]:
+    """Start the reaper of this supervisor's processes (call from the supervisor).
+
+    The reaper blocks reading its stdin, a pipe whose write end only the supervisor holds. When
+    the supervisor is gone (killed by SIGKILL too) or closes it, it SIGKILLs every process of
+    :func:`job_processes` started by this supervisor and exits. It runs in a session of its own
+    (a terminal's Ctrl-C is cfrun's to handle) and ignores SIGINT.
+    """
+    pkg_parent = str(Path(cfrun.__file__).resolve().parent.parent)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from cfrun.launcher import reaper_main; reaper_main(sys.argv[2:])")
+    return subprocess.Popen(
+        [sys.executable, "-c", code, pkg_parent, job_dir, str(node_rank), str(os.getpid())],
+        stdin=subprocess.PIPE, start_new_session=True)
+
+
+def reaper_main(argv: list[str]) -> None:
+    """Body of the reaper process (:func:`start_reaper`): ``JOB_DIR NODE_RANK SUPERVISOR_PID``."""
+    job_dir, node_rank, supervisor_pid = argv[0], int(argv[1]), int(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    except OSError:
+        pass
+    kill_job_processes(job_dir, node_rank, supervisor_pid=supervisor_pid)

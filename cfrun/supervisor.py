@@ -15,6 +15,10 @@ write ``preempted/`` marks and exit 0 (so torchrun does not SIGTERM a rank still
 the deadline, or at once on a second signal, every rank and the persist agent are SIGKILLed, so
 cfrun exits within ``grace_s`` (plus its own exit) and no process outlives it. One ``preempted``
 event says which step the job stopped at and whether the final checkpoint was committed.
+
+SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT) are passed on to the ranks
+(:func:`forwarded_signals`). A supervisor killed by SIGKILL leaves nothing running either
+(``cfrun.launcher``: a parent-death signal for torchrun and the agent, a reaper for the rest).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import enum
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,11 +48,29 @@ from cfrun.errors import (
 )
 from cfrun.format import FORMAT_VERSION
 from cfrun.jobdir import JobDir, atomic_write_json
-from cfrun.launcher import build_torchrun_argv, build_worker_env, spawn
+from cfrun.launcher import (
+    build_torchrun_argv,
+    build_worker_env,
+    die_with_parent,
+    kill_job_processes,
+    leftover_agent_pid,
+    spawn,
+    start_reaper,
+)
 from cfrun.policy import learned_mtbf_s
 from cfrun.snapshot import remove_slots
 
 logger = logging.getLogger("cfrun")
+
+
+def forwarded_signals() -> tuple[signal.Signals, ...]:
+    """Signals cfrun passes on to the ranks: SIGUSR1 and SIGUSR2 always; SIGHUP and SIGQUIT too
+    when cfrun is PID 1 (a container's entrypoint), where the kernel would otherwise drop them
+    (elsewhere they end cfrun, and with it every process of the job, as for any program)."""
+    sigs = [signal.SIGUSR1, signal.SIGUSR2]
+    if os.getpid() == 1:
+        sigs += [signal.SIGHUP, signal.SIGQUIT]
+    return tuple(sigs)
 
 
 def _become_subreaper() -> None:
@@ -90,6 +113,43 @@ class AttemptResult:
     hung: bool = False
 
 
+MAX_BACKOFF_S = 30.0
+"""The longest wait before a restart."""
+
+
+def backoff_delay_s(base_s: float, restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): ``base_s`` doubled per
+    restart, at most ``MAX_BACKOFF_S``."""
+    return min(base_s * (2 ** (restart - 1)), MAX_BACKOFF_S)
+
+
+_VOLATILE = [
+    (re.compile(r"\[[0-9A-Fa-f:.]*\]:\d+"), "[ADDR]:PORT"),  # gloo: [127.0.0.1]:24987, [::1]:5
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b"), "ADDR:PORT"),
+    (re.compile(r"\b(port|pid)([ =:]\s*)\d+", re.I), r"\1\2N"),
+    (re.compile(r"\b0x[0-9A-Fa-f]+\b"), "0xADDR"),
+]
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def normalise_error_message(message: str | None) -> str | None:
+    """``message`` with its volatile parts (socket addresses, ports, pids, hex pointers)
+    replaced by placeholders, so one bug has one failure signature across attempts."""
+    if message is None:
+        return None
+    for pattern, repl in _VOLATILE:
+        message = pattern.sub(repl, message)
+    return message
+
+
+def _is_transport_error(error: dict[str, Any]) -> bool:
+    """A rank's error that only reports another rank's death (a collective lost its peer)."""
+    message = str(error.get("message") or "")
+    return error.get("type") in ("DistNetworkError", "DistBackendError") or \
+        any(t in message for t in _TRANSPORT)
+
+
 def _describe(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
@@ -108,6 +168,7 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
         self._attempt = -1
@@ -115,6 +176,7 @@ class Supervisor:
             if sys.stderr.isatty() else 0.0
         self._progress_at = 0.0
         self._progress_step = (0.0, 0)
+        self._pending_signals: list[int] = []
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -137,8 +199,11 @@ class Supervisor:
         jd.check_usable()
         jd.create()
         jd.lock()
+        self._kill_leftovers()
+        self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
             self._start_agent()
             return self._run_locked()
@@ -155,7 +220,76 @@ class Supervisor:
             finally:
                 for s, h in old_handlers.items():
                     signal.signal(s, h)
+                for s, h in old_forward.items():
+                    signal.signal(s, h)
                 jd.unlock()
+                self._stop_reaper()
+
+    def _queue_forward(self, signum: int, frame: Any) -> None:
+        """Handler of :func:`forwarded_signals`: forwarded by the attempt's loop (≤ 0.1 s)."""
+        self._pending_signals.append(signum)
+
+    def _forward_pending(self) -> None:
+        """Send the queued signals to the ranks (torchrun's children; not torchrun, whose own
+        handler would end the attempt on SIGHUP or SIGQUIT). Event ``signal_forwarded``."""
+        import psutil
+
+        while self._pending_signals:
+            signum = self._pending_signals.pop(0)
+            ranks = []
+            if self.proc is not None:
+                try:
+                    ranks = psutil.Process(self.proc.pid).children()
+                except psutil.Error:
+                    ranks = []
+            for r in ranks:
+                try:
+                    r.send_signal(signum)
+                except psutil.Error:
+                    pass
+            name = signal.Signals(signum).name
+            logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
+            self.jobdir.emit_event("signal_forwarded", signal=name, ranks=len(ranks))
+
+    def _kill_leftovers(self) -> None:
+        """With the lock held: kill what a dead supervisor of this job dir (this node) left.
+
+        A persist agent still answering on the job's socket, and torchrun, ranks and workers
+        marked with this job dir (cfrun.launcher.job_processes), would go on writing into the
+        job dir and keep the new agent from binding its socket. Logged and recorded as a
+        ``leftovers_killed`` event."""
+        import psutil
+
+        pids = []
+        agent_pid = leftover_agent_pid(self.cfg.job_dir)
+        if agent_pid is not None and agent_pid != os.getpid():
+            try:
+                agent = psutil.Process(agent_pid)
+                agent.kill()
+                psutil.wait_procs([agent], timeout=5)
+                pids.append(agent_pid)
+            except psutil.Error:
+                pass
+        pids += kill_job_processes(self.cfg.job_dir, self.cfg.node_rank,
+                                   exclude_supervisor_pid=os.getpid())
+        if pids:
+            logger.warning("cfrun: killed %d leftover process(es) of a cfrun that died on this "
+                           "job dir (pids %s)", len(pids), ", ".join(map(str, sorted(pids))))
+            self.jobdir.emit_event("leftovers_killed", pids=sorted(pids),
+                                   agent_pid=agent_pid)
+
+    def _stop_reaper(self) -> None:
+        """Close the reaper's pipe (it kills what is left of this run, none normally) and wait."""
+        reaper, self.reaper = self.reaper, None
+        if reaper is None:
+            return
+        try:
+            if reaper.stdin is not None:
+                reaper.stdin.close()
+            reaper.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            reaper.kill()
+            reaper.wait()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._shutting_down:  # a second signal: end at once, leave nothing behind
@@ -238,8 +372,17 @@ class Supervisor:
             attempt += 1
             logger.warning("cfrun: training failed (%s); restart %d of %d from the newest "
                            "checkpoint", cause, restarts, self.cfg.max_restarts)
-            self._set(SupervisorState.RESTARTING, attempt=attempt, cause=cause, restart=restarts)
-            time.sleep(min(self.backoff_s * (2 ** (restarts - 1)), 30.0))
+            delay_s = backoff_delay_s(self.backoff_s, restarts)
+            self._set(SupervisorState.RESTARTING, attempt=attempt, cause=cause, restart=restarts,
+                      backoff_s=delay_s)
+            self._backoff_wait(delay_s)
+
+    def _backoff_wait(self, delay_s: float) -> None:
+        """Wait ``delay_s`` seconds before a restart, reaping orphans meanwhile (PID 1)."""
+        deadline = time.monotonic() + delay_s
+        while (left_s := deadline - time.monotonic()) > 0:
+            time.sleep(min(left_s, 0.1))
+            self._reap_orphans()
 
     def _run_attempt(self, attempt: int) -> AttemptResult:
         argv = build_torchrun_argv(self.cfg)
@@ -257,6 +400,7 @@ class Supervisor:
                 rc = self.proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
+                self._forward_pending()
                 self._check_agent()
                 self._reap_orphans()
                 self._progress(started_unix_s)
@@ -273,7 +417,8 @@ class Supervisor:
 
     def _progress(self, started_unix_s: float) -> None:
         """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
-        steps/s, newest checkpoint. Whole lines never cut into the script's own output."""
+        steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
+        ``write``, so it never cuts into a line of the script's own output."""
         now = time.monotonic()
         if not self.progress_s or now - self._progress_at < self.progress_s:
             return
@@ -287,8 +432,33 @@ class Supervisor:
         rate = (step - s0) / max(now - t0, 1e-9)
         self._progress_step = (now, step)
         steps = committed_steps(self.jobdir.checkpoints)
-        logger.info("cfrun: step %d (%.2f steps/s), newest checkpoint step %s", step, rate,
-                    steps[0] if steps else "none")
+        line = (f"cfrun: step {step} ({rate:.2f} steps/s), newest checkpoint step "
+                f"{steps[0] if steps else 'none'}, {self._overhead_text(started_unix_s)}\n")
+        try:
+            os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError):
+            pass
+
+    def _overhead_text(self, started_unix_s: float) -> str:
+        """``overhead S% (budget B%)``: training time this attempt lost in checkpoint stalls
+        (``checkpoint`` events' ``stall_s`` over the wall time since the attempt started), and
+        the policy's latest measured overhead (``adapt`` events) when there is one."""
+        stall_s = 0.0
+        measured = None
+        for e in self.jobdir.read_events():
+            if e.get("t_unix_s", 0) < started_unix_s:
+                continue
+            if e.get("event") == "checkpoint":
+                stall_s += float(e.get("stall_s") or 0.0)
+            elif e.get("event") == "adapt" and e.get("measured_overhead") is not None:
+                measured = float(e["measured_overhead"])
+        wall_s = max(time.time() - started_unix_s, 1e-9)
+        text = f"overhead {100 * stall_s / wall_s:.2f}% stalled"
+        if measured is not None:
+            text += f", {100 * measured:.2f}% measured"
+        if self.cfg.interval is not None:
+            return text + f" (budget {100 * self.cfg.overhead:.2f}%, not applied: --interval)"
+        return text + f" (budget {100 * self.cfg.overhead:.2f}%)"
 
     def _mtbf_s(self) -> float | None:
         """``--mtbf``, else learned from this job's history (wall time per failure)."""
@@ -333,16 +503,26 @@ class Supervisor:
             return False
 
     def _failure_signature(self, result: AttemptResult) -> dict[str, Any]:
-        """What a failure looked like: exit, the failing rank's error, the step it reached."""
+        """What a failure looked like: exit, the first failing rank's error, the step it reached.
+
+        Of the ranks' errors (``errors/attempt-A-rank-R.json``) the earliest wins (``t_unix_s``,
+        else the file's mtime), and a transport error (a peer's death seen through a collective)
+        only when no rank had another error. The message is normalised (addresses, ports, hex
+        pointers, pids) so that the same bug gives the same signature in every attempt."""
         error = None
-        errors = sorted((self.jobdir.root / "errors").glob(f"attempt-{result.attempt}-rank-*.json"))
-        if errors:
+        candidates = []
+        for path in (self.jobdir.root / "errors").glob(f"attempt-{result.attempt}-rank-*.json"):
             try:
-                e = json.loads(errors[0].read_text())
-                error = {"type": e.get("type"), "message": e.get("message"),
-                         "step": e.get("step"), "rank": int(errors[0].stem.rsplit("-", 1)[1])}
-            except (OSError, json.JSONDecodeError):
-                pass
+                e = json.loads(path.read_text())
+                t = float(e.get("t_unix_s") or path.stat().st_mtime)
+                rank = int(path.stem.rsplit("-", 1)[1])
+            except (OSError, ValueError, TypeError):
+                continue
+            candidates.append((_is_transport_error(e), t, rank, e))
+        if candidates:
+            _, _, rank, e = min(candidates, key=lambda c: c[:3])
+            error = {"type": e.get("type"), "message": normalise_error_message(e.get("message")),
+                     "step": e.get("step"), "rank": rank}
         return {"returncode": result.returncode, "hung": result.hung, "error": error,
                 "step": error["step"] if error else self._last_step()}
 
@@ -353,9 +533,7 @@ class Supervisor:
         import psutil
 
         me = psutil.Process()
-        keep = set()
-        if self.agent is not None:
-            keep.add(self.agent.pid)
+        keep = {p.pid for p in (self.agent, self.reaper) if p is not None}
         out = []
         for p in me.children(recursive=True):
             try:
@@ -396,7 +574,7 @@ class Supervisor:
         """Reap exited processes re-parented to us (PID 1, or as subreaper), not our own."""
         import psutil
 
-        own = {p.pid for p in (self.proc, self.agent) if p is not None}
+        own = {p.pid for p in (self.proc, self.agent, self.reaper) if p is not None}
         try:
             children = psutil.Process().children()
         except psutil.Error:
@@ -413,7 +591,8 @@ class Supervisor:
     # ------------------------------------------------------------------ persist agent
 
     def _start_agent(self) -> None:
-        """Start the node's persist agent (its own process group: it outlives rank restarts)."""
+        """Start the node's persist agent (its own process group: it outlives rank restarts;
+        it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG)."""
         argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
                 "--keep", str(self.cfg.keep)]
         if self.cfg.peer:
@@ -426,7 +605,8 @@ class Supervisor:
         if self.cfg.nnodes > 1:
             argv += ["--nnodes", str(self.cfg.nnodes), "--node-rank", str(self.cfg.node_rank),
                      "--local-world-size", str(self.cfg.nproc_per_node)]
-        self.agent = subprocess.Popen(argv, start_new_session=True)
+        # dies with the supervisor: a SIGKILLed cfrun leaves no agent holding the socket
+        self.agent = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent())
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:
             try:

@@ -1003,6 +1003,7 @@ class Runtime:
                 errors.mkdir(exist_ok=True)
                 atomic_write_json(errors / f"attempt-{self.s.attempt}-rank-{self.s.rank}.json", {
                     "type": exc_type.__name__, "message": str(exc)[:2000], "step": self.step,
+                    "t_unix_s": time.time(),  # the supervisor reports the earliest failure
                     "traceback": traceback.format_exception(exc_type, exc, tb)[-12:]})
             except OSError:
                 pass

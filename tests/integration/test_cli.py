@@ -124,3 +124,138 @@ def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
     # the lock died with its owner: a new run on the same job dir is accepted
     again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
+
+
+def _alive(pids: set[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path):
+    """kill -9 of cfrun alone: its agent, torchrun and ranks die with it (they would go on
+    training into the job dir and hold the agent socket); the same command then resumes."""
+    import signal
+
+    import psutil
+    import torch
+
+    from conftest import assert_bit_identical
+
+    slow = str(SCRIPTS / "slow_steps.py")
+    ref = run_cfrun(["--interval", "5", "--job-dir", "ref", slow, "30", "ref.pt", "0"],
+                    cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    args = ["--interval", "5", "--job-dir", "j", slow, "30", "out.pt", "0.1"]
+    proc = subprocess.Popen([sys.executable, "-m", "cfrun", *args], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 90
+        while not list((tmp_path / "j" / "checkpoints").glob("step-*/manifest.json")):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(tree) >= 3  # at least the agent, torchrun and the rank
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)  # not communicate(): survivors would hold its pipes open
+        deadline = time.time() + 5
+        while _alive(tree) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(tree), [psutil.Process(p).cmdline() for p in _alive(tree)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _alive(tree):  # without the fix: do not leave them running
+            psutil.Process(p).kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    again = run_cfrun(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(again.events("resumed")) == 1
+    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
+                         torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_path):
+    """Only rank 1 raises; rank 0 then fails in gloo with 'Connection closed by peer
+    [127.0.0.1]:<a new port each attempt>'. The crash loop is still detected (exit 5) and
+    reported with rank 1's ValueError (--crash-loop 2 keeps it short)."""
+    run = run_cfrun(["--interval", "5", "--max-restarts", "3", "--crash-loop", "2",
+                     "--nproc-per-node", "2", "--job-dir", "j",
+                     str(SCRIPTS / "fail_rank_at_step.py"), "12", "1"], cwd=tmp_path)
+    assert run.returncode == 5, run.stderr[-3000:]
+    last = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
+    assert last and "crash loop" in last[-1], run.stderr[-3000:]
+    assert "ValueError: bad batch at step 12 on rank 1" in last[-1]
+    assert len(run.events("attempt_start")) == 2
+    failures = run.events("failure")
+    assert [f["error"]["rank"] for f in failures] == [1, 1]
+
+
+def test_resume_from_elsewhere_uses_the_recorded_cwd_and_env(tmp_path):
+    """`cfrun resume /abs/job` from another directory with a cleared environment runs the
+    script in the recorded cwd with the recorded OMP_NUM_THREADS."""
+    import os
+
+    origin, elsewhere = tmp_path / "origin", tmp_path / "elsewhere"
+    origin.mkdir()
+    elsewhere.mkdir()
+    first = run_cfrun(["--interval", "5", "--max-restarts", "0", "--job-dir", "job",
+                       str(SCRIPTS / "cwd_env_probe.py"), "probe.jsonl"], cwd=origin,
+                      env={"OMP_NUM_THREADS": "3"})
+    assert first.returncode == 4, first.stderr[-2000:]
+    bare = {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
+    p = subprocess.run([sys.executable, "-m", "cfrun", "resume", str(origin / "job")],
+                       cwd=elsewhere, env=bare, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "FINAL done" in p.stdout
+    assert not (elsewhere / "probe.jsonl").exists()
+    probes = [json.loads(l) for l in (origin / "probe.jsonl").read_text().splitlines()]
+    assert probes == [{"cwd": str(origin), "omp": "3", "attempt": "0"},
+                      {"cwd": str(origin), "omp": "3", "attempt": "1"}]
+
+
+@pytest.mark.skipif(__import__("shutil").which("unshare") is None,
+                    reason="needs util-linux unshare")
+def test_as_pid_1_hup_quit_usr1_usr2_reach_the_script(tmp_path):
+    """The kernel drops signals that PID 1 has no handler for; cfrun as PID 1 passes SIGHUP,
+    SIGQUIT, SIGUSR1 and SIGUSR2 on to the ranks, whose own handlers get them."""
+    import signal
+
+    import psutil
+
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no permission for PID namespaces here")
+    names = ["SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+                             "cfrun", "--interval", "5", "--job-dir", "j",
+                             str(SCRIPTS / "signal_probe.py"), "got.txt", *names],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        hb = tmp_path / "j" / "heartbeat-rank-00000"
+        deadline = time.time() + 60
+        while not (hb.exists() and hb.read_text().strip() not in ("", "0")):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        [pid1] = psutil.Process(proc.pid).children()  # cfrun, PID 1 inside the namespace
+        for name in names:
+            pid1.send_signal(getattr(signal, name))
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert sorted((tmp_path / "got.txt").read_text().split()) == sorted(names)
+    assert "FINAL got" in out

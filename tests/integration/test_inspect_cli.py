@@ -109,8 +109,10 @@ def test_status_plot_writes_a_png(job, tmp_path):
 
 
 def test_progress_lines_on_a_terminal_only(tmp_path):
-    """Under a pseudo-terminal cfrun logs whole progress lines; piped, it stays quiet."""
+    """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
+    budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
+    import re
     import pty
     import sys
 
@@ -133,8 +135,88 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
         out += chunk
     os.waitpid(pid, 0)
     text = out.decode(errors="replace")
-    progress = [l for l in text.splitlines() if "steps/s" in l]
+    lines = text.splitlines()
+    progress = [l for l in lines if "steps/s" in l]
     assert progress and all("newest checkpoint step" in l for l in progress)
+    assert all(re.fullmatch(r"cfrun: step \d+ \([\d.]+ steps/s\), newest checkpoint step "
+                            r"(\d+|none), overhead [\d.]+% stalled \(budget 3\.50%, not "
+                            r"applied: --interval\)", l) for l in progress), progress
+    # the script's own lines come through whole and in order, none cut by a progress line
+    script_lines = [l for l in lines if l.startswith("step ")]
+    assert script_lines == [f"step {i}" for i in range(1, 41)], text
     piped = run_cfrun(["--interval", "5", "--job-dir", "k", str(SCRIPTS / "slow_steps.py"),
                        "40", "p.pt", "0.05"], cwd=tmp_path, env={"CFRUN_PROGRESS_S": "0.5"})
     assert piped.returncode == 0 and "steps/s" not in piped.stderr + piped.stdout
+
+
+def _digest(root) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _edit_config(jd, **changes) -> None:
+    cfg = json.loads((jd / "config.json").read_text())
+    cfg.update(changes)
+    (jd / "config.json").write_text(json.dumps(cfg))
+
+
+_CMDS = {"status": ["status", "{d}"], "ls": ["ls", "{d}"], "export": ["export", "{d}", "x.pt"],
+         "resume": ["resume", "{d}"]}
+
+
+def _matrix():
+    for cmd in _CMDS:
+        yield cmd, "missing", 2, "does not exist"
+        yield cmd, "not a job dir", 2, "not a cfrun job dir"
+    yield "export", "no such step", 2, "--step 7 has no committed checkpoint"
+    yield "resume", "locked", 3, "in use by another cfrun"
+    yield "resume", "corrupt config", 2, "is unreadable"
+    yield "resume", "config not an object", 2, "is unreadable"
+    yield "resume", "script gone", 2, "the recorded script"
+    yield "resume", "cwd gone", 2, "the recorded working directory"
+
+
+@pytest.mark.parametrize("cmd, case, code, needle", list(_matrix()))
+def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
+    """One line (plus a hint), the documented exit code (2 bad input, 3 locked), nothing
+    changed in the directory given."""
+    import shutil
+
+    from cfrun.jobdir import JobDir
+
+    target = tmp_path / "d"
+    holder = None
+    if case == "not a job dir":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    elif case != "missing":
+        shutil.copytree(job / "j", target)
+    if case == "corrupt config":
+        (target / "config.json").write_text('{"script": "tr')
+    elif case == "config not an object":
+        (target / "config.json").write_text("[1, 2]")
+    elif case == "script gone":
+        _edit_config(target, script=str(tmp_path / "gone.py"))
+    elif case == "cwd gone":
+        _edit_config(target, cwd=str(tmp_path / "gone"))
+    elif case == "locked":
+        holder = JobDir(target)
+        holder.lock()
+    before = _digest(target) if target.exists() else None
+    args = [a.format(d=str(target)) for a in _CMDS[cmd]]
+    if case == "no such step":
+        args += ["--step", "7"]
+    try:
+        run = run_cfrun(args, cwd=tmp_path, timeout=60)
+    finally:
+        if holder is not None:
+            holder.unlock()
+    assert run.returncode == code, (run.stdout, run.stderr[-2000:])
+    lines = [l for l in run.stderr.splitlines() if l.strip()]
+    assert lines[0].startswith("cfrun: error:") and needle in lines[0], run.stderr
+    assert len(lines) <= 2 and (len(lines) == 1 or lines[1].startswith("hint:")), run.stderr
+    assert "Traceback" not in run.stderr
+    assert (_digest(target) if target.exists() else None) == before
+    assert not (tmp_path / "x.pt").exists()

@@ -1,0 +1,21 @@
+"""Appends its cwd and OMP_NUM_THREADS to the file argv[1] (a relative path lands in the cwd),
+trains 10 steps, fails after step 7 in attempt 0 only."""
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+attempt = os.environ.get("CFRUN_RANK_ATTEMPT")
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"cwd": os.getcwd(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                        "attempt": attempt}) + "\n")
+model = nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for it in range(10):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    if it + 1 == 7 and os.environ.get("CFRUN_RANK_ATTEMPT") == "0":
+        raise ValueError("fails once")
+print("FINAL done")
