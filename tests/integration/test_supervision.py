@@ -176,7 +176,7 @@ def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
                                         script=[SLOW, "60", "j.pt", "0.1"], during_persist=True,
                                         second_after_s=0.3)
     assert run.returncode == 75, run.stderr[-2000:]
-    assert elapsed_s < 0.3 + 1.0, elapsed_s
+    assert elapsed_s < 0.3 + 2.5, elapsed_s  # at once, not at the 20 s deadline
     assert "second signal" in run.stderr
     [pre] = run.events("preempted")
     newest = committed_steps(tmp_path / "j" / "checkpoints")[0]

@@ -172,7 +172,7 @@ def test_handoff_error_is_reported_and_training_keeps_checkpointing(reference, t
 
 def test_at_most_one_checkpoint_in_flight(tmp_path):
     """With a slow persist and a checkpoint due at every step, each snapshot starts only after
-    the previous checkpoint committed; the checkpoints due meanwhile are skipped, not queued."""
+    the previous checkpoint committed; a checkpoint due meanwhile is put off, not queued."""
     run = run_cfrun(["--interval", "1", "--keep", "2", "--job-dir", "j", *ARGS, "--out", "got.pt"],
                     cwd=tmp_path, env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -180,7 +180,11 @@ def test_at_most_one_checkpoint_in_flight(tmp_path):
     ckpts = run.events("checkpoint")
     commits = {e["step"]: e for e in run.events("commit")}
     assert len(ckpts) >= 2 and [e["step"] for e in ckpts] == sorted(commits), (ckpts, commits)
-    assert len(commits) <= steps // 2, f"{sorted(commits)} committed in {steps} steps"
+    # one in flight: the checkpoint due while one persists is put off to the next boundary
+    # (where the step waits for the persist), so no two consecutive steps are both committed
+    gaps = [b - a for a, b in zip(sorted(commits), sorted(commits)[1:])]
+    assert min(gaps) >= 2, f"{sorted(commits)} committed in {steps} steps"
+    assert len(commits) <= steps // 2 + 1, f"{sorted(commits)} committed in {steps} steps"
     for prev, cur in zip(ckpts, ckpts[1:]):
         assert cur["t_trigger_unix_s"] > commits[prev["step"]]["t_unix_s"], (prev, cur)
 
