@@ -60,6 +60,7 @@ import xxhash
 from cfrun import ipc
 from cfrun.checkpoint import (
     FileEntry,
+    apply_retention,
     commit,
     committed_steps,
     remove_staging,
@@ -403,7 +404,7 @@ class PersistAgent:
         meta = msg["doc"].get("meta", {})
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
                meta={k: meta.get(k) for k in ("step", "mode", "epoch", "batches", "not_exact")},
-               keep=self.keep)
+               keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
         t1 = time.time()
         self.last_committed = max(self.last_committed, step)
         del self.pending[step]
@@ -420,6 +421,7 @@ class PersistAgent:
                                pgt_s=reply["pgt_s"], tier="local")
         for _, c, _ in shard.values():
             self._reply(c, reply)
+        apply_retention(self.jobdir.checkpoints, self.keep)
 
     # ------------------------------------------------------------------ several nodes
 

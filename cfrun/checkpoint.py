@@ -120,8 +120,10 @@ def write_shard(staging: Path, rank: int, tree: Any, tensors: list[torch.Tensor]
 
 
 def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: int,
-           meta: dict[str, Any], keep: int) -> Path:
-    """Make step ``step`` visible: manifest last, atomic rename, directory fsync, retention.
+           meta: dict[str, Any], keep: int | None) -> Path:
+    """Make step ``step`` visible: manifest last, atomic rename, directory fsync, retention
+    (``keep`` newest; ``None``: the caller applies :func:`apply_retention` later, e.g. after
+    answering the ranks, so that deleting old files is not part of the PGT).
 
     Called once per checkpoint (by rank 0, or by the persist agent) after every rank's files
     are durable in the staging directory.
@@ -154,7 +156,8 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
             quarantine(checkpoints, step)
     os.rename(staging, final)
     fsync_dir(checkpoints)
-    apply_retention(checkpoints, keep)
+    if keep is not None:
+        apply_retention(checkpoints, keep)
     return final
 
 

@@ -15,8 +15,8 @@ Phases:
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
 * ``tuned``: every period of ``max(4k, 40)`` steps starts with ``QUIET_STEPS`` steps without
-  checkpoints; those after the first ``SETTLE_STEPS`` with nothing in flight, pooled with the
-  previous period's, are a fresh baseline; the window's measured overhead (its mean iteration
+  checkpoints; those after the first ``SETTLE_STEPS`` with nothing in flight are a fresh
+  baseline; the window's measured overhead (its mean iteration
   time against that baseline) adapts ``k`` both ways (:func:`cfrun.policy.adapt_interval`).
   Every decision goes to events.jsonl, with the number of baseline iterations.
 
@@ -46,10 +46,11 @@ SETTLE_STEPS = 3
 """The first quiet steps of a period are not part of the baseline: the period's last
 checkpoint (its copy, persist and what they leave behind in caches and memory bandwidth)
 still slows them, and a baseline that includes them hides that much of the overhead."""
-BASELINE_WINDOWS = 2
-"""The baseline pools the settled quiet iterations of this many periods (the current one and
-the one before): 7 iterations of a noisy machine give a mean a few percent off, the size of a
-budget."""
+BASELINE_WINDOWS = 1
+"""The baseline pools the settled quiet iterations of this many periods (1: the current one).
+Pooling two (more samples on a noisy machine) was tried and measured worse in
+bench/adaptive.py: when a second job starts, the previous period's quiet iterations are from
+before it, the baseline lags, the window reads 31% over budget and k jumped 55 -> 650."""
 PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
 allocation), then two per snapshot mode, alternating (a drift of the machine hits both)."""
