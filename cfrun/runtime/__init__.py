@@ -129,12 +129,14 @@ def _install() -> Any:
     register_optimizer_step_pre_hook(guard.wrap("the optimizer step pre-hook",
                                                 rt.on_before_step))
     raise_at = int(os.environ.get(ENV_TEST_RAISE_IN_STEP) or 0)
+    on_step: Callable[..., None] = rt.on_optimizer_step
+    if raise_at:  # the testing aid's extra layer only where it is asked for (every step pays it)
 
-    def on_step(opt: Any, args: Any, kwargs: Any) -> None:
-        rt.on_optimizer_step(opt, args, kwargs)
-        if raise_at and rt.step == raise_at:
-            raise RuntimeError(f"injected internal error at step {raise_at} "
-                               f"(${ENV_TEST_RAISE_IN_STEP})")
+        def on_step(opt: Any, args: Any, kwargs: Any) -> None:
+            rt.on_optimizer_step(opt, args, kwargs)
+            if rt.step == raise_at:
+                raise RuntimeError(f"injected internal error at step {raise_at} "
+                                   f"(${ENV_TEST_RAISE_IN_STEP})")
 
     register_optimizer_step_post_hook(guard.wrap("the optimizer step hook", on_step))
     data.install(rt, guard)
