@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +38,14 @@ ADAPT_UNDER_FRACTION = 0.5
 """Lower ``k`` only when the measured overhead is below this fraction of the budget."""
 ADAPT_MAX_SHRINK = 2.0
 """One window lowers ``k`` by at most this factor."""
+ADAPT_MAX_GROW = 8.0
+"""One window raises ``k`` by at most this factor: a window measured during a burst (a second
+job's first writes) would otherwise set ``k`` for a load that is already easing, and a period
+(``4k`` steps) so long that no window ends before the load does."""
+NEAR_STEPS = 4
+"""Iterations after a checkpoint's step that carry its cost: the boundary (stall, snapshot
+start), then the background copy and the persist agent competing for cores and memory bandwidth
+(bench/adaptive.py measured +13, +32, +8, ~0 ms in those iterations on a 2-core machine)."""
 MAX_INTERVAL = 100_000
 
 
@@ -115,8 +125,10 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
 def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[int, str]:
     """The next interval after a window whose measured overhead was ``measured``.
 
-    Over budget: grow ``k`` by the ratio to ``AIM_FRACTION`` of the budget (at least +1):
-    the per-checkpoint cost the window measured, spread so that it fits with a margin. Below half the budget: shrink it towards
+    Over budget: grow ``k`` by the ratio to ``AIM_FRACTION`` of the budget (at least +1, at
+    most ``ADAPT_MAX_GROW`` times): the per-checkpoint cost the window measured, spread so that
+    it fits with a margin. ``k_min`` (one checkpoint in flight, from the persist times the
+    window saw) is a floor in every case. Below half the budget: shrink it towards
     ``k_min`` by the ratio (aiming at 3/4 of the budget), by at least 1 and at most by half
     per window: one window's measurement is noisy (a window whose mean came out below its
     baseline measures 0%), and a halving that overshoots costs one window over budget, where
@@ -124,12 +136,101 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[
     """
     if measured > budget:
         new = max(k + 1, math.ceil(k * measured / (AIM_FRACTION * budget)))
+        new = max(k_min, min(new, math.ceil(k * ADAPT_MAX_GROW)))
         return min(MAX_INTERVAL, new), f"over budget ({measured:.2%} > {budget:.2%})"
+    if k < k_min:
+        return k_min, f"one checkpoint in flight needs k >= {k_min}"
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
         target = math.ceil(k * max(measured, 1e-9) / (AIM_FRACTION * budget))
         new = max(k_min, math.ceil(k / ADAPT_MAX_SHRINK), min(k - 1, target))
         return new, f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of {budget:.2%})"
     return k, "within budget"
+
+
+@dataclass(frozen=True)
+class WindowOverhead:
+    """What :func:`measure_overhead` found in one window of iterations."""
+
+    overhead: float
+    """Extra time of the checkpoint-affected iterations over the clean baseline, as a fraction
+    of the window's baseline time (0.035 = 3.5%); may be slightly negative (noise)."""
+    base_s: float
+    """Median of the window's clean iterations, seconds."""
+    excess_s: dict[int, float]
+    """Checkpoint step -> seconds its ``NEAR_STEPS`` iterations (and any later ones it kept in
+    flight) took beyond the baseline."""
+    iters: int
+    clean_iters: int
+
+    @property
+    def mean_iter_s(self) -> float:
+        return self.base_s * (1.0 + self.overhead)
+
+
+def measure_overhead(iters: list[tuple[int, float, bool]], ckpt_steps: list[int], lo: int,
+                     hi: int, near_steps: int = NEAR_STEPS,
+                     radius_steps: int | None = None) -> WindowOverhead | None:
+    """Overhead of the checkpoints taken at steps ``[lo, hi)`` against a baseline made of the
+    same window's clean iterations (not within ``near_steps`` after a checkpoint, nothing in
+    flight): a slow phase of a shared machine slows baseline and checkpoints alike, where a
+    baseline taken before (or after) the checkpoints reads the drift as overhead or hides it.
+
+    Args:
+        iters: ``(step, seconds, busy)`` per iteration, the iteration that ended with optimizer
+            step ``step``; ``busy``: a checkpoint was in flight during it. A checkpoint at step
+            ``p`` (taken at the boundary after step ``p``) costs iterations ``p + 1 ...``.
+        ckpt_steps: every checkpoint step, also those before ``lo`` (their tails are neither
+            baseline nor counted).
+        lo, hi: the window. Counted: iterations with ``lo <= step < hi``, and those after
+            ``hi`` that are near a checkpoint of the window (its cost, paid after the window);
+            not counted: those near a checkpoint before ``lo`` (the previous window paid them).
+        radius_steps: per checkpoint, the baseline is the median of the clean iterations
+            within this many steps of it (when at least 3 are), else the window's median.
+
+    Returns: ``None`` with fewer than 3 clean iterations.
+    The idea of measuring a window against a fresh, checkpoint-free baseline is CheckFreq
+    §4.4's; measuring it inside the window is ours (DESIGN.md §4).
+    """
+    ckpts = sorted(ckpt_steps)
+
+    def owner(step: int) -> int | None:
+        """The checkpoint whose near iterations hold ``step``."""
+        i = bisect_left(ckpts, step) - 1
+        return ckpts[i] if i >= 0 and step - ckpts[i] <= near_steps else None
+
+    counted: list[tuple[int, float, int | None]] = []  # (step, seconds, owner or -1 if busy)
+    for step, dt, busy in iters:
+        p = owner(step)
+        if p is not None and p < lo:
+            continue  # the previous window's checkpoint
+        if p is None and busy:
+            p = ckpts[bisect_left(ckpts, step) - 1] if ckpts and ckpts[0] < step else -1
+            if 0 <= p < lo:
+                continue
+        if step < lo or (step >= hi and (p is None or not lo <= p < hi)):
+            continue
+        counted.append((step, dt, p))
+    clean = [(s, dt) for s, dt, p in counted if p is None]
+    if len(clean) < 3:
+        return None
+    base = statistics.median(dt for _, dt in clean)
+
+    def local_base(p: int) -> float:
+        if radius_steps is None or p < 0:
+            return base
+        near = [dt for s, dt in clean if abs(s - p) <= radius_steps]
+        return statistics.median(near) if len(near) >= 3 else base
+
+    excess: dict[int, float] = {p: 0.0 for p in ckpts if lo <= p < hi}
+    extra = 0.0
+    for _, dt, p in counted:
+        if p is None:
+            continue
+        d = dt - local_base(p)
+        extra += d
+        if p in excess:
+            excess[p] += d
+    return WindowOverhead(extra / (len(counted) * base), base, excess, len(counted), len(clean))
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:

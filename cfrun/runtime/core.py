@@ -654,8 +654,9 @@ class Runtime:
             self._checked_bytes = True
             self.tuner.check_state_bytes(int(tree["model_bytes"]))
         if self.snap is not None:
+            mode = self.tuner.mode_for(step)  # also records the step for the tuner
             if not self.snap.mode_is_forced:
-                self.snap.mode = self.tuner.mode_for(step)
+                self.snap.mode = mode
             self.snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
             _injected_stall(step)
             if hold:  # the snapshot thread SIGKILLs the rank right after the hand-off

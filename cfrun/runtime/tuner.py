@@ -4,21 +4,25 @@ Phases:
 
 * ``fixed``: ``--interval K`` given; checkpoint every K steps, measure nothing extra.
 * ``profiling``: the first ``profile_steps`` = min(50, max(10, 1% of an epoch)) steps. After
-  ``WARMUP_STEPS``, the iteration time without checkpoints is measured (the baseline: the
-  mean of those iterations); then profiling checkpoints ("probes") are taken every ``gap``
-  steps: a warm-up one that pays the one-time costs, then two per snapshot mode (background
-  copy, inline copy), alternating. A probe's cost is everything the iterations up to the next
-  probe took beyond the baseline: the stall, the background copy and the persist agent's
-  competition for cores, memory bandwidth and caches, including what comes after the persist
-  has finished (measuring only the iterations the persist overlapped missed most of it on a
-  2-core machine: bench/adaptive.py). The cheaper mode and the interval follow from
+  ``WARMUP_STEPS``, profiling checkpoints ("probes") are taken every ``gap`` steps: a warm-up
+  one that pays the one-time costs (model discovery, slot allocation, the agent's first
+  connection), then two per snapshot mode (background copy, inline copy), alternating. A
+  probe's cost is what the ``NEAR_STEPS`` iterations after it (and any later one it kept in
+  flight) took beyond the baseline: the stall, the background copy and the persist agent's
+  competition for cores, memory bandwidth and caches. The baseline is the median of the clean
+  iterations *between* the probes, near each probe (:func:`cfrun.policy.measure_overhead`):
+  a slow phase of a shared machine then slows baseline and probes alike (a baseline taken
+  before the probes read 152 ms where the script ran at 100 ms in bench/adaptive.py, and every
+  probe looked free). The cheaper mode and the interval follow from
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
-* ``tuned``: every period of ``max(4k, 40)`` steps starts with ``QUIET_STEPS`` steps without
-  checkpoints; those after the first ``SETTLE_STEPS`` with nothing in flight are a fresh
-  baseline; the window's measured overhead (its mean iteration
-  time against that baseline) adapts ``k`` both ways (:func:`cfrun.policy.adapt_interval`).
-  Every decision goes to events.jsonl, with the number of baseline iterations.
+* ``tuned``: windows of one adaptation period, ``max(4k, 40)`` steps, each starting with
+  ``QUIET_STEPS`` steps without checkpoints (clean iterations even when ``k`` is small). When
+  the ``NEAR_STEPS`` iterations after a window's end are in, its overhead is measured the same
+  way, against the window's own clean iterations, and adapts ``k`` both ways
+  (:func:`cfrun.policy.adapt_interval`); the floor ``k_in_flight`` follows the persist times
+  the window saw (a saturated disk makes them longer). Every decision goes to events.jsonl
+  with its inputs.
 
 With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
 interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
@@ -37,20 +41,13 @@ from typing import Any
 
 from cfrun import __version__
 from cfrun.jobdir import JobDir, atomic_write_json
-from cfrun.policy import Costs, adapt_interval, choose_interval
+from cfrun.policy import (NEAR_STEPS, Costs, adapt_interval, choose_interval,
+                          measure_overhead)
 
 WARMUP_STEPS = 3
 QUIET_STEPS = 10
-"""Steps at the start of each adaptation period without checkpoints (the fresh baseline)."""
-SETTLE_STEPS = 3
-"""The first quiet steps of a period are not part of the baseline: the period's last
-checkpoint (its copy, persist and what they leave behind in caches and memory bandwidth)
-still slows them, and a baseline that includes them hides that much of the overhead."""
-BASELINE_WINDOWS = 1
-"""The baseline pools the settled quiet iterations of this many periods (1: the current one).
-Pooling two (more samples on a noisy machine) was tried and measured worse in
-bench/adaptive.py: when a second job starts, the previous period's quiet iterations are from
-before it, the baseline lags, the window reads 31% over budget and k jumped 55 -> 650."""
+"""Steps at the start of each adaptation period without checkpoints: clean iterations for the
+window's baseline even when ``k`` is smaller than ``NEAR_STEPS``."""
 PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
 allocation), then two per snapshot mode, alternating (a drift of the machine hits both)."""
@@ -93,23 +90,24 @@ class Tuner:
         self.k_min = 1
         self.mode = "thread"
         self.profile_steps = PROFILE_MAX_STEPS
+        self._gap = 0
         self._last_t: float | None = None
-        self._iter_s: list[float] = []
-        self._busy: list[int | None] = []
+        self._iters: list[tuple[int, float, bool]] = []
+        """(step that ended the iteration, its duration in seconds, checkpoint in flight)."""
+        self._ckpts: list[int] = []
+        """Steps of the checkpoints taken (profiling and tuned), oldest first."""
+        self._pgt_s: dict[int, float] = {}
+        """Checkpoint step -> seconds from its boundary to its commit (rank 0's records)."""
         self._profile: dict[int, Any] = {}
         self._probe_steps: list[int] = []
-        self._prof_iters: list[tuple[int, float]] = []
-        """Profiling: (step that ended the iteration, its duration in seconds)."""
         self._taken: dict[int, str] = {}
         """Profiling checkpoints taken: step -> snapshot mode."""
-        self._pending_strategy_step: int | None = None
+        self._window_lo: int | None = None
+        """First step of the adaptation window being measured (tuned phase)."""
         self.cached_state_bytes: int | None = None
         self.opt_step_s: list[float] = []
-        self._quiet_s: list[float] = []
-        self._quiet_prev_s: list[float] = []
-        """The previous period's settled quiet iterations (pooled into the baseline)."""
-        self.model_bytes = 0
         """Durations of ``optimizer.step()`` seen while profiling."""
+        self.model_bytes = 0
         self.done_profiling = False
         if self.phase == "profiling":
             self._load_cache()
@@ -142,8 +140,9 @@ class Tuner:
         cached, self.cached_state_bytes = self.cached_state_bytes, None
         if cached is not None and abs(nbytes - cached) > 0.1 * cached and self.phase == "tuned":
             self.phase, self.done_profiling = "profiling", False
-            self._iter_s, self._busy, self._profile, self._probe_steps = [], [], {}, []
-            self._taken, self._prof_iters = {}, []
+            self._iters, self._ckpts, self._pgt_s = [], [], {}
+            self._profile, self._probe_steps, self._taken = {}, [], {}
+            self._window_lo = None
             self.profile_steps = 0  # set from the current step below
             if self.rank == 0:
                 self.jobdir.emit_event("reprofile", reason="state size changed",
@@ -152,44 +151,41 @@ class Tuner:
     # ------------------------------------------------------------------ per step
 
     def on_step(self, step: int, inflight: int | None, epoch_len: int | None) -> None:
-        """After every optimizer step: record the iteration time and which checkpoint (by
-        step) was in flight during it, if any."""
+        """After every optimizer step: record the iteration time and whether a checkpoint was
+        in flight during it; rank 0 decides at the end of profiling and of each window."""
         if self.phase == "fixed":
             return  # nothing to measure
         now = time.perf_counter()
-        if self._last_t is not None:
-            if self._quiet(step):
-                settled = (step - self.base_step) % self._period() >= SETTLE_STEPS
-                if inflight is None and settled:
-                    self._quiet_s.append(now - self._last_t)
-            elif self.phase == "profiling":
-                self._prof_iters.append((step, now - self._last_t))
-            else:
-                self._iter_s.append(now - self._last_t)
-                self._busy.append(inflight)
+        if self._last_t is not None and self.rank == 0:
+            self._iters.append((step, now - self._last_t, inflight is not None))
         self._last_t = now
         if self.phase == "profiling" and not self._probe_steps:
             self._plan_probes(step, epoch_len)
-        if (self.phase == "profiling" and self.rank == 0 and self._profile
-                and len(self._taken) == len(PROBE_MODES)
-                and step >= max(self._taken) + self._gap
-                and (len(self._profile) == len(PROBE_MODES) - 1
-                     or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
-            self._decide(step)
+        if self.rank == 0:
+            if (self.phase == "profiling" and self._profile
+                    and len(self._taken) == len(PROBE_MODES)
+                    and step >= max(self._taken) + self._gap
+                    and (len(self._profile) == len(PROBE_MODES) - 1
+                         or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
+                self._decide(step)
+            elif self.phase == "tuned":
+                if self._window_lo is None:
+                    self._window_lo = max(step, self.base_step)
+                elif step >= self._window_lo + self._period() + NEAR_STEPS:
+                    self._adapt(step)
         if self.world_size > 1 and self.rank != 0:
             self._follow_strategy(step)
 
     def _plan_probes(self, start: int, epoch_len: int | None) -> None:
-        """Probe steps: a baseline of at least ``WARMUP_STEPS + 5`` steps (40% of the profile),
-        then one probe every ``gap`` steps; the same on every rank (steps alone)."""
+        """Probe steps, the same on every rank (steps alone): after ``WARMUP_STEPS``, one probe
+        every ``gap`` steps, each followed by at least 2 clean iterations."""
         steps = PROFILE_MAX_STEPS
         if epoch_len:
             steps = min(PROFILE_MAX_STEPS, max(PROFILE_MIN_STEPS, math.ceil(0.01 * epoch_len)))
-        first = start + max(WARMUP_STEPS + 5, (2 * steps) // 5)
-        self._gap = max(3, (start + steps - first) // len(PROBE_MODES))
+        first = start + WARMUP_STEPS + 1
+        self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(PROBE_MODES))
         self._probe_steps = [first + i * self._gap for i in range(len(PROBE_MODES))]
         self.profile_steps = self._probe_steps[-1] + self._gap
-        self._baseline = (start + WARMUP_STEPS, first)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due right after ``step``."""
@@ -208,14 +204,14 @@ class Tuner:
         return max(4 * self.interval, 40)
 
     def _quiet(self, step: int) -> bool:
-        """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint: their
-        iterations (those with nothing in flight) are the window's fresh baseline. Defined by
-        the step alone, so every rank agrees."""
+        """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint.
+        Defined by the step alone, so every rank agrees."""
         return (self.phase == "tuned" and step >= self.base_step
                 and (step - self.base_step) % self._period() < QUIET_STEPS)
 
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
+        self._ckpts.append(step)
         if self.phase != "profiling":
             return self.mode
         mode = PROBE_MODES[min(len(self._taken), len(PROBE_MODES) - 1)]
@@ -225,44 +221,34 @@ class Tuner:
     # ------------------------------------------------------------------ measurements
 
     def on_checkpoint_done(self, step: int, record: dict[str, Any]) -> None:
-        """A checkpoint committed (rank 0 gets every record): profile or adapt."""
+        """A checkpoint committed (rank 0 gets every record): keep its times."""
         if self.rank != 0:
             return
+        self._pgt_s[step] = float(record.get("pgt_s") or 0.0)
         if self.phase == "profiling" and step in self._taken:
             if self._taken[step] != "warmup":  # the first one pays one-time setup costs
                 self._profile[step] = record
-        elif self.phase == "tuned":
-            self._maybe_adapt(step)
-
-    def _window_stats(self, lo: int) -> tuple[float, float] | None:
-        """(mean iteration time, mean of iterations with no checkpoint in flight)."""
-        its, busy = self._iter_s[lo:], self._busy[lo:]
-        clean = [t for t, b in zip(its, busy) if b is None]
-        if len(its) < 5:
-            return None
-        return statistics.fmean(its), statistics.fmean(clean) if len(clean) >= 3 else 0.0
 
     def probe_costs(self) -> dict[str, Costs]:
         """Per snapshot mode, the measured :class:`cfrun.policy.Costs` (profiling, rank 0).
 
-        ``iter_s`` is the mean baseline iteration; a probe's window is the iterations after its
-        step up to the next probe (or ``gap`` steps); the window's excess over the baseline,
-        averaged over the mode's probes, is the checkpoint's whole cost: its measured stall
-        plus ``interference_s`` (the rest)."""
-        lo, hi = self._baseline
-        base = [dt for s, dt in self._prof_iters if lo < s <= hi]
-        iter_s = statistics.fmean(base) if base else 1.0
+        ``iter_s`` is the median clean iteration of the profile (after the warm-up probe's
+        iterations); a probe's cost is its excess over the clean iterations near it, averaged
+        over the mode's probes: its measured stall plus ``interference_s`` (the rest)."""
         taken = sorted(self._taken)
+        warm = [p for p in taken if self._taken[p] == "warmup"]
+        lo = (warm[0] + NEAR_STEPS + 1) if warm else 0
+        hi = (max(taken) + self._gap) if taken else 0
+        window = measure_overhead(self._iters, taken, lo, hi, radius_steps=2 * self._gap)
         excess: dict[str, list[float]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
-        for i, p in enumerate(taken):
-            mode = self._taken[p]
+        for p in taken:
             if p not in self._profile:
                 continue
-            end = taken[i + 1] if i + 1 < len(taken) else p + self._gap
-            window = [dt for s, dt in self._prof_iters if p < s <= end]
-            excess.setdefault(mode, []).append(sum(window) - iter_s * len(window))
+            mode = self._taken[p]
+            excess.setdefault(mode, []).append(window.excess_s.get(p, 0.0) if window else 0.0)
             records.setdefault(mode, []).append(self._profile[p])
+        iter_s = window.base_s if window else 1.0
         out = {}
         for mode, recs in records.items():
             stall_s = statistics.fmean(float(r["stall_s"]) for r in recs)
@@ -282,8 +268,8 @@ class Tuner:
         self.interval, self.k_min = decision.interval, decision.k_in_flight
         self.phase, self.done_profiling = "tuned", True
         self.base_step = step + 2
-        self._window_start = len(self._iter_s)
-        self._prof_iters = []
+        self._window_lo = self.base_step
+        self._prune(self.base_step)
         out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
                "model_bytes": model_bytes,
                "opt_step_s": statistics.median(self.opt_step_s) if self.opt_step_s else None,
@@ -302,34 +288,45 @@ class Tuner:
                                k_budget=decision.k_budget, k_in_flight=decision.k_in_flight,
                                k_daly=decision.k_daly)
 
-    def _maybe_adapt(self, step: int) -> None:
-        start = getattr(self, "_window_start", 0)
-        if len(self._iter_s) - start < self._period() - QUIET_STEPS:
+    def _adapt(self, step: int) -> None:
+        """The window ``[lo, lo + period)`` is complete (with the ``NEAR_STEPS`` iterations
+        after it): measure its overhead against its own clean iterations and adapt ``k``."""
+        lo = self._window_lo
+        hi = lo + self._period()
+        window = measure_overhead(self._iters, self._ckpts, lo, hi,
+                                  radius_steps=max(2 * self.interval, 20))
+        self._window_lo = hi
+        if window is None:
+            self._prune(hi)
             return
-        stats = self._window_stats(start)
-        quiet = self._quiet_prev_s + self._quiet_s
-        self._quiet_prev_s = self._quiet_s[:] if BASELINE_WINDOWS > 1 else []
-        del self._iter_s[:], self._busy[:], self._quiet_s[:]  # one window in memory
-        self._window_start = 0
-        if stats is None:
-            return
-        mean_s = stats[0]
-        # fresh baseline: the settled quiet steps of this period and the one before; else the
-        # window's iterations with nothing in flight
-        clean_s = statistics.fmean(quiet) if len(quiet) >= 3 else stats[1]
-        if clean_s <= 0:
-            return
-        measured = max(0.0, (mean_s - clean_s) / clean_s)
-        new, reason = adapt_interval(self.interval, measured, self.budget, self.k_min)
-        self.jobdir.emit_event("adapt", step=step, measured_overhead=round(measured, 5),
-                               budget=self.budget, mean_iter_s=round(mean_s, 6),
-                               clean_iter_s=round(clean_s, 6), baseline_iters=len(quiet),
-                               old_interval=self.interval,
+        pgts = [self._pgt_s[p] for p in self._ckpts if lo <= p < hi and p in self._pgt_s]
+        k_min = self.k_min
+        if pgts:  # one checkpoint in flight at the persist times this window saw
+            k_min = max(1, math.ceil(statistics.median(pgts) / window.base_s - 1e-9))
+        measured = max(0.0, window.overhead)
+        new, reason = adapt_interval(self.interval, measured, self.budget, k_min)
+        self.jobdir.emit_event("adapt", step=step, window=[lo, hi],
+                               measured_overhead=round(measured, 5), budget=self.budget,
+                               mean_iter_s=round(window.mean_iter_s, 6),
+                               clean_iter_s=round(window.base_s, 6),
+                               baseline_iters=window.clean_iters, iters=window.iters,
+                               checkpoints=len(window.excess_s),
+                               pgt_s=round(statistics.median(pgts), 6) if pgts else None,
+                               k_in_flight=k_min, old_interval=self.interval,
                                interval=new, reason=reason)
         if new != self.interval:
             self.interval = new
             self.base_step = step + 2
+            self._window_lo = self.base_step
             self._write_strategy("adapt", reason, None)
+        self._prune(self._window_lo)
+
+    def _prune(self, lo: int) -> None:
+        """Keep only what the next window needs (one window in memory)."""
+        keep = lo - 2 * NEAR_STEPS
+        self._iters = [it for it in self._iters if it[0] >= keep]
+        self._ckpts = [p for p in self._ckpts if p >= keep]
+        self._pgt_s = {p: t for p, t in self._pgt_s.items() if p >= keep}
 
     def _write_strategy(self, source: str, reason: str, predicted: float | None) -> None:
         atomic_write_json(self.jobdir.root / "strategy.json", {

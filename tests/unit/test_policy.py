@@ -8,11 +8,14 @@ import pytest
 
 from cfrun.errors import BadInputError
 from cfrun.policy import (
+    ADAPT_MAX_GROW,
     AIM_FRACTION,
+    NEAR_STEPS,
     Costs,
     adapt_interval,
     choose_interval,
     learned_mtbf_s,
+    measure_overhead,
     parse_duration,
     predicted_overhead,
     young_daly_interval_s,
@@ -77,6 +80,76 @@ def test_adapt_lowers_well_under_budget_but_not_below_the_floor():
     assert adapt_interval(15, 0.0, 0.035, 1)[0] == 8
     assert adapt_interval(4, 0.0, 0.035, 3)[0] == 3
     assert adapt_interval(3, 0.0, 0.035, 3)[0] == 3
+
+
+def test_adapt_growth_is_capped_and_the_in_flight_floor_holds():
+    # a window read during a burst of a second job's writes: 40x the budget
+    assert adapt_interval(16, 1.4, 0.035, 1)[0] == math.ceil(16 * ADAPT_MAX_GROW)
+    # persists now take 30 iterations (a saturated disk): k goes to that floor at once
+    assert adapt_interval(16, 0.02, 0.035, 30)[0] == 30
+    assert adapt_interval(16, 0.0, 0.035, 30)[0] == 30
+    assert adapt_interval(16, 0.05, 0.035, 120)[0] == 120
+
+
+def iters_with(ckpts, n, base=0.1, cost=(0.013, 0.032, 0.008), drift=None, busy=()):
+    """Iterations 1..n of ``base`` s (times ``drift(step)``), each checkpoint at step p adding
+    ``cost`` to iterations p+1, p+2, ..."""
+    out = []
+    for s in range(1, n + 1):
+        dt = base * (drift(s) if drift else 1.0)
+        for p in ckpts:
+            if 0 < s - p <= len(cost):
+                dt += cost[s - p - 1]
+        out.append((s, dt, s in busy))
+    return out
+
+
+def test_measure_overhead_finds_the_cost_against_the_clean_iterations():
+    ckpts = list(range(20, 200, 20))
+    w = measure_overhead(iters_with(ckpts, 220), ckpts, 10, 200)
+    assert w is not None and w.base_s == pytest.approx(0.1)
+    assert set(w.excess_s) == set(ckpts)
+    assert all(e == pytest.approx(0.053) for e in w.excess_s.values())
+    # every checkpoint's near iterations counted, also those after the window's end
+    assert w.overhead == pytest.approx(9 * 0.053 / (190 * 0.1))
+    assert w.mean_iter_s == pytest.approx(0.1 + 9 * 0.053 / 190)
+
+
+def test_measure_overhead_is_not_fooled_by_a_slow_phase():
+    """The machine runs 50% slower for the first half of the window: a baseline taken before
+    the checkpoints (or the whole window's mean) would read that as overhead or hide the
+    checkpoints; a local baseline sees each checkpoint's own cost."""
+    ckpts = list(range(20, 200, 20))
+    slow = lambda s: 1.5 if s < 100 else 1.0  # noqa: E731
+    w = measure_overhead(iters_with(ckpts, 220, drift=slow), ckpts, 10, 200, radius_steps=15)
+    away = {p: e for p, e in w.excess_s.items() if abs(p - 100) > 15}  # not at the change
+    assert len(away) == 8 and all(e == pytest.approx(0.053) for e in away.values()), w.excess_s
+    # without the local baseline the slow checkpoints' excess reads 0.15 - 0.1 per iteration
+    flat = measure_overhead(iters_with(ckpts, 220, drift=slow), ckpts, 10, 200)
+    assert max(flat.excess_s.values()) > 0.2
+
+
+def test_measure_overhead_leaves_the_previous_windows_checkpoint_out():
+    ckpts = [8, 30, 50]
+    w = measure_overhead(iters_with(ckpts, 70), ckpts, 10, 60)
+    assert set(w.excess_s) == {30, 50}
+    # iterations 9..12 belong to checkpoint 8 (the previous window): neither base nor counted
+    assert w.iters == 60 - 10 - (8 + NEAR_STEPS + 1 - 10) + 0
+    assert w.overhead == pytest.approx(2 * 0.053 / (w.iters * 0.1))
+
+
+def test_measure_overhead_counts_iterations_a_slow_persist_kept_busy():
+    ckpts = [20, 40]
+    busy = set(range(21, 33))  # the persist of checkpoint 20 in flight for 12 steps
+    its = iters_with(ckpts, 60, cost=(0.02, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01), busy=busy)
+    w = measure_overhead(its, ckpts, 10, 60)
+    assert w.excess_s[20] == pytest.approx(0.09)  # all 8 slowed iterations, not just NEAR_STEPS
+    assert w.base_s == pytest.approx(0.1)
+
+
+def test_measure_overhead_needs_clean_iterations():
+    ckpts = list(range(10, 60, 2))
+    assert measure_overhead(iters_with(ckpts, 60), ckpts, 10, 60) is None
 
 
 def test_adapt_keeps_interval_within_budget():
