@@ -262,8 +262,7 @@ class Runtime:
         while self._done_records:  # checkpoint results from the snapshot thread
             rec = self._done_records.pop(0)
             self.tuner.on_checkpoint_done(int(rec["step"]), rec)
-        self.tuner.on_step(self.step, self.snap.inflight_step if self.snap else None,
-                           self._epoch_len())
+        self.tuner.on_step(self.step, self.snap.inflight_step if self.snap else None)
         if self.s.profile_only and self.tuner.done_profiling:
             say("profiling done; stopping the script (cfrun profile)")
             raise SystemExit(0)
@@ -276,13 +275,6 @@ class Runtime:
         self._stopping = stop
         if self.mode == "loop":
             self._arm_loop_boundary()
-
-    def _epoch_len(self) -> int | None:
-        it = self._train_iter() if self._train_iter is not None else None
-        try:
-            return len(it._cfrun_loader) if it is not None else None
-        except TypeError:
-            return None
 
     # ---------------------------------------------------------------- supervision
 

@@ -3,10 +3,11 @@
 Phases:
 
 * ``fixed``: ``--interval K`` given; checkpoint every K steps, measure nothing extra.
-* ``profiling``: the first ``profile_steps`` = min(50, max(10, 1% of an epoch)) steps. After
+* ``profiling``: the first ``profile_steps`` (47) steps, whatever the epoch's length (a probe
+  needs its ``NEAR_STEPS`` iterations and 2 clean ones before the next). After
   ``WARMUP_STEPS``, profiling checkpoints ("probes") are taken every ``gap`` steps: a warm-up
   one that pays the one-time costs (model discovery, slot allocation, the agent's first
-  connection), then two per snapshot mode (background copy, inline copy), alternating. A
+  connection), then three per snapshot mode (background copy, inline copy), alternating. A
   probe's cost is what the ``NEAR_STEPS`` iterations after it (and any later one it kept in
   flight) took beyond the baseline: the stall, the background copy and the persist agent's
   competition for cores, memory bandwidth and caches. The baseline is the median of the clean
@@ -48,11 +49,13 @@ WARMUP_STEPS = 3
 QUIET_STEPS = 10
 """Steps at the start of each adaptation period without checkpoints: clean iterations for the
 window's baseline even when ``k`` is smaller than ``NEAR_STEPS``."""
-PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
+PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline", "thread", "inline")
 """Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
-allocation), then two per snapshot mode, alternating (a drift of the machine hits both)."""
+allocation), then three per snapshot mode, alternating (a drift of the machine hits both); a
+mode's cost is the median of its three (with two, one probe slowed by a burst of another
+process set the interval: bench/adaptive.py read 58 ms per checkpoint where the sweep's runs
+measured 41)."""
 PROFILE_MAX_STEPS = 50
-PROFILE_MIN_STEPS = 10
 
 
 def fingerprint(script: str, args: list[str], world_size: int) -> str:
@@ -108,6 +111,8 @@ class Tuner:
         self.opt_step_s: list[float] = []
         """Durations of ``optimizer.step()`` seen while profiling."""
         self.model_bytes = 0
+        self.probes: list[dict[str, Any]] = []
+        """Per profiling checkpoint: step, mode, excess_s, stall_s (for the profile event)."""
         self.done_profiling = False
         if self.phase == "profiling":
             self._load_cache()
@@ -150,7 +155,7 @@ class Tuner:
 
     # ------------------------------------------------------------------ per step
 
-    def on_step(self, step: int, inflight: int | None, epoch_len: int | None) -> None:
+    def on_step(self, step: int, inflight: int | None) -> None:
         """After every optimizer step: record the iteration time and whether a checkpoint was
         in flight during it; rank 0 decides at the end of profiling and of each window."""
         if self.phase == "fixed":
@@ -160,7 +165,7 @@ class Tuner:
             self._iters.append((step, now - self._last_t, inflight is not None))
         self._last_t = now
         if self.phase == "profiling" and not self._probe_steps:
-            self._plan_probes(step, epoch_len)
+            self._plan_probes(step)
         if self.rank == 0:
             if (self.phase == "profiling" and self._profile
                     and len(self._taken) == len(PROBE_MODES)
@@ -176,12 +181,10 @@ class Tuner:
         if self.world_size > 1 and self.rank != 0:
             self._follow_strategy(step)
 
-    def _plan_probes(self, start: int, epoch_len: int | None) -> None:
+    def _plan_probes(self, start: int) -> None:
         """Probe steps, the same on every rank (steps alone): after ``WARMUP_STEPS``, one probe
         every ``gap`` steps, each followed by at least 2 clean iterations."""
         steps = PROFILE_MAX_STEPS
-        if epoch_len:
-            steps = min(PROFILE_MAX_STEPS, max(PROFILE_MIN_STEPS, math.ceil(0.01 * epoch_len)))
         first = start + WARMUP_STEPS + 1
         self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(PROBE_MODES))
         self._probe_steps = [first + i * self._gap for i in range(len(PROBE_MODES))]
@@ -233,8 +236,8 @@ class Tuner:
         """Per snapshot mode, the measured :class:`cfrun.policy.Costs` (profiling, rank 0).
 
         ``iter_s`` is the median clean iteration of the profile (after the warm-up probe's
-        iterations); a probe's cost is its excess over the clean iterations near it, averaged
-        over the mode's probes: its measured stall plus ``interference_s`` (the rest)."""
+        iterations); a probe's cost is its excess over the clean iterations near it; a mode's
+        cost is the median over its probes: its measured stall plus ``interference_s``."""
         taken = sorted(self._taken)
         warm = [p for p in taken if self._taken[p] == "warmup"]
         lo = (warm[0] + NEAR_STEPS + 1) if warm else 0
@@ -250,9 +253,14 @@ class Tuner:
             records.setdefault(mode, []).append(self._profile[p])
         iter_s = window.base_s if window else 1.0
         out = {}
+        self.probes = [{"step": p, "mode": self._taken[p],
+                        "excess_s": round(window.excess_s[p], 6) if window and p in
+                        window.excess_s else None,
+                        "stall_s": self._profile[p]["stall_s"] if p in self._profile else None}
+                       for p in taken]
         for mode, recs in records.items():
-            stall_s = statistics.fmean(float(r["stall_s"]) for r in recs)
-            cost_s = max(stall_s, statistics.fmean(excess[mode]))
+            stall_s = statistics.median(float(r["stall_s"]) for r in recs)
+            cost_s = max(stall_s, statistics.median(excess[mode]))
             out[mode] = Costs(
                 iter_s=iter_s, stall_s=stall_s, interference_s=cost_s - stall_s,
                 persist_s=max(float(r["snapshot_s"]) + float(r["persist_s"]) for r in recs),
@@ -280,7 +288,8 @@ class Tuner:
         self.cache_path.parent.mkdir(exist_ok=True)
         atomic_write_json(self.cache_path, out)
         self._write_strategy("profile", decision.reason, decision.predicted_overhead)
-        self.jobdir.emit_event("profile", **{k: out[k] for k in ("costs", "mode", "modes")})
+        self.jobdir.emit_event("profile", probes=self.probes,
+                               **{k: out[k] for k in ("costs", "mode", "modes")})
         self.jobdir.emit_event("decision", source="profile", interval=self.interval,
                                mode=self.mode, reason=decision.reason,
                                predicted_overhead=decision.predicted_overhead,

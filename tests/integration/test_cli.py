@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -21,13 +22,21 @@ def _tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def existing_job(tmp_path: Path) -> Path:
-    """A job dir with a committed checkpoint, made by a real run."""
+@pytest.fixture(scope="module")
+def _job_made_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job dir with a committed checkpoint, made by a real run (once per module: ~10 s)."""
+    root = tmp_path_factory.mktemp("made")
     run = run_cfrun(["--interval", "5", "--job-dir", "job", str(SCRIPTS / "train_steps_for.py"),
-                     "12", "out.pt"], cwd=tmp_path)
+                     "12", "out.pt"], cwd=root)
     assert run.returncode == 0, run.stderr
-    assert list((tmp_path / "job" / "checkpoints").glob("step-*/manifest.json"))
+    assert list((root / "job" / "checkpoints").glob("step-*/manifest.json"))
+    return root / "job"
+
+
+@pytest.fixture
+def existing_job(_job_made_once: Path, tmp_path: Path) -> Path:
+    """A copy of that job dir, for this test alone."""
+    shutil.copytree(_job_made_once, tmp_path / "job", symlinks=True)
     return tmp_path / "job"
 
 
