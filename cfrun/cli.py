@@ -285,6 +285,7 @@ def profile_cmd(
 
     from cfrun.checkpoint import committed_steps
     from cfrun.jobdir import JobDir
+    from cfrun.runtime.tuner import PROBE_MODES
     from cfrun.supervisor import Supervisor
 
     cfg = _build_config(script, script_args, job_dir, None, overhead, nproc_per_node, "0", "2",
@@ -302,9 +303,9 @@ def profile_cmd(
     if code == 0 and not strategy.exists():
         probes = sum(1 for e in jd.read_events() if e.get("event") == "checkpoint")
         raise JobFailedError(
-            f"the script ended before profiling finished ({probes} of 5 profiling "
-            "checkpoints taken); nothing was decided",
-            hint="profile with more steps (profiling takes about 25 to 60 optimizer steps)")
+            f"the script ended before profiling finished ({probes} of {len(PROBE_MODES)} "
+            "profiling checkpoints taken); nothing was decided",
+            hint="profile with more steps (profiling takes about 50 to 60 optimizer steps)")
     if code != 0:
         raise typer.Exit(code)
     st = json.loads(strategy.read_text())

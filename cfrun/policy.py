@@ -41,7 +41,7 @@ ADAPT_MAX_SHRINK = 2.0
 ADAPT_MAX_GROW = 8.0
 """One window raises ``k`` by at most this factor: a window measured during a burst (a second
 job's first writes) would otherwise set ``k`` for a load that is already easing, and a period
-(``4k`` steps) so long that no window ends before the load does."""
+(``3k + 10`` steps) so long that no window ends before the load does."""
 NEAR_STEPS = 4
 """Iterations after a checkpoint's step that carry its cost: the boundary (stall, snapshot
 start), then the background copy and the persist agent competing for cores and memory bandwidth
@@ -122,22 +122,29 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
                     c.restart_s + 0.5 * k * c.iter_s, k_budget, k_in_flight, k_daly)
 
 
-def adapt_interval(k: int, measured: float, budget: float, k_min: int) -> tuple[int, str]:
+def adapt_interval(k: int, measured: float, budget: float, k_min: int,
+                   run_overhead: float | None = None) -> tuple[int, str]:
     """The next interval after a window whose measured overhead was ``measured``.
 
     Over budget: grow ``k`` by the ratio to ``AIM_FRACTION`` of the budget (at least +1, at
     most ``ADAPT_MAX_GROW`` times): the per-checkpoint cost the window measured, spread so that
-    it fits with a margin. ``k_min`` (one checkpoint in flight, from the persist times the
-    window saw) is a floor in every case. Below half the budget: shrink it towards
-    ``k_min`` by the ratio (aiming at 3/4 of the budget), by at least 1 and at most by half
-    per window: one window's measurement is noisy (a window whose mean came out below its
-    baseline measures 0%), and a halving that overshoots costs one window over budget, where
-    jumping from k to ``k_min`` on noise costs many checkpoints at once.
+    it fits with a margin. ``run_overhead``, the overhead of the run so far (profiling
+    included: its probes checkpoint every few steps), counts as well: a run over budget so far
+    grows ``k`` by its ratio, so that the next windows pay the excess back, and is never
+    lowered (a 300-step job spends 2% of its time profiling). ``k_min`` (one checkpoint in
+    flight, from the persist times the window saw) is a floor in every case. Below half the
+    budget: shrink it towards ``k_min`` by the ratio (aiming at 3/4 of the budget), by at
+    least 1 and at most by half per window: one window's measurement is noisy (a window whose
+    mean came out below its baseline measures 0%), and a halving that overshoots costs one
+    window over budget, where jumping from k to ``k_min`` on noise costs many checkpoints.
     """
-    if measured > budget:
-        new = max(k + 1, math.ceil(k * measured / (AIM_FRACTION * budget)))
+    run = run_overhead if run_overhead is not None else 0.0
+    if measured > budget or run > budget:
+        new = max(k + 1, math.ceil(k * max(measured, run) / (AIM_FRACTION * budget)))
         new = max(k_min, min(new, math.ceil(k * ADAPT_MAX_GROW)))
-        return min(MAX_INTERVAL, new), f"over budget ({measured:.2%} > {budget:.2%})"
+        why = (f"over budget ({measured:.2%} > {budget:.2%})" if measured > budget else
+               f"over budget so far ({run:.2%} of the run > {budget:.2%})")
+        return min(MAX_INTERVAL, new), why
     if k < k_min:
         return k_min, f"one checkpoint in flight needs k >= {k_min}"
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
@@ -165,6 +172,16 @@ class WindowOverhead:
     @property
     def mean_iter_s(self) -> float:
         return self.base_s * (1.0 + self.overhead)
+
+    @property
+    def base_total_s(self) -> float:
+        """The window's time without checkpoints: iterations x baseline, seconds."""
+        return self.iters * self.base_s
+
+    @property
+    def excess_total_s(self) -> float:
+        """Seconds the window's checkpoints cost in all."""
+        return self.overhead * self.base_total_s
 
 
 def measure_overhead(iters: list[tuple[int, float, bool]], ckpt_steps: list[int], lo: int,

@@ -17,13 +17,13 @@ Phases:
   probe looked free). The cheaper mode and the interval follow from
   :func:`cfrun.policy.choose_interval`; both go to ``strategy.json`` and, keyed by the job's
   fingerprint, to ``profiles/<fingerprint>.json``, so a restart skips profiling.
-* ``tuned``: windows of one adaptation period, ``max(4k, 40)`` steps, each starting with
+* ``tuned``: windows of one adaptation period, ``max(3k + 10, 40)`` steps, each starting with
   ``QUIET_STEPS`` steps without checkpoints (clean iterations even when ``k`` is small). When
   the ``NEAR_STEPS`` iterations after a window's end are in, its overhead is measured the same
   way, against the window's own clean iterations, and adapts ``k`` both ways
-  (:func:`cfrun.policy.adapt_interval`); the floor ``k_in_flight`` follows the persist times
-  the window saw (a saturated disk makes them longer). Every decision goes to events.jsonl
-  with its inputs.
+  (:func:`cfrun.policy.adapt_interval`), together with the overhead of the run so far
+  (profiling included); the floor ``k_in_flight`` follows the persist times the window saw (a
+  saturated disk makes them longer). Every decision goes to events.jsonl with its inputs.
 
 With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
 interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
@@ -105,6 +105,10 @@ class Tuner:
         self._probe_steps: list[int] = []
         self._taken: dict[int, str] = {}
         """Profiling checkpoints taken: step -> snapshot mode."""
+        self._spent_s = 0.0
+        self._base_total_s = 0.0
+        """This attempt's checkpoint cost so far and its time without checkpoints (seconds),
+        profiling and the windows within budget: the run's overhead so far."""
         self._window_lo: int | None = None
         """First step of the adaptation window being measured (tuned phase)."""
         self.cached_state_bytes: int | None = None
@@ -204,7 +208,8 @@ class Tuner:
         return (step - self.base_step) % self.interval == 0
 
     def _period(self) -> int:
-        return max(4 * self.interval, 40)
+        """Steps per adaptation window: the quiet steps and 3 checkpoints, at least 40."""
+        return max(3 * self.interval + QUIET_STEPS, 40)
 
     def _quiet(self, step: int) -> bool:
         """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint.
@@ -269,6 +274,10 @@ class Tuner:
 
     def _decide(self, step: int) -> None:
         options = self.probe_costs()
+        spent = measure_overhead(self._iters, sorted(self._taken), 0, step + 1,
+                                 radius_steps=2 * self._gap)
+        if spent is not None:  # the profile's cost, its warm-up probe included
+            self._spent_s, self._base_total_s = spent.excess_total_s, spent.base_total_s
         model_bytes = self.model_bytes
         self.mode = min(options, key=lambda m: options[m].stall_s + options[m].interference_s)
         costs = options[self.mode]
@@ -313,7 +322,12 @@ class Tuner:
         if pgts:  # one checkpoint in flight at the persist times this window saw
             k_min = max(1, math.ceil(statistics.median(pgts) / window.base_s - 1e-9))
         measured = max(0.0, window.overhead)
-        new, reason = adapt_interval(self.interval, measured, self.budget, k_min)
+        if measured <= self.budget:  # an over-budget window raises k by itself; a second
+            # job's burst is no debt to pay back with fewer checkpoints once it has gone
+            self._spent_s += window.excess_total_s
+            self._base_total_s += window.base_total_s
+        run_overhead = self._spent_s / max(self._base_total_s, 1e-9)
+        new, reason = adapt_interval(self.interval, measured, self.budget, k_min, run_overhead)
         self.jobdir.emit_event("adapt", step=step, window=[lo, hi],
                                measured_overhead=round(measured, 5), budget=self.budget,
                                mean_iter_s=round(window.mean_iter_s, 6),
@@ -321,7 +335,8 @@ class Tuner:
                                baseline_iters=window.clean_iters, iters=window.iters,
                                checkpoints=len(window.excess_s),
                                pgt_s=round(statistics.median(pgts), 6) if pgts else None,
-                               k_in_flight=k_min, old_interval=self.interval,
+                               k_in_flight=k_min, run_overhead=round(run_overhead, 5),
+                               old_interval=self.interval,
                                interval=new, reason=reason)
         if new != self.interval:
             self.interval = new

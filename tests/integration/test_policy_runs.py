@@ -99,9 +99,9 @@ def test_adaptation_raises_k_under_pressure_and_lowers_it_after(tmp_path):
     after = [e for e in adapts if e["step"] > 300]
     assert after and min(e["interval"] for e in after) <= k_max // 2, adapts
     assert any(e["reason"].startswith("well under") for e in after)
-    # back within budget within 2 windows of the first over-budget one (not 450% as at k=1),
-    # the window measured against its own clean iterations (a baseline, never zero)
+    # back within budget within 3 windows of the first over-budget one (not 450% as at k=1;
+    # one window raises k 8x at most), each window measured against its own clean iterations
     first_over = next(i for i, e in enumerate(adapts) if e["reason"].startswith("over budget"))
-    assert min(e["measured_overhead"] for e in adapts[first_over + 1:first_over + 3]) <= 0.2, \
+    assert min(e["measured_overhead"] for e in adapts[first_over + 1:first_over + 4]) <= 0.2, \
         adapts
     assert all(e["baseline_iters"] >= 3 and e["checkpoints"] >= 1 for e in adapts), adapts

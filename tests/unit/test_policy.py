@@ -91,6 +91,16 @@ def test_adapt_growth_is_capped_and_the_in_flight_floor_holds():
     assert adapt_interval(16, 0.05, 0.035, 120)[0] == 120
 
 
+def test_adapt_pays_back_a_run_over_budget_so_far():
+    # the window is within budget, the run so far (profiling's probes) is not: k grows
+    k, why = adapt_interval(20, 0.03, 0.035, 2, run_overhead=0.05)
+    assert k == math.ceil(20 * 0.05 / (AIM_FRACTION * 0.035)) and "so far" in why
+    # a window well under budget does not lower k while the run is over budget
+    assert adapt_interval(20, 0.005, 0.035, 2, run_overhead=0.04)[0] > 20
+    # and lowers it once the run is back within budget
+    assert adapt_interval(20, 0.005, 0.035, 2, run_overhead=0.03)[0] < 20
+
+
 def iters_with(ckpts, n, base=0.1, cost=(0.013, 0.032, 0.008), drift=None, busy=()):
     """Iterations 1..n of ``base`` s (times ``drift(step)``), each checkpoint at step p adding
     ``cost`` to iterations p+1, p+2, ..."""
