@@ -8,7 +8,7 @@ Adam on CPU, batch 160: ~100 MB of model + optimizer state, ~60-120 ms per itera
 threads), is run
 several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
 
-1. **Baseline**: the script without cfrun, ``--steps`` iterations (default 300), once before
+1. **Baseline**: the script without cfrun, ``--steps`` iterations (default 600), once before
    and once after the policy run, to bracket the drift of this shared machine. Also, for
    scale, the script under cfrun with ``--interval 1000000000`` (cfrun's hooks, no checkpoint).
 2. **Policy**: ``cfrun --overhead 3.5%`` (no ``--interval``), ``--steps`` iterations. Overhead,
@@ -29,7 +29,7 @@ several times, every child with ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``:
    mean iteration time. The cfrun version measured (a hash of its sources) is printed and
    saved, since the working tree may change between runs.
 3. **Interference**: ``cfrun --overhead 3.5%`` for ``--interference-steps`` iterations (default
-   3 x ``--steps``: a k raised during the load needs windows of ``3k + 10`` steps after it). When the script reaches 1/3 of them (it reports its step through a progress
+   900: a k raised during the load needs windows of ``3k + 10`` steps after it). When the script reaches 1/3 of them (it reports its step through a progress
    file), a separate process starts saturating the disk of the job dir: 64 MB writes, each
    followed by ``fsync``, into one file (at most 1 GiB, rewritten from its start) next to the
    job dir; at 2/3 it is stopped by SIGTERM (or stops by itself after ``--cap-gb`` written), and
@@ -700,9 +700,9 @@ def verdict(ok):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="baseline and policy run steps")
+    ap.add_argument("--steps", type=int, default=600, help="baseline and policy run steps")
     ap.add_argument("--interference-steps", type=int, default=None,
-                    help="steps of the interference run (default 3 x --steps)")
+                    help="steps of the interference run (default 900)")
     ap.add_argument("--overhead", default="3.5%", help="budget passed to cfrun --overhead")
     ap.add_argument("--sweep-ks", default="2,5,10,15,20,30,50",
                     help="intervals of the sweep; the policy run's decision is added")
@@ -730,7 +730,7 @@ def main(argv=None):
     if args.quick:
         args.steps, args.sweep_steps, args.sweep_rounds = 120, 60, 1
         args.sweep_ks = "1,5,20"
-    isteps = args.interference_steps or 3 * args.steps
+    isteps = args.interference_steps or (3 * args.steps if args.quick else 900)
     ks = [int(x) for x in args.sweep_ks.split(",") if x.strip()]
     skipped_ks = [k for k in ks if args.sweep_steps < 2 * k]
     ks = [k for k in ks if k not in skipped_ks]  # need a checkpoint after the first one

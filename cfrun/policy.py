@@ -131,7 +131,7 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int,
     it fits with a margin. ``run_overhead``, the overhead of the run so far (profiling
     included: its probes checkpoint every few steps), counts as well: a run over budget so far
     grows ``k`` by its ratio, so that the next windows pay the excess back, and is never
-    lowered (a 300-step job spends 2% of its time profiling). ``k_min`` (one checkpoint in
+    lowered (a 600-step job spends about 1% of its time profiling). ``k_min`` (one checkpoint in
     flight, from the persist times the window saw) is a floor in every case. Below half the
     budget: shrink it towards ``k_min`` by the ratio (aiming at 3/4 of the budget), by at
     least 1 and at most by half per window: one window's measurement is noisy (a window whose
