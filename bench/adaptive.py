@@ -219,7 +219,8 @@ def local_overhead(run, lo, hi, radius=LOCAL_RADIUS, min_clean=5):
     per checkpoint of the range, the excess of its near iterations over their local baseline;
     the median clean iteration. For a run without checkpoints ``overhead`` is the skew of its
     iteration times (mean over median, a percent or so): subtract a bare run's to compare.
-    None where an iteration has fewer than ``min_clean`` clean neighbours (k < 4)."""
+    None where an iteration has fewer than ``min_clean`` clean iterations within twice the
+    radius (k < 5)."""
     it = run.get("iter_ms") or []
     hi = min(hi, len(it))
     steps = [e["step"] for e in run.get("events") or [] if e.get("event") == "checkpoint"]
@@ -227,8 +228,12 @@ def local_overhead(run, lo, hi, radius=LOCAL_RADIUS, min_clean=5):
     num = den = 0.0
     base = {}
     for i in range(lo, hi):
-        nb = [it[j] for j in range(max(lo, i - radius), min(hi, i + radius + 1))
-              if j not in near]
+        r = radius
+        while True:  # at the range's edges (or k near 4) look a little further for clean ones
+            nb = [it[j] for j in range(max(lo, i - r), min(hi, i + r + 1)) if j not in near]
+            if len(nb) >= min_clean or r >= 2 * radius:
+                break
+            r += 5
         if len(nb) < min_clean:
             return None
         base[i] = statistics.median(nb)
