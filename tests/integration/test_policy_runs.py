@@ -27,6 +27,13 @@ def test_profile_command_table_strategy_and_cache(tmp_path):
     cache = json.loads((job / "profiles" / f"{strategy['fingerprint']}.json").read_text())
     assert cache["decision"]["interval"] == strategy["interval"]
     assert cache["costs"]["iter_s"] > 0 and cache["model_bytes"] > 0
+    [prof] = run.events("profile")
+    # every probe, its step and mode and what it cost against the clean iterations between them
+    assert [p["mode"] for p in prof["probes"]] == ["warmup", "thread", "inline", "thread",
+                                                  "inline"]
+    assert all(p["excess_s"] is not None and p["stall_s"] > 0 for p in prof["probes"][1:])
+    gaps = {b["step"] - a["step"] for a, b in zip(prof["probes"], prof["probes"][1:])}
+    assert min(gaps) >= 6  # room for a probe's 4 costly iterations and clean ones
     assert not list((job / "checkpoints").iterdir())  # profiling leaves no job checkpoints
     assert not (tmp_path / "x.pt").exists()  # the script was stopped before its end
 
