@@ -209,21 +209,16 @@ def measure_overhead(iters: list[tuple[int, float, bool]], ckpt_steps: list[int]
     §4.4's; measuring it inside the window is ours (DESIGN.md §4).
     """
     ckpts = sorted(ckpt_steps)
-
-    def owner(step: int) -> int | None:
-        """The checkpoint whose near iterations hold ``step``."""
-        i = bisect_left(ckpts, step) - 1
-        return ckpts[i] if i >= 0 and step - ckpts[i] <= near_steps else None
-
-    counted: list[tuple[int, float, int | None]] = []  # (step, seconds, owner or -1 if busy)
+    counted: list[tuple[int, float, int | None]] = []  # (step, seconds, owner; -1: unknown)
     for step, dt, busy in iters:
-        p = owner(step)
-        if p is not None and p < lo:
+        i = bisect_left(ckpts, step) - 1  # the latest checkpoint before this iteration
+        prev = ckpts[i] if i >= 0 else None
+        if prev is not None and (step - prev <= near_steps or busy):
+            p: int | None = prev  # its near iterations, or one it kept in flight
+        else:
+            p = -1 if busy else None
+        if p is not None and 0 <= p < lo:
             continue  # the previous window's checkpoint
-        if p is None and busy:
-            p = ckpts[bisect_left(ckpts, step) - 1] if ckpts and ckpts[0] < step else -1
-            if 0 <= p < lo:
-                continue
         if step < lo or (step >= hi and (p is None or not lo <= p < hi)):
             continue
         counted.append((step, dt, p))
