@@ -158,7 +158,7 @@ def fmt(x, spec=".1f"):
 
 def parse_budget(text):
     """``3.5%``, ``3.5`` (percent) or ``0.035`` (fraction), as cfrun reads it."""
-    from cfrun.config import parse_overhead
+    from cfrun.contract.config import parse_overhead
 
     return parse_overhead(text)
 
@@ -414,7 +414,7 @@ def read_events(job_dir):
 
 def leftover_slots(job_dir):
     try:
-        from cfrun.snapshot import slot_prefix
+        from cfrun.rank.snapshot import slot_prefix
     except ImportError:
         return []
     return sorted(str(p) for p in Path("/dev/shm").glob(slot_prefix(Path(job_dir)) + "*"))

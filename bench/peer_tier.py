@@ -14,7 +14,7 @@ run, on this machine's loopback:
   FIFO to the same throttled ~100 MB/s storage (*durable*).
 
 Training is simulated, not faked: ``R`` rank threads (R = 1, 2, 4) each own a real
-``cfrun.snapshot.Snapshotter`` (shared-memory slot, background copy, hand-off to the real agent
+``cfrun.rank.snapshot.Snapshotter`` (shared-memory slot, background copy, hand-off to the real agent
 process over its socket) and a ``--state-mb`` state of real tensors; an iteration is a sleep of
 ``--iter-ms`` (no CPU use, so the 2 shared cores go to cfrun); every ``--interval`` iterations
 all ranks checkpoint the same step, with cfrun's rules (at most one checkpoint in flight; a
@@ -67,8 +67,8 @@ DEFAULT_OUT = RESULTS_DIR / "peer_tier.json"
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 from cfrun import ipc  # noqa: E402
-from cfrun.jobdir import JobDir  # noqa: E402
-from cfrun.snapshot import Snapshotter, remove_slots  # noqa: E402
+from cfrun.contract.jobdir import JobDir  # noqa: E402
+from cfrun.rank.snapshot import Snapshotter, remove_slots  # noqa: E402
 
 
 def start_peer(work: Path, token: Path, throttle: int, slots: int, max_bytes: int

@@ -1,3 +1,3 @@
-from cfrun.cli import main
+from cfrun.cli.app import main
 
 main()

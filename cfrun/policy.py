@@ -28,7 +28,7 @@ from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cfrun.errors import BadInputError
+from cfrun.contract.errors import BadInputError
 
 AIM_FRACTION = 0.75
 """The interval is chosen (and re-chosen when a window is over budget) for this fraction of the

@@ -1,4 +1,4 @@
-"""cfrun's hook, on the PYTHONPATH of rank processes only (see cfrun.launcher).
+"""cfrun's hook, on the PYTHONPATH of rank processes only (see cfrun.supervisor.launcher).
 
 Activates cfrun's runtime in torchrun's worker processes and nowhere else: not in torchrun's own
 agent (no RANK), not in DataLoader workers or other subprocesses of a rank (they inherit
@@ -20,7 +20,7 @@ def _cfrun_activate():
         return
     env["CFRUN_HOOK_OWNER_PID"] = str(os.getpid())
     try:
-        from cfrun.runtime import arm
+        from cfrun.rank import arm
 
         arm()
     except Exception as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from cfrun import errors
+from cfrun.contract import errors
 from conftest import ROOT
 
 

@@ -18,8 +18,8 @@ def test_inert_without_torch_and_in_child_processes(tmp_path):
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert "torch imported: False" in lines
-    assert "cfrun.runtime imported: True" in lines  # the rank's hook is armed, torch untouched
-    assert "child cfrun.runtime imported: False False" in lines
+    assert "cfrun.rank imported: True" in lines  # the rank's hook is armed, torch untouched
+    assert "child cfrun.rank imported: False False" in lines
 
 
 def test_chains_user_sitecustomize_and_still_checkpoints(tmp_path):

@@ -74,8 +74,8 @@ def test_export_loads_without_cfrun(job, tmp_path, fmt):
     n, has_cfrun, first = p.stdout.split()
     assert has_cfrun == "False" and int(n) == 9 and first == "0.bias"
     # the newest checkpoint's weights, as cfrun stored them
-    from cfrun.checkpoint import committed_steps, load_shard
-    from cfrun.jobdir import step_dir_name
+    from cfrun.codec.checkpoint import committed_steps, load_shard
+    from cfrun.contract.jobdir import step_dir_name
 
     ck = job / "j" / "checkpoints"
     state, _ = load_shard(ck / step_dir_name(committed_steps(ck)[0]), 0)
@@ -184,7 +184,7 @@ def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
     changed in the directory given."""
     import shutil
 
-    from cfrun.jobdir import JobDir
+    from cfrun.contract.jobdir import JobDir
 
     target = tmp_path / "d"
     holder = None

@@ -24,10 +24,10 @@ import pytest
 import torch
 import xxhash
 
-from cfrun.checkpoint import committed_steps, verify
-from cfrun.jobdir import step_dir_name
-from cfrun.peer import FRAME, FRAME_MAGIC, Op, PeerAuthError, PeerClient, _mac
-from cfrun.storage import open_storage
+from cfrun.codec.checkpoint import committed_steps, verify
+from cfrun.contract.jobdir import step_dir_name
+from cfrun.peer.server import FRAME, FRAME_MAGIC, Op, PeerAuthError, PeerClient, _mac
+from cfrun.storage.tiers import open_storage
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, final_line, run_cfrun
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from cfrun.checkpoint import committed_steps
+from cfrun.codec.checkpoint import committed_steps
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)

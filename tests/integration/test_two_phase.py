@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cfrun.checkpoint import committed_steps, load_shard
-from cfrun.jobdir import step_dir_name
+from cfrun.codec.checkpoint import committed_steps, load_shard
+from cfrun.contract.jobdir import step_dir_name
 from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)

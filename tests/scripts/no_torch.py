@@ -3,9 +3,9 @@ import subprocess
 import sys
 
 print("torch imported:", "torch" in sys.modules)
-print("cfrun.runtime imported:", "cfrun.runtime" in sys.modules)
+print("cfrun.rank imported:", "cfrun.rank" in sys.modules)
 child = subprocess.run(
-    [sys.executable, "-c", "import sys; print('child cfrun.runtime imported:', "
-     "'cfrun.runtime' in sys.modules, 'torch' in sys.modules)"],
+    [sys.executable, "-c", "import sys; print('child cfrun.rank imported:', "
+     "'cfrun.rank' in sys.modules, 'torch' in sys.modules)"],
     capture_output=True, text=True, check=True)
 print(child.stdout.strip())

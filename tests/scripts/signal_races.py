@@ -11,8 +11,8 @@ import signal
 import subprocess
 import sys
 
-from cfrun.config import RunConfig
-from cfrun.supervisor import Supervisor
+from cfrun.contract.config import RunConfig
+from cfrun.supervisor.core import Supervisor
 
 job, case = sys.argv[1], sys.argv[2]
 cfg = RunConfig(script="x.py", script_args=[], job_dir=job, cwd=os.getcwd(), grace_s=5.0)

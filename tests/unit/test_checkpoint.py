@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.checkpoint: write, commit, verify, load, retention, fallback."""
+"""Unit tests for cfrun.codec.checkpoint: write, commit, verify, load, retention, fallback."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cfrun.checkpoint import (
+from cfrun.codec.checkpoint import (
     MANIFEST,
     apply_retention,
     commit,
@@ -25,8 +25,8 @@ from cfrun.checkpoint import (
     verify,
     write_shard,
 )
-from cfrun.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.format import FORMAT_VERSION, encode
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.codec.format import FORMAT_VERSION, encode
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def test_flipped_byte_detected_and_fallback(ckpts: Path, caplog: pytest.LogCaptu
         load_shard(newest, 0)
     with pytest.raises(CheckpointCorruptError):
         verify(newest)
-    with caplog.at_level(logging.WARNING, logger="cfrun.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="cfrun.codec.checkpoint"):
         got = load_newest(ckpts, 0)
     assert got is not None
     step, state, meta = got

@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.config: value parsers and RunConfig."""
+"""Unit tests for cfrun.contract.config: value parsers and RunConfig."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from cfrun.config import (
+from cfrun.contract.config import (
     RunConfig,
     parse_inject_crash,
     parse_interval,
     parse_overhead,
 )
-from cfrun.errors import EXIT_BAD_INPUT, BadInputError
+from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError
 
 
 # ---------------------------------------------------------------- parse_overhead

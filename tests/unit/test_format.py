@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.format: the pickle-free tree encoding and the tensor byte layout."""
+"""Unit tests for cfrun.codec.format: the pickle-free tree encoding and the tensor byte layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cfrun.format import (
+from cfrun.codec.format import (
     ALIGN_BYTES,
     TensorEntry,
     UnsupportedValueError,

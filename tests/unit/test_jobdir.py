@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.jobdir: atomic JSON writes, usability checks, the lock, events."""
+"""Unit tests for cfrun.contract.jobdir: atomic JSON writes, usability checks, the lock, events."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cfrun.errors import EXIT_LOCKED, BadInputError, JobDirLockedError
-from cfrun.jobdir import JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.errors import EXIT_LOCKED, BadInputError, JobDirLockedError
+from cfrun.contract.jobdir import JobDir, atomic_write_json, step_dir_name
 
 
 def test_atomic_write_json_round_trip_no_temp(tmp_path: Path) -> None:
@@ -103,8 +103,8 @@ def test_lock_seen_by_second_object(tmp_path: Path) -> None:
 def test_lock_blocks_other_process(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys
-        from cfrun.errors import JobDirLockedError
-        from cfrun.jobdir import JobDir
+        from cfrun.contract.errors import JobDirLockedError
+        from cfrun.contract.jobdir import JobDir
         try:
             JobDir({str(tmp_path)!r}).lock()
         except JobDirLockedError:

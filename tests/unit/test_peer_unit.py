@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from cfrun.config import parse_bytes
-from cfrun.errors import BadInputError
-from cfrun.peer import PeerClient, PeerError, PeerServer, parse_address, read_token
-from cfrun.peertier import split_parts
-from cfrun.storage import open_storage
+from cfrun.contract.config import parse_bytes
+from cfrun.contract.errors import BadInputError
+from cfrun.peer.server import PeerClient, PeerError, PeerServer, parse_address, read_token
+from cfrun.agent.peertier import split_parts
+from cfrun.storage.tiers import open_storage
 
 TOKEN = b"t" * 32
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cfrun.errors import BadInputError
+from cfrun.contract.errors import BadInputError
 from cfrun.policy import (
     ADAPT_MAX_GROW,
     AIM_FRACTION,

@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.snapshot against a real persist agent process: the staging layout, the
+"""Unit tests for cfrun.rank.snapshot against a real persist agent process: the staging layout, the
 background thread's error handling, and (GPU only) the CUDA path's overlap and exactness."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from cfrun import ipc
-from cfrun import snapshot as S
-from cfrun.checkpoint import committed_steps, load_shard
-from cfrun.format import encode
-from cfrun.jobdir import step_dir_name
+from cfrun.contract import ipc
+from cfrun.rank import snapshot as S
+from cfrun.codec.checkpoint import committed_steps, load_shard
+from cfrun.codec.format import encode
+from cfrun.contract.jobdir import step_dir_name
 from conftest import assert_bit_identical
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def test_staging_offsets_are_aligned_after_an_odd_bf16_tensor():
 
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A job dir served by a real ``python -m cfrun.agent`` process."""
+    """A job dir served by a real ``python -m cfrun.agent.server`` process."""
     job_dir = tmp_path / "job"
     (job_dir / "checkpoints").mkdir(parents=True)
     monkeypatch.setenv(S.ENV_SHM_DIR, str(tmp_path / "shm"))

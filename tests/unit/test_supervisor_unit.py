@@ -1,4 +1,4 @@
-"""Unit tests for cfrun.supervisor with real processes: the lock of a killed holder, leftovers
+"""Unit tests for cfrun.supervisor.core with real processes: the lock of a killed holder, leftovers
 of a dead supervisor, the restart backoff."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cfrun import env as E
-from cfrun import ipc
-from cfrun import supervisor as S
-from cfrun.config import RunConfig
-from cfrun.jobdir import JobDir
+from cfrun.contract import settings as E
+from cfrun.contract import ipc
+from cfrun.supervisor import core as S
+from cfrun.contract.config import RunConfig
+from cfrun.contract.jobdir import JobDir
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def _child(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
 def test_lock_of_a_sigkilled_holder_is_taken_by_the_next(tmp_path: Path) -> None:
     jd = JobDir(tmp_path / "job")
     jd.create()
-    holder = _child(f"from cfrun.jobdir import JobDir\njd = JobDir({str(jd.root)!r})\njd.lock()")
+    holder = _child(f"from cfrun.contract.jobdir import JobDir\njd = JobDir({str(jd.root)!r})\njd.lock()")
     try:
         assert jd.is_locked()
         holder.send_signal(signal.SIGKILL)
@@ -62,7 +62,7 @@ def test_leftover_agent_and_ranks_of_a_dead_supervisor_are_killed(tmp_path: Path
     # an agent left behind (answers on the job's socket) and a rank of a supervisor long gone
     agent = _child(f"""
         import socket
-        from cfrun import ipc
+        from cfrun.contract import ipc
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(ipc.agent_address({cfg.job_dir!r}))
         s.listen(4)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
-from cfrun.jobdir import JobDir, atomic_write_json
+from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.policy import (NEAR_STEPS, Costs, adapt_interval, choose_interval,
                           measure_overhead)
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cfrun.format import UnsupportedValueError, encode
+from cfrun.codec.format import UnsupportedValueError, encode
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                    frames: list[types.FrameType], *, in_tracer: bool = False) -> list[str]:
     """Put captured values back into the live ``frames`` with the same code identity.
 
-    ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.format.decode`). Objects
+    ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.codec.format.decode`). Objects
     that must keep their identity (generators, modules, script-class instances) are updated in
     place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
     ``f_locals`` back itself on return.

@@ -1,6 +1,6 @@
 """Resolved run configuration: parsers for user values and the frozen ``RunConfig``.
 
-Every parser raises :class:`cfrun.errors.BadInputError` with a message that names the value and
+Every parser raises :class:`cfrun.contract.errors.BadInputError` with a message that names the value and
 the fix, so the CLI can print it as one line.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cfrun.errors import BadInputError
+from cfrun.contract.errors import BadInputError
 
 _OVERHEAD_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 

@@ -18,7 +18,7 @@ is that peer and the protocol the persist agents use to reach it:
   (``rank-NNNNN.bin``/``.json`` + ``manifest.json``), portable and readable by any cfrun.
 * **Protected / durable**: a checkpoint is *protected* once every rank's shard is in peer RAM with
   its checksums verified (PGT ends here) and *durable* once the flusher wrote it to level 2
-  (:mod:`cfrun.storage`: a directory or an fsspec URL), manifest last. Flushing is FIFO, one
+  (:mod:`cfrun.storage.tiers`: a directory or an fsspec URL), manifest last. Flushing is FIFO, one
   checkpoint at a time, in a thread apart from the receivers.
 
 Security (DESIGN.md §9): the server binds only to the address given. Every connection starts
@@ -62,11 +62,11 @@ from typing import Any
 import xxhash
 
 from cfrun import __version__
-from cfrun.errors import BadInputError
-from cfrun.format import FORMAT_VERSION
-from cfrun.storage import FILE_RE, MANIFEST, Storage, check_job_name
+from cfrun.contract.errors import BadInputError
+from cfrun.codec.format import FORMAT_VERSION
+from cfrun.storage.tiers import FILE_RE, MANIFEST, Storage, check_job_name
 
-logger = logging.getLogger("cfrun.peer")
+logger = logging.getLogger("cfrun.peer.server")
 
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 32
@@ -283,7 +283,7 @@ class PeerServer:
 
     Args:
         listen: address to bind, exactly as given (port 0: any free port, see ``address``).
-        storage: level 2 (:func:`cfrun.storage.open_storage`).
+        storage: level 2 (:func:`cfrun.storage.tiers.open_storage`).
         token: the shared secret.
         slots: checkpoints held in RAM at most.
         max_checkpoint_bytes: bytes one checkpoint (all ranks) may hold.
@@ -866,8 +866,8 @@ def serve_main(listen: str, flush_to: str, token_file: str, *, slots: int,
     """
     import signal
 
-    from cfrun.errors import PeerBindError
-    from cfrun.storage import open_storage
+    from cfrun.contract.errors import PeerBindError
+    from cfrun.storage.tiers import open_storage
 
     host, port = parse_address(listen)
     token = read_token(token_file)

@@ -25,7 +25,7 @@ class ProtocolError(ConnectionError):
 
 def agent_address(job_dir: Path | str) -> str:
     """The agent's abstract socket name for ``job_dir``."""
-    from cfrun.env import node_suffix
+    from cfrun.contract.settings import node_suffix
 
     digest = hashlib.sha1(str(Path(job_dir).absolute()).encode()).hexdigest()[:24]
     return f"\0cfrun-agent-{digest}{node_suffix()}"

@@ -21,8 +21,8 @@ from typing import Any
 
 import filelock
 
-from cfrun.errors import BadInputError, JobDirLockedError
-from cfrun.env import node_rank
+from cfrun.contract.errors import BadInputError, JobDirLockedError
+from cfrun.contract.settings import node_rank
 
 CHECKPOINTS = "checkpoints"
 STAGING_PREFIX = ".staging-"
@@ -70,7 +70,7 @@ class JobDir:
 
     @property
     def config_path(self) -> Path:
-        from cfrun.env import node_suffix
+        from cfrun.contract.settings import node_suffix
 
         return self.root / f"config{node_suffix()}.json"  # one per node in a shared job dir
 
@@ -84,7 +84,7 @@ class JobDir:
 
     @property
     def lock_path(self) -> Path:
-        from cfrun.env import node_suffix
+        from cfrun.contract.settings import node_suffix
 
         return self.root / f"job{node_suffix()}.lock"  # one supervisor per node
 

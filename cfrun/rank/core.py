@@ -1,9 +1,9 @@
 """The Runtime: what cfrun does inside each rank process.
 
-One ``Runtime`` per rank, created by :func:`cfrun.runtime.install` when the script imports torch.
+One ``Runtime`` per rank, created by :func:`cfrun.rank.install` when the script imports torch.
 It sees the script's optimizers (torch's global optimizer step hooks), LR schedulers and AMP
-GradScalers (their ``__init__``), DataLoaders (:mod:`cfrun.runtime.data`) and its variables
-(:mod:`cfrun.runtime.frames`), and
+GradScalers (their ``__init__``), DataLoaders (:mod:`cfrun.rank.data`) and its variables
+(:mod:`cfrun.rank.frames`), and
 
 * counts steps and, every ``interval`` steps, takes a checkpoint at the next *boundary*: the next
   ``next()`` on the training DataLoader (loader loops) or the next arrival at the head of the loop
@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from cfrun import env as E
-from cfrun.checkpoint import (
+from cfrun.contract import settings as E
+from cfrun.codec.checkpoint import (
     WorldSizeChangedError,
     commit,
     load_newest,
@@ -44,15 +44,15 @@ from cfrun.checkpoint import (
     staging_dir,
     write_shard,
 )
-from cfrun.config import parse_inject_crash
-from cfrun.format import UnsupportedValueError, decode, encode
-from cfrun.jobdir import JobDir, atomic_write_json
-from cfrun.runtime import frames as F
-from cfrun.runtime.data import loader_fingerprint, set_epoch_rng
-from cfrun.runtime.rng import get_global_rng, set_global_rng
-from cfrun.runtime.tuner import Tuner, fingerprint
-from cfrun.sharding import shard_replicated
-from cfrun.snapshot import Snapshotter
+from cfrun.contract.config import parse_inject_crash
+from cfrun.codec.format import UnsupportedValueError, decode, encode
+from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.rank import frames as F
+from cfrun.rank.data import loader_fingerprint, set_epoch_rng
+from cfrun.rank.rng import get_global_rng, set_global_rng
+from cfrun.rank.tuner import Tuner, fingerprint
+from cfrun.codec.sharding import shard_replicated
+from cfrun.rank.snapshot import Snapshotter
 
 logger = logging.getLogger("cfrun.rank")
 
@@ -396,7 +396,7 @@ class Runtime:
     def _mark_preempted(self, committed: int | None) -> None:
         """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption
         (the supervisor's evidence that exit code 0 means "preempted", not "done")."""
-        from cfrun.env import node_rank
+        from cfrun.contract.settings import node_rank
 
         self._preempted = True
         try:
@@ -427,7 +427,7 @@ class Runtime:
         return self.snap.last_cost_s if self.snap is not None else self._sync_cost_s
 
     def _last_committed_step(self) -> int | None:
-        from cfrun.checkpoint import committed_steps
+        from cfrun.codec.checkpoint import committed_steps
 
         steps = committed_steps(self.jobdir.checkpoints)
         return steps[0] if steps else None
@@ -594,7 +594,7 @@ class Runtime:
         return tree, tensors, async_ids
 
     def _shard(self, tensors: list[torch.Tensor], async_ids: set[int]) -> list[dict[str, Any]]:
-        """DeepFreeze 1/N (cfrun.sharding): with DDP, keep only this rank's slice of each large
+        """DeepFreeze 1/N (cfrun.codec.sharding): with DDP, keep only this rank's slice of each large
         parameter and of its optimizer state. ``CFRUN_SHARD=0`` turns it off (every rank then
         persists everything; ``rank0``: rank 0 persists the replicated tensors alone; both for
         bench/sharded_persist.py)."""
@@ -617,7 +617,7 @@ class Runtime:
         """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
 
         With the persist agent (the normal case): capture, snapshot into shared memory, hand
-        off (two-phase; :mod:`cfrun.snapshot`). With one rank and ``may_defer``, returns False,
+        off (two-phase; :mod:`cfrun.rank.snapshot`). With one rank and ``may_defer``, returns False,
         taking nothing, while the previous checkpoint is still in flight (the caller retries
         at the next boundary); otherwise waits for it (several ranks must checkpoint the same
         steps). Without an agent: capture and write synchronously.
@@ -703,7 +703,7 @@ class Runtime:
         self._step_t0 = time.perf_counter()
 
     def _gather_rank_files(self, staging: Path) -> list[Any]:
-        from cfrun.checkpoint import FileEntry
+        from cfrun.codec.checkpoint import FileEntry
         import json
 
         deadline = time.monotonic() + 600.0
@@ -1017,7 +1017,7 @@ class Runtime:
         in teardown: torch 2.13 with gloo aborts in C++ destructors at exit now and then
         ("terminate called without an active exception", SIGABRT), and restarting a finished
         job would only run its tail again."""
-        from cfrun.env import node_rank
+        from cfrun.contract.settings import node_rank
 
         preempted = self._preempted
         clean = (not getattr(self, "_uncaught", False) and getattr(self, "_exit_code", 0) == 0
@@ -1047,7 +1047,7 @@ class Runtime:
 
 
 def _injected_stall(step: int) -> None:
-    """``CFRUN_TEST_CKPT_STALL=SECONDS@FIRST-LAST`` (testing aid, cfrun.env)."""
+    """``CFRUN_TEST_CKPT_STALL=SECONDS@FIRST-LAST`` (testing aid, cfrun.contract.settings)."""
     spec = os.environ.get(E.TEST_CKPT_STALL)
     if spec:
         seconds, _, span = spec.partition("@")
@@ -1057,11 +1057,11 @@ def _injected_stall(step: int) -> None:
 
 
 def _kill_after_snapshot_armed(step: int, attempt: int) -> bool:
-    """``CFRUN_TEST_KILL_AFTER_SNAPSHOT=STEP`` (testing aid, :mod:`cfrun.snapshot`): the
+    """``CFRUN_TEST_KILL_AFTER_SNAPSHOT=STEP`` (testing aid, :mod:`cfrun.rank.snapshot`): the
     checkpoint of this step is the one after whose hand-off the rank is SIGKILLed. The training
     thread then takes it without deferring and waits there, so the kill lands right after step
     ``step``'s hand-off and before the next iteration, not at a racy point."""
-    from cfrun.snapshot import ENV_TEST_KILL_AFTER_SNAPSHOT
+    from cfrun.rank.snapshot import ENV_TEST_KILL_AFTER_SNAPSHOT
 
     at = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
     return attempt == 0 and bool(at) and step >= int(at or 0)

@@ -9,7 +9,7 @@ so a level-2 checkpoint is a set of portable files that any cfrun (or ``cfrun ex
 copy into a job dir) reads. Two implementations, chosen by the URL:
 
 * :class:`DirStorage` for a plain path: every file is written into ``.staging-step-N``, fsynced,
-  then the manifest, then an atomic rename and a directory fsync (as :mod:`cfrun.checkpoint`);
+  then the manifest, then an atomic rename and a directory fsync (as :mod:`cfrun.codec.checkpoint`);
 * :class:`FsspecStorage` for ``scheme://`` URLs (``s3://``, ``gs://``, ``file://``, ...): object
   stores have no rename, so files go straight to their final keys and the manifest is written
   last; **a step counts only if its manifest exists and parses** (a flush cut short leaves files
@@ -37,9 +37,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from cfrun.errors import BadInputError, CheckpointCorruptError
-from cfrun.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
-from cfrun.checkpoint import committed_steps
+from cfrun.contract.errors import BadInputError, CheckpointCorruptError
+from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
+from cfrun.codec.checkpoint import committed_steps
 
 MANIFEST = "manifest.json"
 ENV_S3_ENDPOINT_URL = "CFRUN_S3_ENDPOINT_URL"
@@ -170,7 +170,7 @@ class _DirWriter:
 
     def commit(self, manifest: dict[str, Any]) -> None:
         fsync_dir(self.staging)
-        from cfrun.jobdir import atomic_write_json
+        from cfrun.contract.jobdir import atomic_write_json
 
         atomic_write_json(self.staging / MANIFEST, manifest)
         if self.final.exists():  # the same step flushed before (a restarted peer): replace it

@@ -45,8 +45,8 @@ _USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
 _ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
 from cfrun import __version__
-from cfrun import env as E
-from cfrun.config import (
+from cfrun.contract import settings as E
+from cfrun.contract.config import (
     RunConfig,
     default_job_dir,
     parse_bytes,
@@ -55,7 +55,7 @@ from cfrun.config import (
     parse_overhead,
     parse_positive_int,
 )
-from cfrun.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
+from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
 from cfrun.policy import parse_duration
 
 app = typer.Typer(
@@ -197,7 +197,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
     token_path = None
     if peer:
-        from cfrun.peer import parse_address, read_token
+        from cfrun.peer.server import parse_address, read_token
 
         if parse_address(peer, option="--peer")[1] == 0:
             raise BadInputError(f"--peer {peer!r} has port 0; give the port the peer listens on")
@@ -205,7 +205,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
             raise BadInputError("--peer needs --peer-token-file F, the file with the peer's "
                                 "shared secret")
         read_token(peer_token_file, option="--peer-token-file")
-        from cfrun.storage import check_job_name
+        from cfrun.storage.tiers import check_job_name
 
         job_name = os.environ.get(E.PEER_JOB) or jd.name
         try:
@@ -216,7 +216,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                                 "rename the --job-dir") from None
         token_path = str(Path(peer_token_file).expanduser().absolute())
     if persist_to:
-        from cfrun.storage import open_storage
+        from cfrun.storage.tiers import open_storage
 
         open_storage(persist_to)
         if "://" not in persist_to:
@@ -283,10 +283,10 @@ def profile_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from cfrun.checkpoint import committed_steps
-    from cfrun.jobdir import JobDir
-    from cfrun.runtime.tuner import PROBE_MODES
-    from cfrun.supervisor import Supervisor
+    from cfrun.codec.checkpoint import committed_steps
+    from cfrun.contract.jobdir import JobDir
+    from cfrun.rank.tuner import PROBE_MODES
+    from cfrun.supervisor.core import Supervisor
 
     cfg = _build_config(script, script_args, job_dir, None, overhead, nproc_per_node, "0", "2",
                         "25", mtbf, "1800", "0", "", profile_only=True)
@@ -351,12 +351,12 @@ def resume_cmd(
     """
     import dataclasses
 
-    from cfrun.errors import JobDirLockedError
-    from cfrun.jobdir import JobDir
+    from cfrun.contract.errors import JobDirLockedError
+    from cfrun.contract.jobdir import JobDir
 
     jd = Path(job_dir).expanduser().absolute()
     os.environ[E.NODE_RANK] = str(parse_positive_int("--node-rank", node_rank, minimum=0))
-    from cfrun.env import node_suffix
+    from cfrun.contract.settings import node_suffix
 
     cfg_path = jd / f"config{node_suffix()}.json"
     if not jd.is_dir():
@@ -405,7 +405,7 @@ def status_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from cfrun import report
+    from cfrun.cli import inspect as report
 
     jd = report.open_job_dir(job_dir)
     st = report.status(jd)
@@ -475,7 +475,7 @@ def ls_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from cfrun import report
+    from cfrun.cli import inspect as report
 
     rows = report.checkpoints(report.open_job_dir(job_dir), check=check)
     if as_json:
@@ -498,7 +498,7 @@ def export_cmd(
     fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "torch",
 ) -> None:
     """Write a checkpoint's model weights as a plain torch or safetensors file."""
-    from cfrun import report
+    from cfrun.cli import inspect as report
 
     jd = report.open_job_dir(job_dir)
     step_n = parse_positive_int("--step", step, minimum=0) if step is not None else None
@@ -539,7 +539,7 @@ def peer_cmd(
     received; flushes each complete one to --flush-to in arrival order; serves them back for a
     resume. Stops on SIGTERM/SIGINT after flushing what it holds.
     """
-    from cfrun.peer import serve_main
+    from cfrun.peer.server import serve_main
 
     n_slots = parse_positive_int("--slots", slots, minimum=1)
     if max_checkpoint_bytes == "auto":
@@ -548,7 +548,7 @@ def peer_cmd(
         max_bytes = min(16 << 30, psutil.virtual_memory().total // 2 // n_slots)
     else:
         max_bytes = parse_bytes("--max-checkpoint-bytes", max_checkpoint_bytes)
-    peer_log = logging.getLogger("cfrun.peer")
+    peer_log = logging.getLogger("cfrun.peer.server")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s cfrun peer: %(message)s"))
     peer_log.addHandler(handler)
@@ -561,9 +561,9 @@ def peer_cmd(
 
 
 def _run(cfg: RunConfig) -> None:
-    from cfrun.supervisor import Supervisor
+    from cfrun.supervisor.core import Supervisor
 
-    # the node's identity names its config, lock, agent socket and slots (cfrun.env.node_suffix)
+    # the node's identity names its config, lock, agent socket and slots (cfrun.contract.settings.node_suffix)
     os.environ[E.NODE_RANK] = str(cfg.node_rank)
     os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,

@@ -75,7 +75,7 @@ RANK_AGENT = "CFRUN_RANK_AGENT"
 RANK_SUPERVISOR_PID = "CFRUN_RANK_SUPERVISOR_PID"
 """Pid of the supervisor that started this torchrun; marks every process of the job (inherited
 by ranks, workers and their children) so that none outlives the supervisor
-(cfrun.launcher.kill_job_processes)."""
+(cfrun.supervisor.launcher.kill_job_processes)."""
 HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
 """Pid of the rank process whose hook is live; children that inherit it stay inert."""
 PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cfrun.checkpoint import committed_steps, load_shard, read_manifest, verify
-from cfrun.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
-from cfrun.jobdir import JobDir, step_dir_name
+from cfrun.codec.checkpoint import committed_steps, load_shard, read_manifest, verify
+from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.jobdir import JobDir, step_dir_name
 
 
 def open_job_dir(path: str) -> JobDir:

@@ -1,6 +1,6 @@
 """The persist agent's side of the peer tier: parallel shard transfer, reconnects, fetch.
 
-Runs inside the persist agent (``cfrun.agent``), never in a rank. For each rank's checkpoint the
+Runs inside the persist agent (``cfrun.agent.server``), never in a rank. For each rank's checkpoint the
 agent hands this module the rank's shared-memory snapshot slot; the slot's bytes are split into
 ``streams`` contiguous byte ranges and sent concurrently, each over its own authenticated
 connection, straight from the ``mmap`` (no copy, no re-serialization: ACUTE §IV-B Check-Trans and
@@ -28,11 +28,11 @@ from typing import Any
 
 import xxhash
 
-from cfrun.checkpoint import FileEntry, shard_names
-from cfrun.errors import CheckpointCorruptError
-from cfrun.format import FORMAT_VERSION
-from cfrun.peer import PeerClient, PeerError
-from cfrun.storage import FILE_RE, MANIFEST
+from cfrun.codec.checkpoint import FileEntry, shard_names
+from cfrun.contract.errors import CheckpointCorruptError
+from cfrun.codec.format import FORMAT_VERSION
+from cfrun.peer.server import PeerClient, PeerError
+from cfrun.storage.tiers import FILE_RE, MANIFEST
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -58,7 +58,7 @@ class PeerTier:
 
     Args:
         address: the peer's ``(host, port)``.
-        token: shared secret (:func:`cfrun.peer.read_token`).
+        token: shared secret (:func:`cfrun.peer.server.read_token`).
         job: the job's name at the peer (one prefix per job at level 2).
         streams: parallel connections per rank shard (ACUTE's sharding degree), 1..64.
         emit: ``emit(event, **fields)`` appends to the job's events.jsonl.
@@ -189,7 +189,7 @@ class PeerTier:
         """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
 
         Returns:
-            ``{state, flush_to, error}`` (:meth:`cfrun.peer.PeerClient.await_state`).
+            ``{state, flush_to, error}`` (:meth:`cfrun.peer.server.PeerClient.await_state`).
         """
         client = PeerClient(self.address, self.token)
         try:
@@ -259,7 +259,7 @@ def manifest_files_to(staging: Path, manifest: dict[str, Any],
     Raises:
         CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
     """
-    from cfrun.checkpoint import _fsync_write
+    from cfrun.codec.checkpoint import _fsync_write
 
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION \
             or not isinstance(manifest.get("files"), list):

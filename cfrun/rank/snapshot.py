@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from cfrun import ipc
-from cfrun.format import FORMAT_VERSION, TensorEntry, plan_layout
+from cfrun.contract import ipc
+from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def shm_dir(job_dir: Path, nbytes: int) -> Path:
 
 def slot_prefix(job_dir: Path) -> str:
     """File-name prefix of a job's slots; the supervisor removes ``<prefix>*`` at the end."""
-    from cfrun.env import node_suffix
+    from cfrun.contract.settings import node_suffix
 
     return "cfrun-" + hashlib.sha1(str(job_dir.absolute()).encode()).hexdigest()[:12] \
         + node_suffix()

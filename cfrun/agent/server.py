@@ -13,16 +13,16 @@ It runs at low CPU and I/O priority (it competes with training on small machines
 large aligned chunks, with ``O_DIRECT`` where the file system allows it, so the page cache is not
 filled with checkpoint bytes.
 
-Messages (``cfrun.ipc``):
+Messages (``cfrun.contract.ipc``):
 
 * ``{"op": "hello", "rank": r}`` -> ``{"op": "ready"}`` once every earlier persist of the queue is
   done (a restarted rank waits for it before it looks for checkpoints or reuses its slot);
 * ``{"op": "persist", "step", "rank", "world_size", "slot", "nbytes", "doc", "t_trigger_unix_s"}``
   -> ``{"op": "persisted", "step", "ok", "persist_s", "pgt_s", "bytes", "error"}``.
 
-With ``--peer HOST:PORT`` (ACUTE's remote-memory tier, :mod:`cfrun.peer`) a persist goes to the
+With ``--peer HOST:PORT`` (ACUTE's remote-memory tier, :mod:`cfrun.peer.server`) a persist goes to the
 peer's RAM instead of the job dir: each rank's shard is sent on its own thread, in ``--peer-streams``
-parallel parts straight from the slot (:mod:`cfrun.peertier`); once every rank's shard is in peer
+parallel parts straight from the slot (:mod:`cfrun.agent.peertier`); once every rank's shard is in peer
 RAM the checkpoint is *protected* (event ``protected``; ``pgt_s`` ends there) and the ranks get
 their reply; the peer flushes it to level 2 and the agent records ``durable``. If the peer cannot
 take a checkpoint (down, wrong token, full), that checkpoint goes to the job dir (the path above)
@@ -31,7 +31,7 @@ the agent first installs the newest complete checkpoint found in peer RAM or at 
 (``--persist-to``) into the job dir, if it is newer than the job dir's own, after checking every
 file against its manifest; the ranks then restore from the job dir as usual.
 
-Run as ``python -m cfrun.agent --job-dir DIR --keep N [--peer HOST:PORT --peer-token-file F
+Run as ``python -m cfrun.agent.server --job-dir DIR --keep N [--peer HOST:PORT --peer-token-file F
 --peer-streams S --peer-job NAME] [--persist-to URL]``.
 """
 
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 import filelock
 import xxhash
 
-from cfrun import ipc
-from cfrun.checkpoint import (
+from cfrun.contract import ipc
+from cfrun.codec.checkpoint import (
     FileEntry,
     apply_retention,
     commit,
@@ -67,13 +67,13 @@ from cfrun.checkpoint import (
     shard_names,
     staging_dir,
 )
-from cfrun.format import dumps_json
-from cfrun.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
-from cfrun.storage import throttle
+from cfrun.codec.format import dumps_json
+from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.storage.tiers import throttle
 
 if TYPE_CHECKING:
-    from cfrun.peertier import PeerTier
-    from cfrun.storage import Storage
+    from cfrun.agent.peertier import PeerTier
+    from cfrun.storage.tiers import Storage
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -329,7 +329,7 @@ class PersistAgent:
 
     def _install_newest(self) -> None:
         """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours."""
-        from cfrun.peertier import manifest_files_to
+        from cfrun.agent.peertier import manifest_files_to
 
         local = committed_steps(self.jobdir.checkpoints)
         newest_local = local[0] if local else -1
@@ -604,7 +604,7 @@ class PersistAgent:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m cfrun.agent --job-dir DIR --keep N``; SIGTERM drains the queue and exits."""
+    """``python -m cfrun.agent.server --job-dir DIR --keep N``; SIGTERM drains the queue and exits."""
     p = argparse.ArgumentParser(prog="cfrun.agent")
     p.add_argument("--job-dir", required=True)
     p.add_argument("--keep", type=int, default=2)
@@ -624,15 +624,15 @@ def main(argv: list[str] | None = None) -> None:
     job = args.peer_job or jd.root.name
     peer = None
     if args.peer:
-        from cfrun.peer import parse_address, read_token
-        from cfrun.peertier import PeerTier
+        from cfrun.peer.server import parse_address, read_token
+        from cfrun.agent.peertier import PeerTier
 
         peer = PeerTier(parse_address(args.peer, option="--peer"),
                         read_token(args.peer_token_file, option="--peer-token-file"), job,
                         streams=args.peer_streams, emit=jd.emit_event)
     level2 = None
     if args.persist_to:
-        from cfrun.storage import open_storage
+        from cfrun.storage.tiers import open_storage
 
         level2 = open_storage(args.persist_to)
     agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,

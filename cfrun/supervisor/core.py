@@ -18,7 +18,7 @@ event says which step the job stopped at and whether the final checkpoint was co
 
 SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT) are passed on to the ranks
 (:func:`forwarded_signals`). A supervisor killed by SIGKILL leaves nothing running either
-(``cfrun.launcher``: a parent-death signal for torchrun and the agent, a reaper for the rest).
+(``cfrun.supervisor.launcher``: a parent-death signal for torchrun and the agent, a reaper for the rest).
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cfrun import __version__, ipc
-from cfrun import env as E
-from cfrun.checkpoint import committed_steps
-from cfrun.config import RunConfig
-from cfrun.errors import (
+from cfrun import __version__
+from cfrun.contract import ipc
+from cfrun.contract import settings as E
+from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.config import RunConfig
+from cfrun.contract.errors import (
     EXIT_PREEMPTED,
     EXIT_SUCCESS,
     FatalJobError,
     JobFailedError,
 )
-from cfrun.format import FORMAT_VERSION
-from cfrun.jobdir import JobDir, atomic_write_json
-from cfrun.launcher import (
+from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.supervisor.launcher import (
     build_torchrun_argv,
     build_worker_env,
     die_with_parent,
@@ -58,7 +59,7 @@ from cfrun.launcher import (
     start_reaper,
 )
 from cfrun.policy import learned_mtbf_s
-from cfrun.snapshot import remove_slots
+from cfrun.rank.snapshot import remove_slots
 
 logger = logging.getLogger("cfrun")
 
@@ -261,7 +262,7 @@ class Supervisor:
         """With the lock held: kill what a dead supervisor of this job dir (this node) left.
 
         A persist agent still answering on the job's socket, and torchrun, ranks and workers
-        marked with this job dir (cfrun.launcher.job_processes), would go on writing into the
+        marked with this job dir (cfrun.supervisor.launcher.job_processes), would go on writing into the
         job dir and keep the new agent from binding its socket. Logged and recorded as a
         ``leftovers_killed`` event."""
         import psutil
@@ -502,7 +503,7 @@ class Supervisor:
 
     def _ended_clean(self, attempt: int) -> bool:
         """Every rank of this node wrote a clean end-of-script mark in ``attempt``
-        (cfrun.runtime.core.Runtime._mark_end)."""
+        (cfrun.rank.core.Runtime._mark_end)."""
         ended = self.jobdir.root / "ended"
         marks = list(ended.glob(f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"))
         if len(marks) != self.cfg.nproc_per_node:
@@ -698,7 +699,7 @@ class Supervisor:
         self.proc = None
 
     def _preempted_marks(self, attempt: int) -> list[dict[str, Any]]:
-        """This node's ranks' ``preempted`` marks of ``attempt`` (cfrun.runtime.core)."""
+        """This node's ranks' ``preempted`` marks of ``attempt`` (cfrun.rank.core)."""
         marks = []
         for p in (self.jobdir.root / "preempted").glob(
                 f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):

@@ -59,7 +59,7 @@ class Guard:
         rt = self.rt
         try:
             tracer = sys.gettrace()
-            if getattr(tracer, "__module__", None) == "cfrun.runtime.core":
+            if getattr(tracer, "__module__", None) == "cfrun.rank.core":
                 sys.settrace(None)  # a boundary or resume tracer of cfrun's
             rt._pending = None
             rt._exit_fast_forward()  # give the script its stdout back
@@ -111,8 +111,8 @@ def _install() -> Any:
         register_optimizer_step_pre_hook,
     )
 
-    from cfrun.runtime import data
-    from cfrun.runtime.core import RankSettings, Runtime
+    from cfrun.rank import data
+    from cfrun.rank.core import RankSettings, Runtime
 
     rt: Any = Runtime(RankSettings.from_env())  # Any: hooks are set on the instance below
     guard = Guard(rt)

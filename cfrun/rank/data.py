@@ -142,7 +142,7 @@ def loader_fingerprint(loader: DataLoader) -> dict[str, Any]:
 
 def epoch_rng(loader: DataLoader) -> dict[str, Any]:
     """RNG states an epoch of ``loader`` draws its order and worker seeds from."""
-    from cfrun.runtime.rng import get_global_rng
+    from cfrun.rank.rng import get_global_rng
 
     state: dict[str, Any] = {"global": get_global_rng()}
     if loader.generator is not None:
@@ -155,7 +155,7 @@ def epoch_rng(loader: DataLoader) -> dict[str, Any]:
 
 def set_epoch_rng(loader: DataLoader, state: dict[str, Any]) -> None:
     """Inverse of :func:`epoch_rng`."""
-    from cfrun.runtime.rng import set_global_rng
+    from cfrun.rank.rng import set_global_rng
 
     set_global_rng(state["global"])
     if "loader_generator" in state and loader.generator is not None:
@@ -178,7 +178,7 @@ def epoch_seed_of(state: dict[str, Any]) -> int:
 def install(rt: Any, guard: Any) -> None:
     """Patch DataLoader so ``rt`` (the rank's Runtime) sees loaders, epochs and batches.
 
-    Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.runtime.Guard`):
+    Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.rank.Guard`):
     after an internal error, and once ``guard.disabled``, the loaders behave as without cfrun.
     """
     orig_init = DataLoader.__init__

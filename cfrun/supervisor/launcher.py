@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import cfrun
-from cfrun import env as E
-from cfrun.config import RunConfig
+from cfrun.contract import settings as E
+from cfrun.contract.config import RunConfig
 
 
 def hooks_dir() -> Path:
@@ -185,7 +185,7 @@ def leftover_agent_pid(job_dir: str) -> int | None:
     import socket
     import struct
 
-    from cfrun import ipc
+    from cfrun.contract import ipc
 
     try:
         sock = ipc.connect(job_dir, timeout_s=1.0)
@@ -209,7 +209,7 @@ def start_reaper(job_dir: str, node_rank: int) -> subprocess.Popen[bytes]:
     """
     pkg_parent = str(Path(cfrun.__file__).resolve().parent.parent)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from cfrun.launcher import reaper_main; reaper_main(sys.argv[2:])")
+            "from cfrun.supervisor.launcher import reaper_main; reaper_main(sys.argv[2:])")
     return subprocess.Popen(
         [sys.executable, "-c", code, pkg_parent, job_dir, str(node_rank), str(os.getpid())],
         stdin=subprocess.PIPE, start_new_session=True)

@@ -24,8 +24,8 @@ import torch
 import xxhash
 
 from cfrun import __version__
-from cfrun.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.format import (
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.codec.format import (
     FORMAT_VERSION,
     TensorEntry,
     decode,
@@ -34,7 +34,7 @@ from cfrun.format import (
     tensor_bytes,
     tensor_from_buffer,
 )
-from cfrun.jobdir import STAGING_PREFIX, STEP_PREFIX, atomic_write_json, fsync_dir, step_dir_name
+from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, atomic_write_json, fsync_dir, step_dir_name
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def write_shard(staging: Path, rank: int, tree: Any, tensors: list[torch.Tensor]
     (``O_EXCL``) and fsynced.
 
     Args:
-        tree: JSON tree from :func:`cfrun.format.encode`.
+        tree: JSON tree from :func:`cfrun.codec.format.encode`.
         tensors: the tensors ``tree`` refers to, any device.
         meta: extra JSON-able fields stored in the shard's JSON (step, data position...).
 
@@ -272,7 +272,7 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     doc, tensors = _read_rank(step_dir, manifest, rank)
     layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
     if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
-        from cfrun.sharding import reassemble
+        from cfrun.codec.sharding import reassemble
 
         others = {}
         for q in range(int(manifest.get("world_size", 1))):

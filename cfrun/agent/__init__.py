@@ -1,0 +1,1 @@
+"""The persist agent process: one per node, long-lived; persists snapshot slots and commits checkpoints."""

@@ -1,0 +1,3 @@
+from cfrun.agent.server import main
+
+main()

@@ -1,0 +1,1 @@
+"""The checkpoint codec (torch): tensors + JSON tree, shard files, manifests, sharding."""

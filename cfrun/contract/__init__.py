@@ -1,0 +1,1 @@
+"""The contract between cfrun's processes (torch-free): job-dir layout, settings, messages, records, errors."""

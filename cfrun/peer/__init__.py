@@ -1,0 +1,1 @@
+"""``cfrun peer``: the remote-memory staging node (ACUTE level 1)."""

@@ -1,0 +1,1 @@
+"""Storage tiers behind one interface, chosen by URL (local directory, fsspec)."""
