@@ -11,7 +11,15 @@ import xxhash
 
 from cfrun.contract.config import parse_bytes
 from cfrun.contract.errors import BadInputError
-from cfrun.peer.server import PeerClient, PeerError, PeerServer, parse_address, read_token
+from cfrun.peer.protocol import (
+    PeerClient,
+    PeerError,
+    manifest_key,
+    parse_address,
+    read_token,
+    seal_tag,
+)
+from cfrun.peer.server import PeerServer
 from cfrun.agent.peertier import split_parts
 from cfrun.storage.tiers import open_storage
 
@@ -95,9 +103,13 @@ def _send(c: PeerClient, job: str, step: int, data: bytes, *, seal: bool = True,
         return False
     c.put(job=job, step=step, world_size=1, name="rank-00000.json", part=0, nparts=1,
           offset=0, file_bytes=2, data=b"{}", wait_s=wait_s)
-    return c.seal(job=job, step=step, world_size=1, rank=0, meta={"step": step}, files=[
+    files = [
         {"name": "rank-00000.bin", "nbytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)},
-        {"name": "rank-00000.json", "nbytes": 2, "xxh3_64": xxhash.xxh3_64_hexdigest(b"{}")}])
+        {"name": "rank-00000.json", "nbytes": 2, "xxh3_64": xxhash.xxh3_64_hexdigest(b"{}")}]
+    meta = {"step": step}
+    tag = seal_tag(manifest_key(TOKEN, job), step=step, world_size=1, rank=0, files=files,
+                   meta=meta)
+    return c.seal(job=job, step=step, world_size=1, rank=0, meta=meta, files=files, tag=tag)
 
 
 def test_partial_checkpoint_is_never_served_and_a_newer_one_drops_it(server):
