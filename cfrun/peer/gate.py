@@ -9,9 +9,12 @@ slow clients flood the port (the slowloris attack):
   (a client that sends one byte a second never gets there);
 * at most :data:`~cfrun.peer.protocol.MAX_UNAUTHENTICATED` connections mid-handshake, at most
   :data:`~cfrun.peer.protocol.MAX_UNAUTHENTICATED_PER_ADDRESS` of them from one address; a new
-  connection over a limit **evicts the oldest** (of its own address first, else of the busiest
-  address) instead of being refused, so the newest connection always gets its turn, and a valid
-  client needs only its round trip, however many slow ones arrive;
+  connection over a limit **evicts** one (of its own address first, else of the busiest
+  address) instead of being refused: first the oldest that sent part of a hello (a real client
+  sends its 69 bytes in one segment; a partial one is a slow sender), else the oldest. The
+  newest connection always gets its turn, and a valid client needs only its round trip however
+  many slow ones arrive (and retries once if it was evicted all the same:
+  :class:`cfrun.peer.protocol.PeerClient`);
 * authenticated connections have their own cap (``max_connections``); over it the client is told
   ``busy``.
 
@@ -144,10 +147,9 @@ class Gate:
                 return
             host, who = str(addr[0]), fmt_address(addr)
             if self.per_host[host] >= self.max_per_address:
-                self._evict(next(p for p in self.pending.values() if p.host == host))
+                self._evict(self._victim(host))
             elif len(self.pending) >= self.max_unauthenticated:
-                busiest = self.per_host.most_common(1)[0][0]
-                self._evict(next(p for p in self.pending.values() if p.host == busiest))
+                self._evict(self._victim(self.per_host.most_common(1)[0][0]))
             nonce = secrets.token_bytes(NONCE_BYTES)
             try:
                 conn.setblocking(False)
@@ -162,6 +164,11 @@ class Gate:
             self.pending[conn] = p
             self.per_host[host] += 1
             self.sel.register(conn, selectors.EVENT_READ)
+
+    def _victim(self, host: str) -> _Pending:
+        """The oldest pending connection of ``host`` that sent part of a hello, else its oldest."""
+        mine = [p for p in self.pending.values() if p.host == host]
+        return next((p for p in mine if p.buf), mine[0])
 
     def _evict(self, p: _Pending) -> None:
         self.evicted += 1

@@ -76,12 +76,12 @@ import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
-from cfrun.storage.tiers import FILE_RE, MANIFEST, check_job_name
+from cfrun.storage.tiers import FILE_RE, MANIFEST
 
 PROTOCOL_VERSION = 2
 NONCE_BYTES = 32
@@ -110,6 +110,8 @@ MAX_UNAUTHENTICATED = 16
 out a valid one)."""
 MAX_UNAUTHENTICATED_PER_ADDRESS = 8
 """Of those, from one address (its own oldest is evicted first)."""
+HANDSHAKE_TRIES = 3
+"""A client whose handshake was cut (evicted under a flood) tries this often in all."""
 IDLE_TIMEOUT_S = 900.0
 IO_TIMEOUT_S = 60.0
 MAX_AWAIT_S = 3600.0
@@ -146,6 +148,11 @@ class PeerAuthError(PeerError):
 
 class ProtocolError(PeerError):
     """A malformed, oversized, out-of-range or unauthenticated frame."""
+
+
+class HandshakeClosedError(PeerError):
+    """The peer closed the connection mid-handshake without an answer (evicted while it was
+    flooded with unauthenticated connections, or restarting): worth one more try."""
 
 
 # ---------------------------------------------------------------------- tokens and addresses
@@ -339,7 +346,7 @@ def dumps_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool``."""
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -509,8 +516,10 @@ def client_handshake(sock: socket.socket, token: bytes, who: str,
     deadline = time.monotonic() + deadline_s
     try:
         hello = recv_exact(sock, SERVER_HELLO_BYTES, deadline)
-    except (PeerError, TimeoutError) as e:
-        raise PeerError(f"{who} sent no cfrun peer greeting ({e})") from None
+    except PeerError:
+        raise HandshakeClosedError(f"{who} closed the connection before its greeting") from None
+    except TimeoutError:
+        raise PeerError(f"{who} sent no cfrun peer greeting in {deadline_s:g} s") from None
     if hello[:4] != SERVER_HELLO or hello[4] != PROTOCOL_VERSION:
         raise PeerError(f"{who} is not a cfrun peer of protocol {PROTOCOL_VERSION}")
     server_nonce = hello[5:]
@@ -518,15 +527,19 @@ def client_handshake(sock: socket.socket, token: bytes, who: str,
     sock.sendall(CLIENT_HELLO + bytes([PROTOCOL_VERSION]) + nonce
                  + handshake_mac(token, b"client", server_nonce, nonce))
     try:
-        answer = recv_exact(sock, 4 + MAC_BYTES, deadline)
+        code = recv_exact(sock, 4, deadline)
+        if code == AUTH_NO:
+            raise PeerAuthError(f"peer {who} refused the token")
+        if code == AUTH_BUSY:
+            raise PeerError(f"peer {who} is busy (too many connections)")
+        proof = recv_exact(sock, MAC_BYTES, deadline) if code == AUTH_OK else b""
     except TimeoutError:
         raise PeerError(f"{who} did not finish the handshake in {deadline_s:g} s") from None
+    except PeerAuthError:
+        raise
     except PeerError:
-        raise PeerAuthError(f"peer {who} refused the token") from None
-    if answer[:4] == AUTH_BUSY:
-        raise PeerError(f"peer {who} is busy (too many connections)")
-    if answer[:4] != AUTH_OK or not hmac.compare_digest(
-            answer[4:], handshake_mac(token, b"server", nonce, server_nonce)):
+        raise HandshakeClosedError(f"{who} closed the connection mid-handshake") from None
+    if not hmac.compare_digest(proof, handshake_mac(token, b"server", nonce, server_nonce)):
         raise PeerAuthError(f"peer {who} refused the token, or does not know it")
     client_key, server_key = session_keys(token, server_nonce, nonce)
     return Channel(sock, client_key, server_key)
@@ -556,21 +569,27 @@ class PeerClient:
         self.address = address
         self.who = fmt_address(address)
         self.io_timeout_s = io_timeout_s
-        try:
-            self.sock = socket.create_connection(address, timeout=connect_timeout_s)
-        except OSError as e:
-            raise PeerError(f"cannot connect to peer {self.who}: {e}") from None
-        try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.ch = client_handshake(self.sock, token, self.who,
-                                       max(connect_timeout_s, HANDSHAKE_DEADLINE_S))
-            self.sock.settimeout(io_timeout_s)
-        except PeerError:
-            self.sock.close()
-            raise
-        except OSError as e:
-            self.sock.close()
-            raise PeerError(f"peer {self.who}: {e}") from None
+        for attempt in range(HANDSHAKE_TRIES):
+            try:
+                self.sock = socket.create_connection(address, timeout=connect_timeout_s)
+            except OSError as e:
+                raise PeerError(f"cannot connect to peer {self.who}: {e}") from None
+            try:
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.ch = client_handshake(self.sock, token, self.who,
+                                           max(connect_timeout_s, HANDSHAKE_DEADLINE_S))
+                self.sock.settimeout(io_timeout_s)
+                return
+            except HandshakeClosedError:
+                self.sock.close()
+                if attempt == HANDSHAKE_TRIES - 1:
+                    raise
+            except PeerError:
+                self.sock.close()
+                raise
+            except OSError as e:
+                self.sock.close()
+                raise PeerError(f"peer {self.who}: {e}") from None
 
     def close(self) -> None:
         self.sock.close()
@@ -695,7 +714,7 @@ def check_get_name(name: Any) -> bool:
     return isinstance(name, str) and (name == MANIFEST or bool(FILE_RE.match(name)))
 
 
-def check_tag(tag: Any) -> bool:
+def check_tag(tag: Any) -> TypeGuard[str]:
     """A seal tag as sent: 64 lowercase hex digits."""
     return isinstance(tag, str) and bool(_TAG_RE.match(tag))
 
