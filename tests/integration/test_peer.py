@@ -394,6 +394,9 @@ def test_fuzzed_frames_never_crash_the_peer_nor_grow_its_memory(tmp_path, peers)
     for make in evil:
         ch = _authed(port, token)
         _send_quietly(ch, make(ch))
+    cpu0 = sum(psutil.Process(peer.proc.pid).cpu_times()[:2])
+    time.sleep(1.0)
+    assert sum(psutil.Process(peer.proc.pid).cpu_times()[:2]) - cpu0 < 0.3  # NaN: no spinning
     # reserve 4 MB, send 1 MB, vanish (a sender dying mid-transfer), several times
     for i in range(6):
         ch = _authed(port, token)
