@@ -657,7 +657,7 @@ class Relay:
         self.mode = "forward"
         self.answered = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
