@@ -66,7 +66,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_OUT = RESULTS_DIR / "peer_tier.json"
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from cfrun import ipc  # noqa: E402
+from cfrun.contract import ipc  # noqa: E402
 from cfrun.contract.jobdir import JobDir  # noqa: E402
 from cfrun.rank.snapshot import Snapshotter, remove_slots  # noqa: E402
 

@@ -11,8 +11,14 @@ exponential backoff (0.5 s doubling up to 30 s) during which the agent persists 
 instead; the first failure of an outage is logged once. After the backoff the next checkpoint
 tries the peer again, so a restarted peer is used again without any action.
 
-For a resume, :meth:`PeerTier.fetch` copies one complete checkpoint from peer RAM into a staging
-directory and checks every file's size and xxh3-64 checksum against the peer's manifest.
+Every seal carries this agent's tag over the rank's files and checksums
+(:func:`cfrun.peer.protocol.seal_tag`, a key derived from the token and the job name); the peer
+keeps the tags in the manifest it serves and flushes. For a resume, :meth:`PeerTier.fetch`
+copies one complete checkpoint from peer RAM into a staging directory: it checks the manifest's
+tags first (:meth:`PeerTier.verify_manifest`, also applied to a manifest read from the peer's
+level-2 flush), then fetches each file with exactly the size the manifest gives and checks its
+xxh3-64 checksum. A relay, the peer's RAM or the level-2 store can thus neither forge nor alter
+a checkpoint that this job installs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ import xxhash
 from cfrun.codec.checkpoint import FileEntry, shard_names
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.codec.format import FORMAT_VERSION
-from cfrun.peer.server import PeerClient, PeerError
+from cfrun.peer.protocol import (
+    MAX_FETCH_BYTES,
+    MAX_MANIFEST_BYTES,
+    PeerClient,
+    PeerError,
+    loads_json,
+    manifest_key,
+    seal_tag,
+    verify_manifest,
+)
 from cfrun.storage.tiers import FILE_RE, MANIFEST
 
 logger = logging.getLogger("cfrun.agent")
@@ -40,7 +55,6 @@ PART_ALIGN_BYTES = 4096
 MIN_PART_BYTES = 1 << 20
 """Shards smaller than streams x this are sent in fewer parts (tiny parts cost more than
 they gain)."""
-MAX_FETCH_BYTES = 1 << 40
 
 
 def split_parts(nbytes: int, streams: int) -> list[tuple[int, int]]:
@@ -58,7 +72,7 @@ class PeerTier:
 
     Args:
         address: the peer's ``(host, port)``.
-        token: shared secret (:func:`cfrun.peer.server.read_token`).
+        token: shared secret (:func:`cfrun.peer.protocol.read_token`).
         job: the job's name at the peer (one prefix per job at level 2).
         streams: parallel connections per rank shard (ACUTE's sharding degree), 1..64.
         emit: ``emit(event, **fields)`` appends to the job's events.jsonl.
@@ -69,6 +83,7 @@ class PeerTier:
         self.address = address
         self.token = token
         self.job = job
+        self.manifest_key = manifest_key(token, job)
         self.streams = max(1, min(64, streams))
         self.emit = emit
         self.lock = threading.Lock()
@@ -182,14 +197,16 @@ class PeerTier:
         files = [{"name": bin_name, "nbytes": nbytes, "xxh3_64": digest},
                  {"name": json_name, "nbytes": len(doc),
                   "xxh3_64": xxhash.xxh3_64_hexdigest(doc)}]
+        tag = seal_tag(self.manifest_key, step=step, world_size=world_size, rank=rank,
+                       files=files, meta=meta)
         return bool(self._call(lambda c: c.seal(job=self.job, step=step, world_size=world_size,
-                                                rank=rank, files=files, meta=meta)))
+                                                rank=rank, files=files, meta=meta, tag=tag)))
 
     def await_state(self, step: int, state: str, timeout_s: float) -> dict[str, Any]:
         """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
 
         Returns:
-            ``{state, flush_to, error}`` (:meth:`cfrun.peer.server.PeerClient.await_state`).
+            ``{state, flush_to, error}`` (:meth:`cfrun.peer.protocol.PeerClient.await_state`).
         """
         client = PeerClient(self.address, self.token)
         try:
@@ -232,22 +249,36 @@ class PeerTier:
         """The peer's view of this job: ``{flush_to, checkpoints: [{step, state, ...}]}``."""
         return dict(self._call(lambda c: c.list(self.job)))
 
+    def verify_manifest(self, manifest: Any, step: int) -> None:
+        """Check that ``manifest`` (from peer RAM or the level-2 flush) carries this job's seals.
+
+        Raises:
+            CheckpointCorruptError: a seal is missing or does not match (one line).
+        """
+        verify_manifest(self.manifest_key, manifest, step, job=self.job)
+
     def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], dict[str, Any]]:
         """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
+
+        The manifest's seals are checked before its checksums are trusted; each file is fetched
+        with exactly the size the manifest gives (never more than :data:`MAX_FETCH_BYTES`).
 
         Returns:
             The files written and the peer's manifest.
 
         Raises:
-            PeerError: unreachable or the step is gone.
-            CheckpointCorruptError: a file does not match the manifest.
+            PeerError: unreachable, the step is gone, or a frame failed authentication.
+            CheckpointCorruptError: the manifest is not sealed by this job's agents, or a file
+                does not match it.
         """
-        import json
-
-        raw = self._call(lambda c: c.get(self.job, step, MANIFEST, 1 << 24))
-        manifest = json.loads(raw)
+        raw = self._call(lambda c: c.get(self.job, step, MANIFEST, MAX_MANIFEST_BYTES))
+        try:
+            manifest = loads_json(raw)
+        except PeerError as e:
+            raise CheckpointCorruptError(f"manifest of step {step} from the peer: {e}") from None
+        self.verify_manifest(manifest, step)
         return manifest_files_to(staging, manifest, lambda name, nbytes: self._call(
-            lambda c: c.get(self.job, step, name, nbytes))), manifest
+            lambda c: c.get(self.job, step, name, nbytes, exact=True))), manifest
 
 
 def manifest_files_to(staging: Path, manifest: dict[str, Any],
@@ -269,7 +300,7 @@ def manifest_files_to(staging: Path, manifest: dict[str, Any],
     for f in manifest["files"]:
         name, nbytes, digest = f.get("name"), f.get("nbytes"), f.get("xxh3_64")
         if not (isinstance(name, str) and FILE_RE.match(name) and isinstance(nbytes, int)
-                and 0 <= nbytes <= MAX_FETCH_BYTES):
+                and not isinstance(nbytes, bool) and 0 <= nbytes <= MAX_FETCH_BYTES):
             raise CheckpointCorruptError(f"fetched manifest lists a bad file {name!r}")
         data = read(name, nbytes)
         if len(data) != nbytes or xxhash.xxh3_64_hexdigest(data) != digest:

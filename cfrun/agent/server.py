@@ -360,6 +360,8 @@ class PersistAgent:
                     assert self.level2 is not None
                     store = self.level2
                     manifest = store.read_manifest(self.job, step)
+                    if self.peer is not None:  # the peer's flush: sealed by this job's agents
+                        self.peer.verify_manifest(manifest, step)
                     files = manifest_files_to(
                         staging, manifest, lambda name, n: store.read_file(self.job, step, name))
                 commit(self.jobdir.checkpoints, step, files,
@@ -624,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     job = args.peer_job or jd.root.name
     peer = None
     if args.peer:
-        from cfrun.peer.server import parse_address, read_token
+        from cfrun.peer.protocol import parse_address, read_token
         from cfrun.agent.peertier import PeerTier
 
         peer = PeerTier(parse_address(args.peer, option="--peer"),

@@ -197,7 +197,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
     token_path = None
     if peer:
-        from cfrun.peer.server import parse_address, read_token
+        from cfrun.peer.protocol import parse_address, read_token
 
         if parse_address(peer, option="--peer")[1] == 0:
             raise BadInputError(f"--peer {peer!r} has port 0; give the port the peer listens on")

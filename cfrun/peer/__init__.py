@@ -1,1 +1,7 @@
-"""``cfrun peer``: the remote-memory staging node (ACUTE level 1)."""
+"""``cfrun peer``: the remote-memory staging node (ACUTE level 1).
+
+``protocol`` the wire protocol both sides import (handshake, session keys, a MAC on every frame,
+limits, :class:`~cfrun.peer.protocol.PeerClient`); ``gate`` admission (every handshake, its
+deadline, the caps on unauthenticated connections); ``server`` the peer itself (receivers, the
+RAM circular buffer, the FIFO flusher, ``serve_main``).
+"""

@@ -21,199 +21,72 @@ is that peer and the protocol the persist agents use to reach it:
   (:mod:`cfrun.storage.tiers`: a directory or an fsspec URL), manifest last. Flushing is FIFO, one
   checkpoint at a time, in a thread apart from the receivers.
 
-Security (DESIGN.md §9): the server binds only to the address given. Every connection starts
-with a challenge-response handshake on a shared secret (HMAC-SHA256 over both sides' random
-nonces, ``hmac.compare_digest``; the client checks the server's answer too). After it, frames are
-a fixed 20-byte header (magic, version, op, JSON length <= 64 KiB, payload length bounded by the
-slot size and the reservation) + a JSON header + raw payload bytes. Nothing is unpickled; JSON is
-parsed from bounded bytes only. A malformed, oversized or unauthenticated frame is logged (one
-line) and closes that connection; the server keeps serving. The token authenticates connections;
-it does not encrypt or sign the stream (run the peer on a private network or through a tunnel).
-
-Frames (client -> server; every request gets one response, op | 0x80)::
-
-    PUT   {job, step, world_size, name, part, nparts, offset, file_bytes, xxh3_64}
-          -> {ok, go}  then the client sends payload_len bytes -> {ok}
-    SEAL  {job, step, world_size, rank, files: [{name, nbytes, xxh3_64, nparts}], meta}
-          -> {ok, state, complete}
-    AWAIT {job, step, state: protected|durable, timeout_s} -> {ok, state}
-    LIST  {job} -> {ok, flush_to, checkpoints: [{step, world_size, state, bytes}]}
-    GET   {job, step, name} -> {ok, nbytes} + payload (``manifest.json`` is built from the seals)
+Security (DESIGN.md §9): the server binds only to the address given; admission (handshake,
+deadline, caps on unauthenticated connections) is :mod:`cfrun.peer.gate`, the wire protocol
+(session keys, a MAC on every frame, bounded and finite JSON) is :mod:`cfrun.peer.protocol`.
+Nothing is unpickled. A malformed, oversized, out-of-range or unauthenticated frame is logged
+(one line) and closes that connection; the server keeps serving. The stream is authenticated,
+not encrypted (run the peer on a private network or through a tunnel for secrecy). Each rank's
+seal carries its agent's tag over its files (:func:`cfrun.peer.protocol.seal_tag`); the peer
+checks it and keeps the tags in the manifest it serves and flushes, so an agent verifies a
+checkpoint it fetches back end to end.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
-import json
 import logging
 import os
-import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from cfrun import __version__
-from cfrun.contract.errors import BadInputError
 from cfrun.codec.format import FORMAT_VERSION
+from cfrun.peer.gate import Gate
+from cfrun.peer.protocol import (  # noqa: F401  (re-exported: older imports of the server)
+    IDLE_TIMEOUT_S,
+    IO_TIMEOUT_S,
+    MAX_AWAIT_S,
+    MAX_CONNECTIONS,
+    MAX_FETCH_BYTES,
+    MAX_PARTS,
+    MAX_RANKS,
+    MAX_RESERVE_WAIT_S,
+    MAX_SEAL_FILES,
+    MAX_STEP,
+    RESPONSE,
+    Channel,
+    Op,
+    PeerAuthError,
+    PeerClient,
+    PeerError,
+    ProtocolError,
+    check_get_name,
+    check_tag,
+    dumps_json,
+    is_int,
+    manifest_key,
+    number,
+    parse_address,
+    read_token,
+    seal_tag,
+)
 from cfrun.storage.tiers import FILE_RE, MANIFEST, Storage, check_job_name
 
 logger = logging.getLogger("cfrun.peer.server")
 
-PROTOCOL_VERSION = 1
-NONCE_BYTES = 32
-MAC_BYTES = 32
-SERVER_HELLO = b"CFPH"
-CLIENT_HELLO = b"CFPC"
-AUTH_OK = b"CFPY"
-AUTH_NO = b"CFPN"
-FRAME_MAGIC = b"CFPF"
-FRAME = struct.Struct("!4sBBHIQ")
-"""magic, version, op, flags (0), JSON header bytes, payload bytes: 20 bytes."""
-MAX_JSON_BYTES = 64 << 10
-MAX_PARTS = 64
-MAX_RANKS = 1 << 16
-MAX_STEP = 10 ** 12
-HANDSHAKE_TIMEOUT_S = 5.0
-IDLE_TIMEOUT_S = 900.0
-IO_TIMEOUT_S = 60.0
-MAX_AWAIT_S = 3600.0
-MAX_RESERVE_WAIT_S = 60.0
-MAX_CONNECTIONS = 256
 STALE_PARTIAL_S = 60.0
 """A partial checkpoint with no transfer for this long may be evicted (its sender died)."""
 
 ENV_TEST_FLUSH_SLOW_S = "CFRUN_TEST_PEER_FLUSH_SLOW_S"
 """Testing aid: the flusher sleeps this long after the first file of each checkpoint."""
-
-
-class Op(enum.IntEnum):
-    """Request codes; a response carries ``op | RESPONSE``."""
-
-    PUT = 1
-    SEAL = 2
-    AWAIT = 3
-    LIST = 4
-    GET = 5
-
-
-RESPONSE = 0x80
-
-
-class PeerError(ConnectionError):
-    """The peer is unreachable, refused a request, or broke the protocol."""
-
-
-class PeerAuthError(PeerError):
-    """The handshake failed: wrong token on one side."""
-
-
-class ProtocolError(PeerError):
-    """A malformed or oversized frame."""
-
-
-# ---------------------------------------------------------------------- tokens and addresses
-
-
-def parse_address(text: str, *, option: str = "--listen") -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (``[v6]:PORT`` for IPv6). Port 0 asks the OS for a free port.
-
-    Raises:
-        BadInputError: malformed, or a port outside 0..65535.
-    """
-    host, sep, port_s = text.strip().rpartition(":")
-    host = host.strip("[]")
-    try:
-        port = int(port_s)
-    except ValueError:
-        port = -1
-    if not sep or not host or not 0 <= port <= 65535:
-        raise BadInputError(f"{option} {text!r} is not HOST:PORT; give e.g. {option} "
-                            "10.0.0.5:7077")
-    return host, port
-
-
-def read_token(path: str, *, option: str = "--token-file") -> bytes:
-    """Read the shared secret from ``path`` (surrounding whitespace stripped).
-
-    Raises:
-        BadInputError: missing, unreadable, readable by others, or shorter than 16 bytes.
-    """
-    p = Path(path).expanduser()
-    try:
-        st = p.stat()
-        data = p.read_bytes().strip()
-    except OSError as e:
-        raise BadInputError(f"{option} {path!r} cannot be read ({e.strerror}); create it with "
-                            f"`openssl rand -hex 32 > {path} && chmod 600 {path}`") from None
-    if st.st_mode & 0o007:
-        raise BadInputError(f"{option} {path!r} is accessible by other users; "
-                            f"run `chmod 600 {path}`")
-    if len(data) < 16:
-        raise BadInputError(f"{option} {path!r} holds {'no' if not data else 'a too short'} "
-                            f"token (16 bytes at least); create one with "
-                            f"`openssl rand -hex 32 > {path}`")
-    return data
-
-
-def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        r = sock.recv_into(view[got:], min(len(view) - got, 4 << 20))
-        if not r:
-            raise PeerError("connection closed")
-        got += r
-
-
-def _send_frame(sock: socket.socket, op: int, header: dict[str, Any],
-                payload_len: int = 0) -> None:
-    data = json.dumps(header, separators=(",", ":")).encode()
-    if len(data) > MAX_JSON_BYTES:
-        raise ProtocolError(f"JSON header of {len(data)} bytes exceeds {MAX_JSON_BYTES}")
-    sock.sendall(FRAME.pack(FRAME_MAGIC, PROTOCOL_VERSION, op, 0, len(data), payload_len) + data)
-
-
-def _recv_frame_header(sock: socket.socket, max_payload: int) -> tuple[int, dict[str, Any], int]:
-    """Read one frame's fixed header and JSON; the payload (if any) is left in the socket.
-
-    Raises:
-        ProtocolError: bad magic/version, a length over its bound, JSON that is not an object.
-        PeerError: the connection closed.
-    """
-    magic, version, op, flags, json_len, payload_len = FRAME.unpack(
-        _recv_exact(sock, FRAME.size))
-    if magic != FRAME_MAGIC or version != PROTOCOL_VERSION or flags:
-        raise ProtocolError(f"bad frame header (magic {magic!r}, version {version})")
-    if json_len > MAX_JSON_BYTES:
-        raise ProtocolError(f"JSON header of {json_len} bytes exceeds {MAX_JSON_BYTES}")
-    if payload_len > max_payload:
-        raise ProtocolError(f"payload of {payload_len} bytes exceeds {max_payload}")
-    raw = _recv_exact(sock, json_len)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise ProtocolError("frame JSON header does not parse") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("frame JSON header is not an object")
-    return op, header, payload_len
 
 
 # ---------------------------------------------------------------------- server state
@@ -252,6 +125,8 @@ class _Checkpoint:
     state: SlotState = SlotState.FILLING
     files: dict[str, _File] = field(default_factory=dict)
     sealed: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    seal_tags: dict[int, str] = field(default_factory=dict)
+    """rank -> its agent's tag over its files (:func:`cfrun.peer.protocol.seal_tag`)."""
     meta: dict[str, Any] = field(default_factory=dict)
     reserved_bytes: int = 0
     pins: int = 0
@@ -261,14 +136,16 @@ class _Checkpoint:
     flush_error: str | None = None
 
     def manifest(self) -> dict[str, Any]:
-        """The manifest of the job dir's format, from the ranks' seals (checksums as sent)."""
+        """The manifest of the job dir's format, from the ranks' seals (checksums as sent),
+        with the agents' seal tags (``seals``) that let a fetching agent verify it."""
         files = [f for r in sorted(self.sealed) for f in self.sealed[r]]
         return {"format_version": FORMAT_VERSION, "cfrun_version": __version__,
                 "step": self.step, "world_size": self.world_size,
                 "committed_unix_s": self.t_protected or time.time(),
                 "files": [{"name": f["name"], "nbytes": f["nbytes"], "xxh3_64": f["xxh3_64"]}
                           for f in files],
-                "meta": self.meta}
+                "meta": self.meta,
+                "seals": [{"rank": r, "tag": self.seal_tags[r]} for r in sorted(self.seal_tags)]}
 
 
 class _Reject(Exception):
@@ -306,16 +183,22 @@ class PeerServer:
         self.checkpoints: dict[tuple[str, int], _Checkpoint] = {}
         self.flush_queue: list[_Checkpoint] = []
         self.connections = 0
+        self._manifest_keys: dict[str, bytes] = {}
         self.stopping = threading.Event()
         family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(listen)
-        self.sock.listen(128)
-        self.sock.settimeout(0.2)
+        self.sock.listen(1024)  # a flood of SYNs must not overflow the backlog
         self.address = self.sock.getsockname()[:2]
 
     # ------------------------------------------------------------------ accounting
+
+    def _manifest_key(self, job: str) -> bytes:
+        key = self._manifest_keys.get(job)
+        if key is None:
+            key = self._manifest_keys[job] = manifest_key(self.token, job)
+        return key
 
     def ram_bytes(self) -> int:
         """Bytes reserved for checkpoints in RAM now (<= slots x max_checkpoint_bytes)."""
@@ -331,22 +214,13 @@ class PeerServer:
         flusher.start()
         logger.info("listening on %s:%d, flushing to %s, %d slots of %d bytes", *self.address,
                     self.storage.url, self.slots, self.max_checkpoint_bytes)
-        while not self.stopping.is_set():
-            try:
-                conn, addr = self.sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            with self.lock:
-                if self.connections >= self.max_connections:
-                    conn.close()
-                    logger.warning("refused %s: %d connections already", _fmt(addr),
-                                   self.connections)
-                    continue
-                self.connections += 1
-            threading.Thread(target=self._connection, args=(conn, addr), daemon=True).start()
-        self.sock.close()
+        gate = Gate(self.sock, self.token, self._admit)
+        try:
+            while not self.stopping.is_set():
+                gate.step(0.2)
+        finally:
+            gate.close()
+            self.sock.close()
         with self.cond:
             self.cond.notify_all()
         flusher.join()
@@ -355,22 +229,31 @@ class PeerServer:
         """Stop accepting; :meth:`serve` returns once protected checkpoints are flushed."""
         self.stopping.set()
 
-    def _connection(self, conn: socket.socket, addr: Any) -> None:
-        who = _fmt(addr)
+    def _admit(self, ch: Channel, who: str, greeting: bytes) -> bool:
+        """An authenticated connection (from the gate): a thread of its own, if under the cap."""
+        with self.lock:
+            if self.connections >= self.max_connections:
+                logger.warning("refused %s: %d connections already", who, self.connections)
+                return False
+            self.connections += 1
+        threading.Thread(target=self._connection, args=(ch, who, greeting), daemon=True).start()
+        return True
+
+    def _connection(self, ch: Channel, who: str, greeting: bytes) -> None:
+        conn = ch.sock
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._handshake(conn, who):
-                return
+            conn.sendall(greeting)
             while not self.stopping.is_set():
                 conn.settimeout(IDLE_TIMEOUT_S)
-                op, header, payload_len = _recv_frame_header(conn, self.max_checkpoint_bytes)
+                op, header, payload_len = ch.recv_header(self.max_checkpoint_bytes)
                 conn.settimeout(IO_TIMEOUT_S)
                 if op != Op.PUT and payload_len:
                     raise ProtocolError(f"op {op} carries a payload")
                 try:
-                    self._dispatch(conn, op, header, payload_len)
+                    self._dispatch(ch, op, header, payload_len)
                 except _Reject as e:
-                    _send_frame(conn, op | RESPONSE, {"ok": False, "error": str(e)})
+                    ch.drop_payload()  # a refused PUT's payload is never sent
+                    ch.send_header(op | RESPONSE, {"ok": False, "error": str(e)})
         except ProtocolError as e:
             logger.warning("rejected %s: %s; connection closed", who, e)
         except (PeerError, OSError):
@@ -382,45 +265,19 @@ class PeerServer:
             with self.lock:
                 self.connections -= 1
 
-    def _handshake(self, conn: socket.socket, who: str) -> bool:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        conn.sendall(SERVER_HELLO + bytes([PROTOCOL_VERSION]) + nonce)
-        try:
-            msg = _recv_exact(conn, 5 + NONCE_BYTES + MAC_BYTES)
-        except (PeerError, OSError):
-            logger.warning("rejected %s: incomplete handshake; connection closed", who)
-            return False
-        if msg[:4] != CLIENT_HELLO or msg[4] != PROTOCOL_VERSION:
-            logger.warning("rejected %s: not a cfrun peer client (bad hello); connection closed",
-                           who)
-            return False
-        client_nonce, mac = msg[5:5 + NONCE_BYTES], msg[5 + NONCE_BYTES:]
-        if not hmac.compare_digest(mac, _mac(self.token, b"cfrun-peer/1 client", nonce,
-                                             client_nonce)):
-            logger.warning("rejected %s: authentication failed (wrong token); connection closed",
-                           who)
-            try:
-                conn.sendall(AUTH_NO)
-            except OSError:
-                pass
-            return False
-        conn.sendall(AUTH_OK + _mac(self.token, b"cfrun-peer/1 server", client_nonce, nonce))
-        return True
-
     # ------------------------------------------------------------------ requests
 
-    def _dispatch(self, conn: socket.socket, op: int, h: dict[str, Any], payload_len: int) -> None:
+    def _dispatch(self, ch: Channel, op: int, h: dict[str, Any], payload_len: int) -> None:
         if op == Op.PUT:
-            self._put(conn, h, payload_len)
+            self._put(ch, h, payload_len)
         elif op == Op.SEAL:
-            _send_frame(conn, op | RESPONSE, self._seal(h))
+            ch.send_header(op | RESPONSE, self._seal(h))
         elif op == Op.AWAIT:
-            _send_frame(conn, op | RESPONSE, self._await(h))
+            ch.send_header(op | RESPONSE, self._await(h))
         elif op == Op.LIST:
-            _send_frame(conn, op | RESPONSE, self._list(h))
+            ch.send_header(op | RESPONSE, self._list(h))
         elif op == Op.GET:
-            self._get(conn, h)
+            self._get(ch, h)
         else:
             raise ProtocolError(f"unknown op {op}")
 
@@ -431,32 +288,33 @@ class PeerServer:
             step, world_size = h["step"], h["world_size"]
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError(f"bad job/step/world_size ({e})") from None
-        if not (_is_int(step) and 0 <= step <= MAX_STEP and _is_int(world_size)
+        if not (is_int(step) and 0 <= step <= MAX_STEP and is_int(world_size)
                 and 1 <= world_size <= MAX_RANKS):
             raise ProtocolError("step or world_size out of range")
         return job, step, world_size
 
-    def _put(self, conn: socket.socket, h: dict[str, Any], payload_len: int) -> None:
+    def _put(self, ch: Channel, h: dict[str, Any], payload_len: int) -> None:
         job, step, world_size = self._ids(h)
         name, part, nparts = h.get("name"), h.get("part"), h.get("nparts")
         offset, file_bytes, digest = h.get("offset"), h.get("file_bytes"), h.get("xxh3_64")
-        if not (isinstance(name, str) and FILE_RE.match(name) and _is_int(part)
-                and _is_int(nparts) and 0 <= part < nparts <= MAX_PARTS and _is_int(offset)
-                and _is_int(file_bytes) and 0 <= offset and offset + payload_len <= file_bytes
+        if not (isinstance(name, str) and FILE_RE.match(name) and is_int(part)
+                and is_int(nparts) and 0 <= part < nparts <= MAX_PARTS and is_int(offset)
+                and is_int(file_bytes) and 0 <= offset and offset + payload_len <= file_bytes
                 and file_bytes <= self.max_checkpoint_bytes and isinstance(digest, str)
                 and int(name[5:10]) < world_size):
             raise ProtocolError("malformed PUT header")
-        wait_s = min(float(h.get("wait_s", 10.0) or 0), MAX_RESERVE_WAIT_S)
+        wait_s = number(h, "wait_s", 0.0, MAX_RESERVE_WAIT_S, 10.0)
         ck, skip = self._reserve(job, step, world_size, payload_len, wait_s)
         if skip:  # already complete (a retried transfer): nothing to send
-            _send_frame(conn, Op.PUT | RESPONSE, {"ok": True, "go": False, "complete": True})
+            ch.drop_payload()
+            ch.send_header(Op.PUT | RESPONSE, {"ok": True, "go": False, "complete": True})
             return
         assert ck is not None
         owned = False  # True once the reservation is stored in, or returned to, the checkpoint
         try:
-            _send_frame(conn, Op.PUT | RESPONSE, {"ok": True, "go": True})
+            ch.send_header(Op.PUT | RESPONSE, {"ok": True, "go": True})
             buf = bytearray(payload_len)  # within the reservation: bounded by the budget
-            _recv_into(conn, memoryview(buf))
+            ch.recv_payload_into(memoryview(buf))  # its tag checked before anything is kept
             ok = xxhash.xxh3_64_hexdigest(buf) == digest
             with self.lock:
                 owned = True
@@ -475,8 +333,8 @@ class PeerServer:
                     f.parts[part] = (offset, buf)
                 self.cond.notify_all()
             del buf
-            _send_frame(conn, Op.PUT | RESPONSE, {"ok": ok, "error": None if ok else
-                                                  "checksum mismatch or checkpoint gone"})
+            ch.send_header(Op.PUT | RESPONSE, {"ok": ok, "error": None if ok else
+                                               "checksum mismatch or checkpoint gone"})
         finally:
             if not owned:  # the sender vanished mid-transfer: give the bytes back
                 with self.lock:
@@ -546,9 +404,10 @@ class PeerServer:
 
     def _seal(self, h: dict[str, Any]) -> dict[str, Any]:
         job, step, world_size = self._ids(h)
-        rank, files, meta = h.get("rank"), h.get("files"), h.get("meta", {})
-        if not (_is_int(rank) and 0 <= rank < world_size and isinstance(files, list)
-                and isinstance(meta, dict) and 1 <= len(files) <= 8):
+        rank, files, meta, tag = h.get("rank"), h.get("files"), h.get("meta", {}), h.get("tag")
+        if not (is_int(rank) and 0 <= rank < world_size and isinstance(files, list)
+                and isinstance(meta, dict) and 1 <= len(files) <= MAX_SEAL_FILES
+                and check_tag(tag)):
             raise ProtocolError("malformed SEAL header")
         with self.cond:
             ck = self.checkpoints.get((job, step))
@@ -562,7 +421,7 @@ class PeerServer:
                     raise ProtocolError("malformed SEAL file entry")
                 name, nbytes, digest = fe.get("name"), fe.get("nbytes"), fe.get("xxh3_64")
                 if not (isinstance(name, str) and FILE_RE.match(name)
-                        and int(name[5:10]) == rank and _is_int(nbytes)
+                        and int(name[5:10]) == rank and is_int(nbytes)
                         and isinstance(digest, str) and len(digest) <= 32):
                     raise ProtocolError("malformed SEAL file entry")
                 f = ck.files.get(name)
@@ -570,8 +429,14 @@ class PeerServer:
                         or not _contiguous(f):
                     raise _Reject(f"{name} of step {step} is incomplete in peer RAM")
                 entries.append({"name": name, "nbytes": nbytes, "xxh3_64": digest})
+            want = seal_tag(self._manifest_key(job), step=step, world_size=world_size,
+                            rank=rank, files=entries, meta=meta)
+            if not hmac.compare_digest(tag, want):
+                raise _Reject(f"the seal of rank {rank} of step {step} does not match its files "
+                              "(an agent of another job or token?)")
             ck.sealed[rank] = entries
-            if rank == 0 or not ck.meta:
+            ck.seal_tags[rank] = tag
+            if rank == 0:
                 ck.meta = meta
             ck.t_activity = time.monotonic()
             if len(ck.sealed) == ck.world_size:
@@ -592,12 +457,12 @@ class PeerServer:
         try:
             job, step = check_job_name(h["job"]), h["step"]
             want = SlotState(h.get("state", "protected"))
-            timeout_s = min(float(h.get("timeout_s", 60.0)), MAX_AWAIT_S)
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError(f"malformed AWAIT header ({e})") from None
-        if not _is_int(step):
+        if not is_int(step):
             raise ProtocolError("malformed AWAIT header")
-        deadline = time.monotonic() + max(timeout_s, 0.0)
+        timeout_s = number(h, "timeout_s", 0.0, MAX_AWAIT_S, 60.0)
+        deadline = time.monotonic() + timeout_s
         with self.cond:
             while True:
                 ck = self.checkpoints.get((job, step))
@@ -621,30 +486,34 @@ class PeerServer:
         return {"ok": True, "flush_to": self.storage.url,
                 "checkpoints": sorted(cks, key=lambda c: -c["step"])}
 
-    def _get(self, conn: socket.socket, h: dict[str, Any]) -> None:
+    def _get(self, ch: Channel, h: dict[str, Any]) -> None:
         try:
             job, step, name = check_job_name(h["job"]), h["step"], h["name"]
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError(f"malformed GET header ({e})") from None
-        if not (_is_int(step) and isinstance(name, str)
-                and (name == MANIFEST or FILE_RE.match(name))):
-            raise ProtocolError("malformed GET header")
+        max_bytes = h.get("max_bytes")
+        if not (is_int(step) and check_get_name(name) and is_int(max_bytes)
+                and 0 <= max_bytes <= MAX_FETCH_BYTES):
+            raise ProtocolError("malformed GET header (job, step, name, max_bytes)")
         with self.lock:
             ck = self.checkpoints.get((job, step))
             if ck is None or ck.state is SlotState.FILLING:
                 raise _Reject(f"step {step} of {job} is not complete in peer RAM")
             if name == MANIFEST:
-                parts: list[bytes | bytearray] = [json.dumps(ck.manifest()).encode()]
+                parts: list[bytes | bytearray] = [dumps_json(ck.manifest())]
             elif name in ck.files:
                 parts = list(ck.files[name].ordered())
             else:
                 raise _Reject(f"{name} is not part of step {step}")
+            nbytes = sum(len(p) for p in parts)
+            if nbytes > max_bytes:
+                raise _Reject(f"{name} of step {step} is {nbytes} bytes, more than the "
+                              f"{max_bytes} asked for")
             ck.pins += 1
         try:
-            nbytes = sum(len(p) for p in parts)
-            _send_frame(conn, Op.GET | RESPONSE, {"ok": True, "nbytes": nbytes}, nbytes)
-            for p in parts:
-                conn.sendall(p)
+            ch.send_header(Op.GET | RESPONSE, {"ok": True, "nbytes": nbytes}, nbytes)
+            if nbytes:
+                ch.send_payload(parts)
         finally:
             with self.lock:
                 ck.pins -= 1
@@ -709,10 +578,6 @@ class PeerServer:
             self.storage.delete(ck.job, old)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _contiguous(f: _File) -> bool:
     pos = 0
     for off, buf in sorted(f.parts.values(), key=lambda ob: ob[0]):
@@ -720,139 +585,6 @@ def _contiguous(f: _File) -> bool:
             return False
         pos += len(buf)
     return pos == f.nbytes
-
-
-def _fmt(addr: Any) -> str:
-    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-
-
-# ---------------------------------------------------------------------- client
-
-
-class PeerClient:
-    """One authenticated connection to a peer. Not thread-safe: one per thread/stream.
-
-    Used by the persist agent (send shards, await protected/durable, fetch for a resume).
-
-    Raises (every method):
-        PeerAuthError: the token does not match the peer's.
-        PeerError: unreachable, closed, refused, or a protocol violation.
-    """
-
-    def __init__(self, address: tuple[str, int], token: bytes, *,
-                 connect_timeout_s: float = 3.0, io_timeout_s: float = IO_TIMEOUT_S) -> None:
-        self.address = address
-        self.token = token
-        self.io_timeout_s = io_timeout_s
-        try:
-            self.sock = socket.create_connection(address, timeout=connect_timeout_s)
-        except OSError as e:
-            raise PeerError(f"cannot connect to peer {_fmt(address)}: {e}") from None
-        try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock.settimeout(max(connect_timeout_s, HANDSHAKE_TIMEOUT_S))
-            hello = _recv_exact(self.sock, 5 + NONCE_BYTES)
-            if hello[:4] != SERVER_HELLO or hello[4] != PROTOCOL_VERSION:
-                raise PeerError(f"{_fmt(address)} is not a cfrun peer (protocol "
-                                f"{PROTOCOL_VERSION})")
-            server_nonce = hello[5:]
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            self.sock.sendall(CLIENT_HELLO + bytes([PROTOCOL_VERSION]) + nonce
-                              + _mac(token, b"cfrun-peer/1 client", server_nonce, nonce))
-            try:
-                answer = _recv_exact(self.sock, 4 + MAC_BYTES)
-            except PeerError:
-                raise PeerAuthError(f"peer {_fmt(address)} refused the token") from None
-            if answer[:4] != AUTH_OK or not hmac.compare_digest(
-                    answer[4:], _mac(token, b"cfrun-peer/1 server", nonce, server_nonce)):
-                raise PeerAuthError(f"peer {_fmt(address)} refused the token, or does not "
-                                    "know it")
-            self.sock.settimeout(io_timeout_s)
-        except PeerError:
-            self.sock.close()
-            raise
-        except OSError as e:
-            self.sock.close()
-            raise PeerError(f"peer {_fmt(address)}: {e}") from None
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _request(self, op: Op, header: dict[str, Any], *, timeout_s: float | None = None
-                 ) -> dict[str, Any]:
-        try:
-            self.sock.settimeout(timeout_s or self.io_timeout_s)
-            _send_frame(self.sock, op, header)
-            rop, reply, n = _recv_frame_header(self.sock, 0)
-        except PeerError:
-            raise
-        except OSError as e:
-            raise PeerError(f"peer {_fmt(self.address)}: {e}") from None
-        if rop != op | RESPONSE:
-            raise ProtocolError(f"unexpected response op {rop}")
-        if not reply.get("ok"):
-            raise PeerError(f"peer refused {op.name}: {reply.get('error')}")
-        return reply
-
-    def put(self, *, job: str, step: int, world_size: int, name: str, part: int, nparts: int,
-            offset: int, file_bytes: int, data: memoryview | bytes, wait_s: float = 10.0) -> None:
-        """Send one byte range of one file (the caller's buffer, not copied)."""
-        header = {"job": job, "step": step, "world_size": world_size, "name": name,
-                  "part": part, "nparts": nparts, "offset": offset, "file_bytes": file_bytes,
-                  "xxh3_64": xxhash.xxh3_64_hexdigest(data), "wait_s": wait_s}
-        try:
-            self.sock.settimeout(max(self.io_timeout_s, wait_s + 5))
-            _send_frame(self.sock, Op.PUT, header, len(data))
-            rop, reply, _ = _recv_frame_header(self.sock, 0)
-            if not reply.get("ok"):
-                raise PeerError(f"peer refused PUT: {reply.get('error')}")
-            if not reply.get("go"):
-                return
-            self.sock.settimeout(self.io_timeout_s)
-            self.sock.sendall(data)
-            rop, reply, _ = _recv_frame_header(self.sock, 0)
-        except PeerError:
-            raise
-        except OSError as e:
-            raise PeerError(f"peer {_fmt(self.address)}: {e}") from None
-        if not reply.get("ok"):
-            raise PeerError(f"peer refused PUT: {reply.get('error')}")
-
-    def seal(self, *, job: str, step: int, world_size: int, rank: int,
-             files: list[dict[str, Any]], meta: dict[str, Any]) -> bool:
-        """Declare one rank's files complete. Returns True once the whole step is protected."""
-        reply = self._request(Op.SEAL, {"job": job, "step": step, "world_size": world_size,
-                                        "rank": rank, "files": files, "meta": meta})
-        return bool(reply.get("complete"))
-
-    def await_state(self, job: str, step: int, state: str, timeout_s: float) -> dict[str, Any]:
-        """Block until the step reaches ``state`` (or times out).
-
-        Returns:
-            ``{state, flush_to, error}``: the step's state now (``missing`` if not in RAM).
-        """
-        return self._request(Op.AWAIT, {"job": job, "step": step, "state": state,
-                                        "timeout_s": timeout_s}, timeout_s=timeout_s + 30)
-
-    def list(self, job: str) -> dict[str, Any]:
-        """``{flush_to, checkpoints: [{step, world_size, state, bytes}]}``, newest first."""
-        return self._request(Op.LIST, {"job": job})
-
-    def get(self, job: str, step: int, name: str, max_bytes: int) -> bytearray:
-        """One file of a complete checkpoint in peer RAM (``manifest.json`` included)."""
-        try:
-            self.sock.settimeout(self.io_timeout_s)
-            _send_frame(self.sock, Op.GET, {"job": job, "step": step, "name": name})
-            rop, reply, n = _recv_frame_header(self.sock, max_bytes)
-            if not reply.get("ok"):
-                raise PeerError(f"peer refused GET: {reply.get('error')}")
-            buf = bytearray(n)
-            _recv_into(self.sock, memoryview(buf))
-        except PeerError:
-            raise
-        except OSError as e:
-            raise PeerError(f"peer {_fmt(self.address)}: {e}") from None
-        return buf
 
 
 def serve_main(listen: str, flush_to: str, token_file: str, *, slots: int,

@@ -6,6 +6,7 @@ server (moto) for level 2, and fuzzed frames from this process.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
@@ -26,7 +27,18 @@ import xxhash
 
 from cfrun.codec.checkpoint import committed_steps, verify
 from cfrun.contract.jobdir import step_dir_name
-from cfrun.peer.server import FRAME, FRAME_MAGIC, Op, PeerAuthError, PeerClient, _mac
+from cfrun.peer.protocol import (
+    FRAME,
+    FRAME_MAGIC,
+    SEQ,
+    Channel,
+    Op,
+    PeerAuthError,
+    PeerClient,
+    client_handshake,
+    manifest_key,
+    seal_tag,
+)
 from cfrun.storage.tiers import open_storage
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, final_line, run_cfrun
 
@@ -287,16 +299,14 @@ def _raw(port: int) -> socket.socket:
     return s
 
 
-def _authed(port: int, token: bytes) -> socket.socket:
+def _authed(port: int, token: bytes) -> Channel:
+    """A raw connection past the handshake: frames are built by hand and tagged right."""
     s = _raw(port)
-    hello = s.recv(37, socket.MSG_WAITALL)
-    nonce = secrets.token_bytes(32)
-    s.sendall(b"CFPC\x01" + nonce + _mac(token, b"cfrun-peer/1 client", hello[5:], nonce))
-    assert s.recv(36, socket.MSG_WAITALL)[:4] == b"CFPY"
-    return s
+    return client_handshake(s, token, f"127.0.0.1:{port}")
 
 
-def _send_quietly(s: socket.socket, data: bytes) -> None:
+def _send_quietly(s: socket.socket | Channel, data: bytes) -> None:
+    s = s.sock if isinstance(s, Channel) else s
     try:
         s.sendall(data)
         s.settimeout(2)
@@ -307,11 +317,24 @@ def _send_quietly(s: socket.socket, data: bytes) -> None:
         s.close()
 
 
-def _frame(op: int, header: dict | bytes, payload_len: int = 0, *, json_len: int | None = None,
-           magic: bytes = FRAME_MAGIC) -> bytes:
+def _frame(ch: Channel | None, op: int, header: dict | bytes, payload_len: int = 0, *,
+           json_len: int | None = None, magic: bytes = FRAME_MAGIC) -> bytes:
+    """A frame header + JSON as given, with the tag the channel's key gives it (a valid tag on
+    whatever the bytes say: what an authenticated but hostile or buggy client can send)."""
     body = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return FRAME.pack(magic, 1, op, 0, len(body) if json_len is None else json_len,
-                      payload_len) + body
+    fixed = FRAME.pack(magic, 2, op, 0, len(body) if json_len is None else json_len,
+                       payload_len)
+    if ch is None:
+        return fixed + body
+    tag = hmac.new(ch.send_key, SEQ.pack(ch.send_seq) + fixed + body, "sha256").digest()
+    ch.send_seq += 1
+    return fixed + body + tag
+
+
+def _seal_args(token: bytes, job: str, step: int, files: list[dict], meta: dict) -> dict:
+    return {"job": job, "step": step, "world_size": 1, "rank": 0, "files": files, "meta": meta,
+            "tag": seal_tag(manifest_key(token, job), step=step, world_size=1, rank=0,
+                            files=files, meta=meta)}
 
 
 def test_fuzzed_frames_never_crash_the_peer_nor_grow_its_memory(tmp_path, peers):
@@ -333,7 +356,7 @@ def test_fuzzed_frames_never_crash_the_peer_nor_grow_its_memory(tmp_path, peers)
                   "xxh3_64": xxhash.xxh3_64_hexdigest(data)},
                  {"name": "rank-00000.json", "nbytes": 2,
                   "xxh3_64": xxhash.xxh3_64_hexdigest(b"{}")}]
-        assert c.seal(job="ok", step=step, world_size=1, rank=0, files=files, meta={})
+        assert c.seal(**_seal_args(token, "ok", step, files, {}))
         assert c.await_state("ok", step, "durable", 30)["state"] == "durable"
         assert bytes(c.get("ok", step, "rank-00000.bin", 1 << 24)) == data
         c.close()
@@ -343,59 +366,67 @@ def test_fuzzed_frames_never_crash_the_peer_nor_grow_its_memory(tmp_path, peers)
     for _ in range(150):  # random bytes before any handshake
         _send_quietly(_raw(port), rng.randbytes(rng.randint(0, 3000)))
     for n in (0, 3, 10, 68, 69):  # truncated or bogus handshakes
-        _send_quietly(_raw(port), (b"CFPC\x01" + rng.randbytes(64))[:n])
+        _send_quietly(_raw(port), (b"CFPC\x02" + rng.randbytes(64))[:n])
     header = {"job": "fz", "step": 1, "world_size": 1, "name": "rank-00000.bin", "part": 0,
               "nparts": 1, "offset": 0, "file_bytes": 4 << 20, "xxh3_64": "0"}
     evil = [
-        rng.randbytes(500),                                          # garbage after auth
-        _frame(Op.LIST, {"job": "ok"})[:7],                          # truncated header
-        _frame(Op.LIST, {"job": "ok"}, json_len=2 ** 32 - 1),         # huge JSON length
-        _frame(Op.PUT, header, payload_len=2 ** 63),                 # huge payload length
-        _frame(Op.PUT, {**header, "file_bytes": 2 ** 40}, payload_len=2 ** 30),
-        _frame(Op.PUT, header, magic=b"XXXX"),                       # bad magic
-        _frame(Op.LIST, b"[1, 2, 3]"),                               # JSON not an object
-        _frame(Op.LIST, b"[" * 60000),                               # deeply nested JSON
-        _frame(Op.LIST, b"\xff\xfe not json"),
-        _frame(99, {"job": "ok"}),                                   # unknown op
-        _frame(Op.LIST, {"job": "../../etc"}),                       # path traversal
-        _frame(Op.GET, {"job": "ok", "step": 1, "name": "../../../etc/passwd"}),
-        _frame(Op.SEAL, {"job": "ok", "step": 1, "world_size": 1, "rank": 0, "files": "x"}),
-        _frame(Op.LIST, {"job": "ok"}, payload_len=100) + rng.randbytes(100),
-        _frame(Op.PUT, {**header, "name": "../x.bin"}, payload_len=10) + b"0" * 10,
+        lambda ch: rng.randbytes(500),                               # garbage after auth
+        lambda ch: _frame(ch, Op.LIST, {"job": "ok"})[:7],           # truncated header
+        lambda ch: _frame(ch, Op.LIST, {"job": "ok"}, json_len=2 ** 32 - 1),  # huge JSON length
+        lambda ch: _frame(ch, Op.PUT, header, payload_len=2 ** 63),  # huge payload length
+        lambda ch: _frame(ch, Op.PUT, {**header, "file_bytes": 2 ** 40}, payload_len=2 ** 30),
+        lambda ch: _frame(ch, Op.PUT, header, magic=b"XXXX"),        # bad magic
+        lambda ch: _frame(ch, Op.LIST, b"[1, 2, 3]"),                # JSON not an object
+        lambda ch: _frame(ch, Op.LIST, b"[" * 60000),                # deeply nested JSON
+        lambda ch: _frame(ch, Op.LIST, b"\xff\xfe not json"),
+        lambda ch: _frame(ch, 99, {"job": "ok"}),                    # unknown op
+        lambda ch: _frame(ch, Op.LIST, {"job": "../../etc"}),        # path traversal
+        lambda ch: _frame(ch, Op.GET, {"job": "ok", "step": 1, "max_bytes": 10,
+                                       "name": "../../../etc/passwd"}),
+        lambda ch: _frame(ch, Op.SEAL, {"job": "ok", "step": 1, "world_size": 1, "rank": 0,
+                                        "files": "x"}),
+        lambda ch: _frame(ch, Op.LIST, {"job": "ok"}, payload_len=100) + rng.randbytes(100),
+        lambda ch: _frame(ch, Op.PUT, {**header, "name": "../x.bin"}, payload_len=10) + b"0" * 10,
+        lambda ch: _frame(ch, Op.PUT, {**header, "wait_s": float("nan")}, payload_len=10),
+        lambda ch: _frame(ch, Op.AWAIT, b'{"job":"ok","step":1,"timeout_s":1e999}'),
+        lambda ch: _frame(None, Op.LIST, {"job": "ok"}) + bytes(32),  # no valid tag
     ]
-    for data in evil:
-        _send_quietly(_authed(port, token), data)
+    for make in evil:
+        ch = _authed(port, token)
+        _send_quietly(ch, make(ch))
+    cpu0 = sum(psutil.Process(peer.proc.pid).cpu_times()[:2])
+    time.sleep(1.0)
+    assert sum(psutil.Process(peer.proc.pid).cpu_times()[:2]) - cpu0 < 0.3  # NaN: no spinning
     # reserve 4 MB, send 1 MB, vanish (a sender dying mid-transfer), several times
     for i in range(6):
-        s = _authed(port, token)
-        s.sendall(_frame(Op.PUT, {**header, "step": i}, payload_len=4 << 20))
-        s.recv(1 << 16)
-        s.sendall(rng.randbytes(1 << 20))
-        s.close()
+        ch = _authed(port, token)
+        ch.send_header(Op.PUT, {**header, "step": i}, 4 << 20)
+        assert ch.recv_header(0)[1]["go"]
+        ch.sock.sendall(rng.randbytes(1 << 20))
+        ch.sock.close()
     # over budget: 7 MB + 2 MB in one 8 MB checkpoint -> refused before allocation
-    s = _authed(port, token)
-    s.sendall(_frame(Op.PUT, {**header, "step": 50, "file_bytes": 7 << 20},
-                     payload_len=7 << 20))
-    assert json.loads(s.recv(1 << 16)[FRAME.size:])["go"]
-    s.sendall(b"\0" * (7 << 20))
-    assert json.loads(s.recv(1 << 16)[FRAME.size:])["ok"] is False  # checksum "0" is wrong
-    s.sendall(_frame(Op.PUT, {**header, "step": 50, "file_bytes": 7 << 20,
-                              "xxh3_64": xxhash.xxh3_64_hexdigest(b"\0" * (7 << 20))},
-                     payload_len=7 << 20))
-    assert json.loads(s.recv(1 << 16)[FRAME.size:])["go"]
-    s.sendall(b"\0" * (7 << 20))
-    assert json.loads(s.recv(1 << 16)[FRAME.size:])["ok"] is True
-    s.sendall(_frame(Op.PUT, {**header, "step": 50, "name": "rank-00000.json",
-                              "file_bytes": 2 << 20}, payload_len=2 << 20))
-    reply = json.loads(s.recv(1 << 16)[FRAME.size:])
+    ch = _authed(port, token)
+    ch.send_header(Op.PUT, {**header, "step": 50, "file_bytes": 7 << 20}, 7 << 20)
+    assert ch.recv_header(0)[1]["go"]
+    ch.send_payload([b"\0" * (7 << 20)])
+    assert ch.recv_header(0)[1]["ok"] is False  # checksum "0" is wrong
+    ch.send_header(Op.PUT, {**header, "step": 50, "file_bytes": 7 << 20,
+                            "xxh3_64": xxhash.xxh3_64_hexdigest(b"\0" * (7 << 20))}, 7 << 20)
+    assert ch.recv_header(0)[1]["go"]
+    ch.send_payload([b"\0" * (7 << 20)])
+    assert ch.recv_header(0)[1]["ok"] is True
+    ch.send_header(Op.PUT, {**header, "step": 50, "name": "rank-00000.json",
+                            "file_bytes": 2 << 20}, 2 << 20)
+    reply = ch.recv_header(0)[1]
     assert reply["ok"] is False and "max-checkpoint-bytes" in reply["error"]
-    s.sendall(_frame(Op.PUT, {**header, "step": 51, "file_bytes": 9 << 20},
-                     payload_len=9 << 20))  # over the maximum: the connection is closed
+    ch.drop_payload()
+    ch.send_header(Op.PUT, {**header, "step": 51, "file_bytes": 9 << 20},
+                   9 << 20)  # over the maximum: the connection is closed
     try:
-        assert s.recv(1 << 16) == b""
+        assert ch.sock.recv(1 << 16) == b""
     except ConnectionResetError:
         pass
-    s.close()
+    ch.sock.close()
     # a flood of idle connections, then all closed
     idle = [_raw(port) for _ in range(40)]
     for s in idle:
@@ -409,6 +440,7 @@ def test_fuzzed_frames_never_crash_the_peer_nor_grow_its_memory(tmp_path, peers)
     log = peer.log()
     assert log.count("rejected") >= 150
     assert "authentication failed" in log and "exceeds" in log
+    assert "non-finite number" in log and "frame failed authentication" in log
     c = PeerClient(("127.0.0.1", port), token)
     states = {e["step"]: e["state"] for e in c.list("fz")["checkpoints"]}
     assert all(s == "filling" for s in states.values())  # partial data is never complete
@@ -475,6 +507,8 @@ def test_flush_to_s3_then_resume_from_s3_with_the_peer_gone(tmp_path, peers, ref
 @pytest.mark.parametrize("case,code,needle", [
     ("empty", 2, "holds no token"),
     ("world", 2, "chmod 600"),
+    ("group", 2, "mode 0640: readable by other users; run `chmod 600"),
+    ("link", 2, "is a symbolic link"),
     ("listen", 2, "is not HOST:PORT"),
     ("inuse", 69, "cannot listen on"),
 ])
@@ -486,6 +520,11 @@ def test_peer_bad_input_is_one_line_with_a_distinct_exit_code(tmp_path, case, co
         token.write_text("")
     elif case == "world":
         token.chmod(0o644)
+    elif case == "group":
+        token.chmod(0o640)
+    elif case == "link":
+        token = tmp_path / "link"
+        token.symlink_to(tmp_path / "token")
     elif case == "listen":
         listen = "localhost"
     elif case == "inuse":
@@ -511,3 +550,208 @@ def test_run_with_peer_but_no_token_file_or_a_bad_job_name_is_refused(tmp_path):
                      "my job", SLOW, "3", "out.pt", "0"], cwd=tmp_path, timeout=60)
     assert run.returncode == 2 and "CFRUN_PEER_JOB" in run.stderr, run.stderr
     assert not (tmp_path / "cfrun-jobs").exists() and not (tmp_path / "my job").exists()
+
+
+# ---------------------------------------------------------------------- attacks
+
+
+SLOW_FLOOD = r"""
+import selectors, socket, sys, time
+port, n, duration_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+prefix = b"CFPC\x02" + bytes(64)  # a plausible hello, one byte a second: never finished
+sel = selectors.DefaultSelector()
+state = {}  # socket -> [bytes sent, next send time]
+opened = 0
+
+def connect(t):
+    global opened
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setblocking(False)
+    sel.register(s, selectors.EVENT_READ)
+    state[s] = [0, t]
+    opened += 1
+
+t0 = time.monotonic()
+for i in range(n):
+    connect(t0 + i / n)
+print("flooding", flush=True)
+end = t0 + duration_s
+while time.monotonic() < end:
+    for key, _ in sel.select(0.05):
+        try:
+            key.fileobj.recv(4096)  # the server's hello; EOF is noticed at the next send
+        except OSError:
+            pass
+    now = time.monotonic()
+    for s, st in list(state.items()):
+        if st[1] > now:
+            continue
+        try:
+            s.send(prefix[st[0] % len(prefix):][:1])
+            st[0] += 1
+            st[1] = now + 1.0
+        except OSError:  # evicted or timed out: come back with a fresh connection
+            sel.unregister(s)
+            del state[s]
+            s.close()
+            connect(now + 1.0)
+print("opened", opened, flush=True)
+"""
+
+
+def test_a_flood_of_slow_unauthenticated_connections_does_not_lock_out_a_valid_client(
+        tmp_path, peers):
+    """300 connections from one address, each sending one byte of a hello a second and coming
+    back when closed (a slowloris): a valid client still completes a transfer within 2 s."""
+    token_file = write_token(tmp_path / "token")
+    token = token_file.read_text().strip().encode()
+    peer = peers(tmp_path, str(tmp_path / "l2"), token_file,
+                 extra=["--slots", "4", "--max-checkpoint-bytes", "8M"])
+    flood = subprocess.Popen([sys.executable, "-c", SLOW_FLOOD, str(peer.port), "300", "25"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
+        time.sleep(2.0)  # every slot mid-handshake is taken, the flood churns
+        data = secrets.token_bytes(1 << 20)
+        worst_s = 0.0
+        for step in range(1, 6):
+            t0 = time.monotonic()
+            c = PeerClient(("127.0.0.1", peer.port), token, io_timeout_s=5)
+            _put_and_seal(c, token, "v", step, data)
+            assert bytes(c.get("v", step, "rank-00000.bin", len(data), exact=True)) == data
+            c.close()
+            worst_s = max(worst_s, time.monotonic() - t0)
+            time.sleep(0.3)
+        assert worst_s < 2.0, worst_s
+        assert flood.poll() is None  # the flood was on all along
+    finally:
+        flood.kill()
+        out = flood.communicate()[0]
+    assert peer.proc.poll() is None
+    peer.wait_for(r"rejected \d+ unauthenticated connections in the last 10 s \(\d+ evicted: "
+                  r"at most 16 mid-handshake, 8 per address", timeout_s=15)
+    print(f"worst transfer {worst_s:.3f} s under the flood {out.strip()}")
+
+
+def _put_and_seal(c: PeerClient, token: bytes, job: str, step: int, data: bytes) -> bool:
+    c.put(job=job, step=step, world_size=1, name="rank-00000.bin", part=0, nparts=1, offset=0,
+          file_bytes=len(data), data=data)
+    c.put(job=job, step=step, world_size=1, name="rank-00000.json", part=0, nparts=1, offset=0,
+          file_bytes=2, data=b"{}")
+    files = [{"name": "rank-00000.bin", "nbytes": len(data),
+              "xxh3_64": xxhash.xxh3_64_hexdigest(data)},
+             {"name": "rank-00000.json", "nbytes": 2, "xxh3_64": xxhash.xxh3_64_hexdigest(b"{}")}]
+    return c.seal(**_seal_args(token, job, step, files, {"step": step}))
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of the peer: the attacker on the path, without the token.
+
+    ``mode`` ``forward`` relays faithfully; ``answer`` forwards the handshake, then answers every
+    request itself: LIST with a forged step, GET with a forged manifest whose checksums match its
+    forged bytes. It cannot compute the frames' tags, so it sends random ones.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.mode = "forward"
+        self.answered = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+                server = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                return
+            if self.mode == "answer":
+                threading.Thread(target=self._answer, args=(client, server), daemon=True).start()
+            else:
+                for src, dst in ((client, server), (server, client)):
+                    threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _answer(self, client: socket.socket, server: socket.socket) -> None:
+        forged = b"\0" * 64
+        manifest = json.dumps({
+            "format_version": 1, "step": 99999999, "world_size": 1, "meta": {"step": 99999999},
+            "files": [{"name": "rank-00000.bin", "nbytes": 64,
+                       "xxh3_64": xxhash.xxh3_64_hexdigest(forged)}],
+            "seals": [{"rank": 0, "tag": "0" * 64}]}).encode()
+        try:
+            client.settimeout(30)
+            client.sendall(server.recv(37, socket.MSG_WAITALL))  # the peer's hello
+            server.sendall(client.recv(69, socket.MSG_WAITALL))  # the agent's proof
+            client.sendall(server.recv(36, socket.MSG_WAITALL))  # the peer's proof
+            server.close()
+            while True:
+                fixed = client.recv(FRAME.size, socket.MSG_WAITALL)
+                if len(fixed) < FRAME.size:
+                    return
+                _, _, op, _, json_len, _ = FRAME.unpack(fixed)
+                request = json.loads(client.recv(json_len + 32, socket.MSG_WAITALL)[:json_len])
+                payload = b""
+                if op == Op.GET:
+                    payload = manifest if request.get("name") == "manifest.json" else forged
+                body = json.dumps({"ok": True, "go": False, "complete": True, "flush_to": "x",
+                                   "nbytes": len(payload), "checkpoints": [
+                                       {"step": 99999999, "world_size": 1, "state": "durable",
+                                        "bytes": 64}]}).encode()
+                self.answered += 1
+                client.sendall(FRAME.pack(FRAME_MAGIC, 2, op | 0x80, 0, len(body), len(payload))
+                               + body + secrets.token_bytes(32) + payload
+                               + (secrets.token_bytes(32) if payload else b""))
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+
+def test_a_relay_that_answers_after_the_handshake_installs_nothing(tmp_path, peers, reference):
+    """The agent reaches the peer through a relay. After a crash and the loss of the disk, the
+    relay forwards the resume's handshake, then answers LIST/GET itself with a forged newer
+    checkpoint: the agent refuses its first frame, says so in one line, installs nothing, and
+    the job trains from scratch to the reference result."""
+    _, ref_state = reference
+    token = write_token(tmp_path / "token")
+    peer = peers(tmp_path, str(tmp_path / "l2"), token)
+    relay = Relay(("127.0.0.1", peer.port))
+    try:
+        first = run_cfrun(["--interval", str(K), "--job-dir", "j", "--max-restarts", "0",
+                           "--inject-crash", "35", "--peer", relay.address, "--peer-token-file",
+                           str(token), *TINY, "--out", "got.pt"], cwd=tmp_path)
+        assert first.returncode == 4, first.stderr[-3000:]
+        assert first.events("protected")  # through the faithful relay
+        shutil.rmtree(tmp_path / "j" / "checkpoints")
+        relay.mode = "answer"
+        run = run_cfrun(["resume", "j"], cwd=tmp_path)
+        run.job_dir = tmp_path / "j"
+    finally:
+        relay.close()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert relay.answered >= 1
+    assert not run.events("fetched") and not run.events("resumed")
+    said = [l for l in run.stderr.splitlines() if "failed authentication" in l]
+    assert len(said) == 1 and "relay" in said[0], run.stderr[-3000:]
+    assert [e["step"] for e in run.events("checkpoint")] and \
+        max(e["step"] for e in run.events("checkpoint")) < 99999999
+    assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
+
