@@ -149,6 +149,7 @@ class RankError:
 
     @property
     def is_transport(self) -> bool:
+        """Only reports another rank's death (:func:`is_transport_error`)."""
         return is_transport_error(self.type, self.message)
 
     def fields(self) -> dict[str, Any]:
@@ -221,6 +222,9 @@ class Outcome:
 
     @property
     def kind(self) -> OutcomeKind:
+        """How the attempt ended, from the evidence, first match wins: cfrun's own signal,
+        the agent lost, exit 0 (with stop marks: preempted), a clean end then a teardown death,
+        fatal.json, a hang, the script's failure, else a kill from outside."""
         if self.signal is not None:
             return OutcomeKind.PREEMPTED
         if self.agent_error is not None:
@@ -239,7 +243,9 @@ class Outcome:
     def is_script_failure(self) -> bool:
         """The script failed by itself (it may fail the same way again): a hang, an exception
         other than a peer's death seen through a collective, a non-zero exit of the script, or
-        an OOM kill. Otherwise something killed torchrun or a rank from outside."""
+        an OOM kill. Otherwise something killed torchrun or a rank from outside. (A rank that
+        dies by SIGSEGV or SIGABRT in native code leaves no record either: it counts as a
+        kill, so only ``--max-restarts`` bounds its restarts.)"""
         first = first_error(self.errors)
         return (self.hung or (first is not None and not first.is_transport)
                 or self.ranks_exited_nonzero > 0 or self.oom_kills > 0)

@@ -43,28 +43,40 @@ reaping alone cost 2.6% of a core (bench/adaptive.py's cfrun_no_ckpt run), time 
 training on a machine whose cores it uses."""
 
 
-def oom_kill_count() -> int | None:
-    """How many processes the kernel's OOM killer has killed so far: in this process's cgroup
-    (v2 ``memory.events``, its subtree included; the ranks are in it too), else on the whole
-    machine (``/proc/vmstat``). None where neither can be read. The monitor compares it before
-    and after an attempt: a rank that vanished while it grew was most likely OOM-killed."""
+def _oom_kill_files() -> list[Path]:
+    """Files with an ``oom_kill N`` line for this process's memory cgroup, most specific
+    first: cgroup v2 ``memory.events`` (its subtree included; the ranks are in it too), v1
+    ``memory.oom_control``, each under the path /proc/self/cgroup names and at the mount's root
+    (a container's own cgroup), then the whole machine's ``/proc/vmstat``."""
+    root = Path("/sys/fs/cgroup")
+    files = []
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                events = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "memory.events"
-                for entry in events.read_text().splitlines():
-                    name, _, count = entry.partition(" ")
-                    if name == "oom_kill":
-                        return int(count)
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":
+                files += [root / rel / "memory.events", root / "unified" / rel / "memory.events"]
+            elif "memory" in controllers.split(","):
+                files += [root / "memory" / rel / "memory.oom_control"]
     except (OSError, ValueError):
         pass
-    try:
-        for entry in Path("/proc/vmstat").read_text().splitlines():
-            name, _, count = entry.partition(" ")
-            if name == "oom_kill":
-                return int(count)
-    except (OSError, ValueError):
-        pass
+    return [*files, root / "memory.events", root / "memory" / "memory.oom_control",
+            Path("/proc/vmstat")]
+
+
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's OOM killer has killed so far, in this process's memory
+    cgroup where it can be read, else on the whole machine; None where nothing says. The
+    monitor compares it before and after an attempt: a rank that died without an error while
+    it grew was most likely OOM-killed (evidence that the script, not an outside kill, failed)."""
+    for path in _oom_kill_files():
+        try:
+            for entry in path.read_text().splitlines():
+                name, _, count = entry.partition(" ")
+                if name == "oom_kill":
+                    return int(count)
+        except (OSError, ValueError):
+            continue
     return None
 
 

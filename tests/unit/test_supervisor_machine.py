@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def drive(outcomes: list[Outcome], policy: Policy = POLICY) -> list[Action]:
     history = History()
     actions: list[Action] = []
     for attempt, outcome in enumerate(outcomes):
-        outcome = Outcome(**{**outcome.__dict__, "attempt": attempt})
+        outcome = replace(outcome, attempt=attempt)
         action = decide(outcome, history, policy)
         actions.append(action)
         history = history.then(outcome, action)
@@ -268,7 +269,7 @@ def test_fatal_and_agent_lost_exit_5_without_restart() -> None:
 def test_history_counts_restarts_and_keeps_only_the_scripts_failures() -> None:
     history = History()
     for outcome in (raised(12), torchrun_killed(13), hung(14)):
-        outcome = Outcome(**{**outcome.__dict__, "duration_s": 2.5})
+        outcome = replace(outcome, duration_s=2.5)
         history = history.then(outcome, decide(outcome, history, POLICY))
     assert history.restart_count == 3
     assert [f.step for f in history.script_failures] == [12, 14]
@@ -386,6 +387,21 @@ def test_oom_kill_count_reads_a_number_or_nothing() -> None:
 
     count = oom_kill_count()
     assert count is None or (isinstance(count, int) and count >= 0)
+
+
+def test_monitor_takes_a_silent_death_during_an_oom_kill_as_the_scripts(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """A rank SIGKILLs itself without an error: a kill from outside, unless the OOM-kill
+    counter grew during the attempt (the kernel's OOM killer, faked here)."""
+    import cfrun.supervisor.monitor as M
+
+    silent_death = "os.kill(os.getpid(), 9)"
+    assert _attempt_that(tmp_path, silent_death).kind is OutcomeKind.KILLED
+    counts = iter([7, 8])
+    monkeypatch.setattr(M, "oom_kill_count", lambda: next(counts))
+    outcome = _attempt_that(tmp_path, silent_death)
+    assert (outcome.kind, outcome.returncode, outcome.oom_kills) == \
+        (OutcomeKind.FAILED, -9, 1)
 
 
 def test_failure_fields_are_json() -> None:
