@@ -1,12 +1,11 @@
 """Unit tests for cfrun.supervisor.core with real processes: the lock of a killed holder, leftovers
-of a dead supervisor, the restart backoff."""
+of a dead supervisor, the restart backoff as the supervisor carries it out (the policy alone:
+test_supervisor_machine.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,11 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cfrun.contract import settings as E
 from cfrun.contract import ipc
-from cfrun.supervisor import core as S
+from cfrun.contract import settings as E
 from cfrun.contract.config import RunConfig
+from cfrun.contract.errors import JobFailedError
 from cfrun.contract.jobdir import JobDir
+from cfrun.supervisor import core as S
+from cfrun.supervisor.machine import backoff_delay_s
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,14 +115,14 @@ def test_restarts_back_off_exponentially_up_to_30_s(tmp_path: Path, monkeypatch)
         return _Failed()
 
     sup = S.Supervisor(cfg, spawn_fn=fake_spawn, backoff_s=4.0)
-    with pytest.raises(S.JobFailedError):
+    with pytest.raises(JobFailedError):
         sup.run()
     assert slept == [4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert len(spawned) == 7
     restarting = [e for e in JobDir(cfg.job_dir).read_events()
                   if e["event"] == "state" and e["state"] == "restarting"]
     assert [e["backoff_s"] for e in restarting] == slept
-    assert S.backoff_delay_s(0.5, 1) == 0.5 and S.backoff_delay_s(0.5, 4) == 4.0
+    assert backoff_delay_s(0.5, 1) == 0.5 and backoff_delay_s(0.5, 4) == 4.0
 
 
 def test_backoff_wait_reaps_orphans_meanwhile(tmp_path: Path) -> None:

@@ -1,0 +1,443 @@
+"""The supervisor's restart policy as a pure state machine: outcome + history + policy -> action.
+
+The monitor (:mod:`cfrun.supervisor.monitor`) runs one attempt and says how it ended, as an
+:class:`Outcome` built from what the attempt left behind (torchrun's exit status, the ranks'
+``errors/``, ``ended/`` and ``preempted/`` marks, ``fatal.json``, the heartbeats, the kernel's
+OOM-kill counter). :func:`decide` turns that outcome, the :class:`History` of earlier attempts
+and the :class:`Policy` into the next :class:`Action`: restart after a backoff, or stop with an
+exit code. The supervisor (:mod:`cfrun.supervisor.core`) carries the action out: it writes the
+action's events and report lines, sets the state, waits, raises the error. Nothing here reads a
+file, a clock or the environment, so every rule is tested in-process
+(``tests/unit/test_supervisor_machine.py``). The split follows torch.distributed.elastic, whose
+agent monitors the workers into a ``RunResult`` and decides on it in ``_invoke_run``.
+
+How an attempt ended (:attr:`Outcome.kind`)::
+
+    SUCCEEDED   torchrun exited 0; or every rank finished the script, then one died in teardown
+    PREEMPTED   SIGTERM/SIGINT to cfrun, or the ranks stopped for another node's stop request
+    FATAL       a rank wrote fatal.json: resuming would be wrong
+    AGENT_LOST  the persist agent died and did not come back
+    HUNG        no optimizer step for --hang-timeout; the monitor killed the ranks
+    FAILED      the script failed: an exception, a non-zero exit, or an OOM kill
+    KILLED      a process was killed from outside (SIGKILL of torchrun or of a rank, no OOM
+                evidence, no error of the script): a fault to survive, never a crash loop
+
+What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
+
+    SUCCEEDED              -> stop, exit 0
+    PREEMPTED              -> stop, exit 75 (a ``preempted`` event: stop step, final checkpoint)
+    FATAL, AGENT_LOST      -> stop, exit 5
+    FAILED, HUNG, KILLED   -> a ``failure`` event, then
+        the same failure of the script --crash-loop times in a row   -> stop, exit 5
+        --max-restarts restarts used up                              -> stop, exit 4
+        otherwise                    -> restart after backoff_s = backoff x 2^(restart-1) <= 30 s
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from cfrun.contract.errors import (
+    EXIT_FAILED,
+    EXIT_FATAL,
+    EXIT_PREEMPTED,
+    EXIT_SUCCESS,
+    CfrunError,
+    FatalJobError,
+    JobFailedError,
+)
+
+if TYPE_CHECKING:
+    from cfrun.contract.config import RunConfig
+
+
+class SupervisorState(str, enum.Enum):
+    """Where the supervisor is (``state`` events). Transitions::
+
+        STARTING -> RUNNING -> SUCCEEDED                 script exited 0
+                           -> RESTARTING -> RUNNING      failed, restarts left (backoff in between)
+                           -> FAILED                     failed, no restarts left        (exit 4)
+                           -> FATAL                      crash loop, or resuming would be wrong (5)
+                           -> PREEMPTED                  SIGTERM/SIGINT to cfrun          (exit 75)
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    FATAL = "fatal"
+    PREEMPTED = "preempted"
+
+
+class OutcomeKind(str, enum.Enum):
+    """How one attempt ended; the module docstring says what each leads to."""
+
+    SUCCEEDED = "succeeded"
+    PREEMPTED = "preempted"
+    FATAL = "fatal"
+    AGENT_LOST = "agent_lost"
+    HUNG = "hung"
+    FAILED = "failed"
+    KILLED = "killed"
+
+
+MAX_BACKOFF_S = 30.0
+"""The longest wait before a restart."""
+
+
+def backoff_delay_s(base_s: float, restart: int, max_s: float = MAX_BACKOFF_S) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): ``base_s`` doubled per
+    restart, at most ``max_s`` (30 s)."""
+    return float(min(base_s * 2.0 ** (restart - 1), max_s))
+
+
+_VOLATILE = [
+    (re.compile(r"\[[0-9A-Fa-f:.]*\]:\d+"), "[ADDR]:PORT"),  # gloo: [127.0.0.1]:24987, [::1]:5
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}:\d+\b"), "ADDR:PORT"),
+    (re.compile(r"\b(port|pid)([ =:]\s*)\d+", re.IGNORECASE), r"\1\2N"),
+    (re.compile(r"\b0x[0-9A-Fa-f]+\b"), "0xADDR"),
+]
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def normalise_error_message(message: str | None) -> str | None:
+    """``message`` with its volatile parts (socket addresses, ports, pids, hex pointers)
+    replaced by placeholders, so one bug has one failure signature across attempts."""
+    if message is None:
+        return None
+    for pattern, repl in _VOLATILE:
+        message = pattern.sub(repl, message)
+    return message
+
+
+def is_transport_error(error_type: str | None, message: str | None) -> bool:
+    """A rank's error that only reports another rank's death (a collective lost its peer):
+    gloo's and NCCL's ``DistNetworkError``/``DistBackendError``, or a message that says the
+    peer closed, reset or crashed."""
+    return error_type in ("DistNetworkError", "DistBackendError") or \
+        any(t in (message or "") for t in _TRANSPORT)
+
+
+def describe_returncode(returncode: int) -> str:
+    """``killed by SIGKILL`` for a negative exit status, else ``exit code N``."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+HANG_CAUSE = "hang (no step for --hang-timeout)"
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One rank's uncaught exception, from ``errors/attempt-A-rank-R.json`` (written by the
+    rank's excepthook, cfrun.rank.core.Runtime.on_uncaught)."""
+
+    rank: int
+    type: str | None
+    message: str | None
+    step: int | None
+    t_unix_s: float = field(default=0.0, compare=False)
+    """When the rank failed (unix seconds; the file's mtime if the record lacks it)."""
+
+    @property
+    def is_transport(self) -> bool:
+        """Only reports another rank's death (:func:`is_transport_error`)."""
+        return is_transport_error(self.type, self.message)
+
+    def fields(self) -> dict[str, Any]:
+        """The ``error`` of a ``failure`` event."""
+        return {"type": self.type, "message": self.message, "step": self.step, "rank": self.rank}
+
+
+def first_error(errors: tuple[RankError, ...]) -> RankError | None:
+    """The error that explains a failure: the earliest (``t_unix_s``, then rank), and a
+    transport error (a peer's death seen through a collective) only when no rank had another.
+    Its message is normalised (:func:`normalise_error_message`)."""
+    if not errors:
+        return None
+    e = min(errors, key=lambda e: (e.is_transport, e.t_unix_s, e.rank))
+    return replace(e, message=normalise_error_message(e.message))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failure looked like: two failures are the same when all four fields are
+    (crash-loop detection). ``fields()`` is what the ``failure`` event records."""
+
+    returncode: int
+    hung: bool
+    error: RankError | None
+    step: int | None
+
+    def fields(self) -> dict[str, Any]:
+        return {"returncode": self.returncode, "hung": self.hung,
+                "error": self.error.fields() if self.error else None, "step": self.step}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended, as its evidence (gathered by the monitor after the attempt).
+
+    ``kind`` and ``failure`` are derived from the evidence, here, without I/O."""
+
+    attempt: int
+    """Attempt number (0, 1, ... across every cfrun of this job and node)."""
+    returncode: int | None
+    """torchrun's exit status (negative: killed by that signal); None when cfrun was stopped
+    by a signal before the attempt ended."""
+    duration_s: float = 0.0
+    hung: bool = False
+    """The monitor saw no optimizer step for --hang-timeout and killed the ranks."""
+    errors: tuple[RankError, ...] = ()
+    """The ranks' uncaught exceptions in this attempt (``errors/``)."""
+    ended_clean: bool = False
+    """Every rank of this node wrote a clean end-of-script mark (``ended/``)."""
+    ranks_exited_nonzero: int = 0
+    """Ranks that reached the script's end and left it with a non-zero ``sys.exit`` and no
+    exception (an end mark that is neither clean nor preempted, no ``errors/`` record)."""
+    ranks_stopped: int = 0
+    """Ranks that stopped for a preemption (``preempted/`` marks)."""
+    stop_step: int | None = None
+    """The highest step in the ``preempted/`` marks."""
+    fatal_message: str | None = None
+    """``fatal.json``'s message: a rank found that resuming would be wrong."""
+    last_step: int | None = None
+    """The highest step in the ranks' heartbeats."""
+    oom_kills: int = 0
+    """Processes the kernel's OOM killer killed during the attempt (cgroup or system count)."""
+    agent_error: str | None = None
+    """The persist agent died and could not be restarted: why."""
+    signal: str | None = None
+    """``SIGTERM``/``SIGINT``: cfrun itself was stopped by this signal."""
+    committed_steps: tuple[int, ...] = ()
+    """Committed checkpoint steps when the outcome was taken, newest first."""
+
+    @property
+    def kind(self) -> OutcomeKind:
+        """How the attempt ended, from the evidence, first match wins: cfrun's own signal,
+        the agent lost, exit 0 (with stop marks: preempted), a clean end then a teardown death,
+        fatal.json, a hang, the script's failure, else a kill from outside."""
+        if self.signal is not None:
+            return OutcomeKind.PREEMPTED
+        if self.agent_error is not None:
+            return OutcomeKind.AGENT_LOST
+        if self.returncode == 0 and not self.hung:
+            return OutcomeKind.PREEMPTED if self.ranks_stopped else OutcomeKind.SUCCEEDED
+        if not self.hung and self.ended_clean:
+            return OutcomeKind.SUCCEEDED  # a rank died in interpreter teardown
+        if self.fatal_message is not None:
+            return OutcomeKind.FATAL
+        if self.hung:
+            return OutcomeKind.HUNG
+        return OutcomeKind.FAILED if self.is_script_failure else OutcomeKind.KILLED
+
+    @property
+    def is_script_failure(self) -> bool:
+        """The script failed by itself (it may fail the same way again): a hang, an exception
+        other than a peer's death seen through a collective, a non-zero exit of the script, or
+        an OOM kill. Otherwise something killed torchrun or a rank from outside. (A rank that
+        dies by SIGSEGV or SIGABRT in native code leaves no record either: it counts as a
+        kill, so only ``--max-restarts`` bounds its restarts.)"""
+        first = first_error(self.errors)
+        return (self.hung or (first is not None and not first.is_transport)
+                or self.ranks_exited_nonzero > 0 or self.oom_kills > 0)
+
+    @property
+    def is_teardown_failure(self) -> bool:
+        """Every rank finished the script cleanly, then a rank died during teardown."""
+        return self.returncode != 0 and not self.hung and self.ended_clean
+
+    @property
+    def cause(self) -> str:
+        """``hang (...)``, ``exit code N`` or ``killed by SIGNAME`` (failure events, reports)."""
+        if self.hung:
+            return HANG_CAUSE
+        return describe_returncode(self.returncode if self.returncode is not None else 0)
+
+    @property
+    def failure(self) -> Failure:
+        """The failure's signature: exit, first failing rank's error, the step it reached."""
+        error = first_error(self.errors)
+        return Failure(returncode=self.returncode if self.returncode is not None else 0,
+                       hung=self.hung, error=error,
+                       step=error.step if error else self.last_step)
+
+
+@dataclass(frozen=True)
+class History:
+    """What earlier attempts of this supervisor did (timings are the numbers given to it)."""
+
+    outcomes: tuple[Outcome, ...] = ()
+    restart_count: int = 0
+    """Restarts so far (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+    script_failures: tuple[Failure, ...] = ()
+    """Signatures of the script's own failures, oldest first (kills from outside left out)."""
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds the attempts ran, all together."""
+        return sum(o.duration_s for o in self.outcomes)
+
+    def then(self, outcome: Outcome, action: Action) -> History:
+        """This history after ``outcome`` and the ``action`` decided on it."""
+        failures = self.script_failures
+        if outcome.kind in (OutcomeKind.FAILED, OutcomeKind.HUNG):
+            failures = (*failures, outcome.failure)
+        return History(outcomes=(*self.outcomes, outcome),
+                       restart_count=self.restart_count + (action.kind is ActionKind.RESTART),
+                       script_failures=failures)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The restart policy's settings (``cfrun --max-restarts``, ``--crash-loop``)."""
+
+    max_restarts: int = 5
+    crash_loop_limit: int = 3
+    """The same failure of the script this many times in a row is a crash loop (0: off)."""
+    backoff_s: float = 0.5
+    """Wait before the first restart; doubled for each further one."""
+    max_backoff_s: float = MAX_BACKOFF_S
+    job_dir: str = ""
+    """Named in the hints (``cfrun resume JOB_DIR``)."""
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5) -> Policy:
+        return cls(max_restarts=cfg.max_restarts, crash_loop_limit=cfg.crash_loop_limit,
+                   backoff_s=backoff_s, job_dir=cfg.job_dir)
+
+
+class ActionKind(str, enum.Enum):
+    RESTART = "restart"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the supervisor does next. It writes ``events`` (in order), logs ``reports`` as
+    warnings, sets ``state`` with ``state_fields``; then, for a restart, waits ``backoff_s``
+    and runs attempt ``attempt``; for a stop, raises :meth:`exception` if there is one, else
+    exits with ``exit_code``."""
+
+    kind: ActionKind
+    state: SupervisorState
+    state_fields: Mapping[str, Any]
+    exit_code: int = EXIT_SUCCESS
+    """The process's exit code for a stop (contract/errors.py); unused for a restart."""
+    events: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    reports: tuple[str, ...] = ()
+    """Lines for cfrun's log (warnings), each whole."""
+    error: str | None = None
+    """The one-line error of a failed or fatal stop (the CLI prints ``cfrun: error: ...``)."""
+    hint: str | None = None
+    backoff_s: float = 0.0
+    attempt: int = 0
+    """The attempt a restart runs."""
+    restart: int = 0
+    """Which restart this is (1, 2, ...)."""
+
+    def exception(self) -> CfrunError | None:
+        """The error the supervisor raises for this stop: JobFailedError (exit 4),
+        FatalJobError (exit 5), or None."""
+        if self.error is None:
+            return None
+        if self.exit_code == EXIT_FAILED:
+            return JobFailedError(self.error, hint=self.hint)
+        return FatalJobError(self.error, hint=self.hint)
+
+
+def _stop(state: SupervisorState, exit_code: int, fields: Mapping[str, Any], **kw: Any) -> Action:
+    return Action(ActionKind.STOP, state, dict(fields), exit_code=exit_code, **kw)
+
+
+def _preempted(outcome: Outcome, policy: Policy) -> Action:
+    steps = outcome.committed_steps
+    newest = steps[0] if steps else None
+    stop_step = outcome.stop_step if outcome.stop_step is not None else outcome.last_step
+    final = stop_step if stop_step is not None and stop_step in steps else None
+    event = {"step": stop_step, "final_checkpoint": final, "newest_committed": newest,
+             "signal": outcome.signal, "ranks_stopped": outcome.ranks_stopped}
+    if final is not None:
+        reports = [(f"cfrun: preempted at step {stop_step}; the final checkpoint "
+                    f"(step {final}) is committed")]
+    else:
+        reports = [("cfrun: no final checkpoint; newest committed is step "
+                    f"{newest if newest is not None else 'none (the job starts over)'}")]
+    if outcome.signal is not None:
+        fields: dict[str, Any] = {"signal": outcome.signal}
+        reports.append(f"cfrun: stopped by {outcome.signal}; resume with: cfrun resume "
+                       f"{policy.job_dir}")
+    else:  # the ranks stopped for another node's stop request
+        fields = {"attempt": outcome.attempt}
+    return _stop(SupervisorState.PREEMPTED, EXIT_PREEMPTED, fields,
+                 events=(("preempted", event),), reports=tuple(reports))
+
+
+def decide(outcome: Outcome, history: History, policy: Policy) -> Action:
+    """The supervisor's next action after ``outcome``, given the earlier attempts (``history``,
+    not yet including ``outcome``) and ``policy``. Pure: the same input, the same action.
+
+    A crash loop is the same :class:`Failure` of the script ``policy.crash_loop_limit`` times
+    in a row; a kill from outside (:attr:`OutcomeKind.KILLED`) neither counts nor breaks the
+    row. Restarts, kills included, are limited by ``policy.max_restarts``."""
+    kind = outcome.kind
+    attempt = outcome.attempt
+    if kind is OutcomeKind.PREEMPTED:
+        return _preempted(outcome, policy)
+    if kind is OutcomeKind.SUCCEEDED:
+        if not outcome.is_teardown_failure:
+            return _stop(SupervisorState.SUCCEEDED, EXIT_SUCCESS, {"attempt": attempt})
+        return _stop(SupervisorState.SUCCEEDED, EXIT_SUCCESS, {"attempt": attempt},
+                     events=(("teardown_failure", {"attempt": attempt,
+                                                   "returncode": outcome.returncode}),),
+                     reports=(("cfrun: every rank finished the script, then a rank died during "
+                               "interpreter teardown "
+                               f"({describe_returncode(outcome.returncode or 0)}); counted as "
+                               "success"),))
+    if kind is OutcomeKind.FATAL:
+        message = outcome.fatal_message or "unknown"
+        return _stop(SupervisorState.FATAL, EXIT_FATAL, {"attempt": attempt, "message": message},
+                     error=message)
+    if kind is OutcomeKind.AGENT_LOST:
+        return _stop(SupervisorState.FATAL, EXIT_FATAL, {"attempt": attempt,
+                                                         "cause": "agent lost"},
+                     error=outcome.agent_error)
+    # FAILED, HUNG, KILLED
+    cause = outcome.cause
+    failure = outcome.failure
+    events: tuple[tuple[str, Mapping[str, Any]], ...] = (
+        ("failure", {"attempt": attempt, "cause": cause, **failure.fields()}),)
+    n = policy.crash_loop_limit
+    if n and kind is not OutcomeKind.KILLED:
+        row = (*history.script_failures, failure)
+        if len(row) >= n and all(x == failure for x in row[-n:]):
+            err = failure.error
+            detail = f"{err.type}: {err.message}" if err else cause
+            return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                         {"attempt": attempt, "cause": "crash loop"}, events=events,
+                         error=f"crash loop: the same failure {n} times in a row at step "
+                               f"{failure.step}: {detail}",
+                         hint=f"fix the script, then: cfrun resume {policy.job_dir}")
+    if history.restart_count >= policy.max_restarts:
+        return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
+                     events=events,
+                     error=f"the script failed ({cause}) and --max-restarts "
+                           f"{policy.max_restarts} restarts are used up",
+                     hint=f"fix the cause, then continue with: cfrun resume {policy.job_dir}")
+    restart = history.restart_count + 1
+    delay_s = backoff_delay_s(policy.backoff_s, restart, policy.max_backoff_s)
+    return Action(ActionKind.RESTART, SupervisorState.RESTARTING,
+                  {"attempt": attempt + 1, "cause": cause, "restart": restart,
+                   "backoff_s": delay_s},
+                  events=events,
+                  reports=((f"cfrun: training failed ({cause}); restart {restart} of "
+                            f"{policy.max_restarts} from the newest checkpoint"),),
+                  backoff_s=delay_s, attempt=attempt + 1, restart=restart)

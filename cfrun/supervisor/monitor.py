@@ -1,0 +1,449 @@
+"""The monitor: runs one torchrun attempt and says how it ended, as an :class:`Outcome`.
+
+:meth:`Monitor.run` spawns torchrun, then waits for it in 0.1 s steps: it forwards queued
+signals to the ranks, prints the progress line, and every ``HOUSEKEEPING_S`` checks the persist
+agent, reaps orphans and looks at the heartbeats (a hang gets the ranks killed). When torchrun
+is gone it kills what is left of the attempt and reads what the ranks left behind (``errors/``,
+``ended/``, ``preempted/`` marks, ``fatal.json``, heartbeats, committed checkpoints, the OOM-kill
+counter) into the :class:`~cfrun.supervisor.machine.Outcome` that the pure policy
+(:func:`cfrun.supervisor.machine.decide`) decides on. On a preemption the supervisor calls
+:meth:`Monitor.shutdown` (stop the ranks by the grace deadline), then :meth:`Monitor.stopped`.
+
+Runs in the supervisor process, on its main thread (torchrun gets a parent-death signal, which
+Linux ties to the thread that forked it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.config import RunConfig
+from cfrun.contract.errors import FatalJobError
+from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.policy import learned_mtbf_s
+from cfrun.supervisor.launcher import build_torchrun_argv, build_worker_env
+from cfrun.supervisor.machine import Outcome, RankError
+
+logger = logging.getLogger("cfrun")
+
+HOUSEKEEPING_S = 1.0
+"""How often, while ranks run, the supervisor checks the agent, reaps orphans and looks at the
+heartbeats. Signals are forwarded within 0.1 s; at 10 Hz the process-table scan of orphan
+reaping alone cost 2.6% of a core (bench/adaptive.py's cfrun_no_ckpt run), time taken from
+training on a machine whose cores it uses."""
+
+
+def _oom_kill_files() -> list[Path]:
+    """Files with an ``oom_kill N`` line for this process's memory cgroup, most specific
+    first: cgroup v2 ``memory.events`` (its subtree included; the ranks are in it too), v1
+    ``memory.oom_control``, each under the path /proc/self/cgroup names and at the mount's root
+    (a container's own cgroup), then the whole machine's ``/proc/vmstat``."""
+    root = Path("/sys/fs/cgroup")
+    files = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            rel = path.lstrip("/")
+            if controllers == "":
+                files += [root / rel / "memory.events", root / "unified" / rel / "memory.events"]
+            elif "memory" in controllers.split(","):
+                files += [root / "memory" / rel / "memory.oom_control"]
+    except (OSError, ValueError):
+        pass
+    return [*files, root / "memory.events", root / "memory" / "memory.oom_control",
+            Path("/proc/vmstat")]
+
+
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's OOM killer has killed so far, in this process's memory
+    cgroup where it can be read, else on the whole machine; None where nothing says. The
+    monitor compares it before and after an attempt: a rank that died without an error while
+    it grew was most likely OOM-killed (evidence that the script, not an outside kill, failed)."""
+    for path in _oom_kill_files():
+        try:
+            for entry in path.read_text().splitlines():
+                name, _, count = entry.partition(" ")
+                if name == "oom_kill":
+                    return int(count)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class Monitor:
+    """Runs the attempts of one supervisor, one at a time, each into an :class:`Outcome`.
+
+    Args:
+        cfg: the job's settings.
+        jobdir: the job dir (locked by the supervisor).
+        spawn_fn: starts torchrun: ``spawn_fn(argv, env, cwd) -> Popen`` (tests pass fakes).
+        check_agent: called every ``HOUSEKEEPING_S``; restarts a dead persist agent, raises
+            FatalJobError if it cannot (the attempt then ends as ``AGENT_LOST``).
+        own_processes: the supervisor's long-lived children (the persist agent, the reaper),
+            which outlive attempts: never killed or reaped here.
+        second_signal: True once a second SIGTERM/SIGINT arrived (:meth:`shutdown` stops
+            waiting for the ranks).
+        pending_signals: signal numbers queued by the supervisor's handler, forwarded to the
+            ranks by :meth:`run` within 0.1 s.
+        progress_s: seconds between progress lines on stderr (0: none).
+    """
+
+    def __init__(self, cfg: RunConfig, jobdir: JobDir, *,
+                 spawn_fn: Callable[..., Any],
+                 check_agent: Callable[[], None],
+                 own_processes: Callable[[], Iterable[subprocess.Popen[bytes] | None]],
+                 second_signal: Callable[[], bool],
+                 pending_signals: list[int],
+                 progress_s: float = 0.0) -> None:
+        self.cfg = cfg
+        self.jobdir = jobdir
+        self.spawn_fn = spawn_fn
+        self.check_agent = check_agent
+        self.own_processes = own_processes
+        self.second_signal = second_signal
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.attempt = -1
+        """The attempt started last (-1: none yet)."""
+        self.progress_s = progress_s
+        self._progress_at = 0.0
+        self._progress_step = (0.0, 0)
+        self._pending_signals = pending_signals
+
+    # ------------------------------------------------------------------ one attempt
+
+    def run(self, attempt: int) -> Outcome:
+        """Run attempt ``attempt`` to its end and return how it ended (event ``attempt_start``
+        before, ``attempt_end`` after; ``hang`` when the ranks hung).
+
+        Raises:
+            SignalReceived: from the supervisor's handler (SIGTERM/SIGINT); the supervisor then
+                calls :meth:`shutdown`.
+        """
+        argv = build_torchrun_argv(self.cfg)
+        env = build_worker_env(self.cfg, attempt, mtbf_s=self.mtbf_s())
+        self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
+        t0 = time.monotonic()
+        started_unix_s = time.time()
+        oom_before = oom_kill_count()
+        self.attempt = attempt
+        # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
+        # kill_ranks finds it among our descendants
+        self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+        hung = False
+        agent_error = None
+        checked_at = 0.0
+        while True:
+            try:
+                rc = self.proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                self.forward_pending()
+                self.progress(started_unix_s)
+                if time.monotonic() - checked_at < HOUSEKEEPING_S:
+                    continue
+                checked_at = time.monotonic()
+                try:
+                    self.check_agent()
+                except FatalJobError as e:  # the agent died and did not start again
+                    agent_error = str(e)
+                    self.kill_ranks()
+                    continue
+                self.reap_orphans()
+                if self.is_hung(started_unix_s):
+                    hung = True
+                    logger.warning("cfrun: no optimizer step for %ss (--hang-timeout); killing "
+                                   "the ranks", self.cfg.hang_timeout_s)
+                    self.jobdir.emit_event("hang", attempt=attempt,
+                                           hang_timeout_s=self.cfg.hang_timeout_s)
+                    self.kill_ranks()
+        self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
+        self.proc = None
+        duration_s = time.monotonic() - t0
+        self.jobdir.emit_event("attempt_end", attempt=attempt, returncode=rc,
+                               duration_s=round(duration_s, 3))
+        oom_after = oom_kill_count()
+        oom_kills = oom_after - oom_before if oom_before is not None and \
+            oom_after is not None else 0
+        errors = self.rank_errors(attempt)
+        marks = self.ended_marks(attempt)
+        stopped = self.preempted_marks(attempt)
+        raised = {e.rank for e in errors}
+        return Outcome(
+            attempt=attempt, returncode=rc, duration_s=duration_s, hung=hung, errors=errors,
+            ended_clean=len(marks) == self.cfg.nproc_per_node
+            and all(m.get("clean") is True for m in marks.values()),
+            # the script's own sys.exit(N): an end mark, neither clean nor preempted, no error
+            ranks_exited_nonzero=sum(1 for r, m in marks.items() if m.get("clean") is not True
+                                     and not m.get("preempted") and r not in raised),
+            ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
+            fatal_message=self.fatal_message(), last_step=self.last_step(),
+            oom_kills=max(oom_kills, 0), agent_error=agent_error,
+            committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))
+
+    def stopped(self, signame: str) -> Outcome:
+        """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,
+        read after :meth:`shutdown` and after the agent stopped (its final commit counts)."""
+        stopped = self.preempted_marks(self.attempt)
+        return Outcome(attempt=self.attempt, returncode=None, signal=signame,
+                       ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
+                       last_step=self.last_step(),
+                       committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))
+
+    def forward_pending(self) -> None:
+        """Send the queued signals to the ranks (torchrun's children; not torchrun, whose own
+        handler would end the attempt on SIGHUP or SIGQUIT). Event ``signal_forwarded``."""
+        import psutil
+
+        while self._pending_signals:
+            signum = self._pending_signals.pop(0)
+            ranks = []
+            if self.proc is not None:
+                try:
+                    ranks = psutil.Process(self.proc.pid).children()
+                except psutil.Error:
+                    ranks = []
+            for r in ranks:
+                try:
+                    r.send_signal(signum)
+                except psutil.Error:
+                    pass
+            name = signal.Signals(signum).name
+            logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
+            self.jobdir.emit_event("signal_forwarded", signal=name, ranks=len(ranks))
+
+    def progress(self, started_unix_s: float) -> None:
+        """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
+        steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
+        ``write``, so it never cuts into a line of the script's own output."""
+        now = time.monotonic()
+        if not self.progress_s or now - self._progress_at < self.progress_s:
+            return
+        first = self._progress_at == 0.0
+        self._progress_at = now
+        step = self.last_step()
+        if first or step is None:
+            self._progress_step = (now, step or 0)
+            return
+        t0, s0 = self._progress_step
+        rate = (step - s0) / max(now - t0, 1e-9)
+        self._progress_step = (now, step)
+        steps = committed_steps(self.jobdir.checkpoints)
+        line = (f"cfrun: step {step} ({rate:.2f} steps/s), newest checkpoint step "
+                f"{steps[0] if steps else 'none'}, {self.overhead_text(started_unix_s)}\n")
+        try:
+            os.write(sys.stderr.fileno(), line.encode())
+        except (OSError, ValueError):
+            pass
+
+    def overhead_text(self, started_unix_s: float) -> str:
+        """``overhead S% (budget B%)``: training time this attempt lost in checkpoint stalls
+        (``checkpoint`` events' ``stall_s`` over the wall time since the attempt started), and
+        the policy's latest measured overhead (``adapt`` events) when there is one."""
+        stall_s = 0.0
+        measured = None
+        for e in self.jobdir.read_events():
+            if e.get("t_unix_s", 0) < started_unix_s:
+                continue
+            if e.get("event") == "checkpoint":
+                stall_s += float(e.get("stall_s") or 0.0)
+            elif e.get("event") == "adapt" and e.get("measured_overhead") is not None:
+                measured = float(e["measured_overhead"])
+        wall_s = max(time.time() - started_unix_s, 1e-9)
+        text = f"overhead {100 * stall_s / wall_s:.2f}% stalled"
+        if measured is not None:
+            text += f", {100 * measured:.2f}% measured"
+        if self.cfg.interval is not None:
+            return text + f" (budget {100 * self.cfg.overhead:.2f}%, not applied: --interval)"
+        return text + f" (budget {100 * self.cfg.overhead:.2f}%)"
+
+    def mtbf_s(self) -> float | None:
+        """``--mtbf``, else learned from this job's history (wall time per failure)."""
+        if self.cfg.mtbf_s:
+            return self.cfg.mtbf_s
+        events = self.jobdir.read_events()
+        wall_s = sum(float(e.get("duration_s", 0)) for e in events
+                     if e.get("event") == "attempt_end")
+        failures = sum(1 for e in events if e.get("event") == "failure")
+        return learned_mtbf_s(wall_s, failures)
+
+    def is_hung(self, started_unix_s: float) -> bool:
+        """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""
+        limit = self.cfg.hang_timeout_s
+        if not limit:
+            return False
+        beats = [p.stat().st_mtime for p in self.jobdir.root.glob("heartbeat-rank-*")]
+        beats = [t for t in beats if t >= started_unix_s]
+        if not beats:  # before the first step: startup, data loading, resume
+            return time.time() - started_unix_s > max(limit, 600.0)
+        return time.time() - min(beats) > limit
+
+    # ------------------------------------------------------------------ what the ranks left
+
+    def last_step(self) -> int | None:
+        """The highest step in the ranks' heartbeats (``heartbeat-rank-*``), None before any."""
+        steps = []
+        for p in self.jobdir.root.glob("heartbeat-rank-*"):
+            try:
+                steps.append(int(p.read_text().strip() or -1))
+            except (OSError, ValueError):
+                continue
+        return max(steps) if steps else None
+
+    def ended_marks(self, attempt: int) -> dict[int, dict[str, Any]]:
+        """rank -> the end-of-script mark this node's rank wrote in ``attempt``
+        (cfrun.rank.core.Runtime._mark_end: ``clean``, ``preempted``, ``step``); an unreadable
+        mark reads as not clean."""
+        out: dict[int, dict[str, Any]] = {}
+        ended = self.jobdir.root / "ended"
+        for p in ended.glob(f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):
+            try:
+                rank = int(p.stem.rsplit("-", 1)[1])
+            except ValueError:
+                continue
+            try:
+                mark = json.loads(p.read_text())
+                out[rank] = mark if isinstance(mark, dict) else {"clean": False}
+            except (OSError, ValueError):
+                out[rank] = {"clean": False}
+        return out
+
+    def rank_errors(self, attempt: int) -> tuple[RankError, ...]:
+        """The ranks' errors of ``attempt`` (``errors/attempt-A-rank-R.json``); unreadable
+        records are skipped."""
+        out = []
+        for path in (self.jobdir.root / "errors").glob(f"attempt-{attempt}-rank-*.json"):
+            try:
+                e = json.loads(path.read_text())
+                t = float(e.get("t_unix_s") or path.stat().st_mtime)
+                rank = int(path.stem.rsplit("-", 1)[1])
+                step = e.get("step")
+                out.append(RankError(rank=rank, type=e.get("type"), message=e.get("message"),
+                                     step=int(step) if step is not None else None, t_unix_s=t))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+        return tuple(out)
+
+    def preempted_marks(self, attempt: int) -> list[int]:
+        """The stop steps of this node's ranks' ``preempted`` marks of ``attempt``
+        (cfrun.rank.core.Runtime._mark_preempted)."""
+        steps = []
+        for p in (self.jobdir.root / "preempted").glob(
+                f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):
+            try:
+                steps.append(int(json.loads(p.read_text())["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return steps
+
+    def fatal_message(self) -> str | None:
+        """``fatal.json``'s message (a rank found that resuming would be wrong), or None."""
+        fatal = self.jobdir.root / "fatal.json"
+        if not fatal.exists():
+            return None
+        try:
+            return str(json.loads(fatal.read_text()).get("message", "unknown"))
+        except (OSError, ValueError, AttributeError):
+            return "unknown"
+
+    # ------------------------------------------------------------------ processes
+
+    def shutdown(self, signum: int, deadline_s: float) -> None:
+        """Preemption: ask the ranks to stop at one step and checkpoint by ``deadline_s``
+        (monotonic seconds).
+
+        Writes ``stop_request.json`` with the deadline (unix seconds); the ranks agree on a stop
+        step, take a final checkpoint if rank 0 decided it can be durable in time, and exit 0.
+        torchrun is not signalled (its handler would kill the ranks at once). At the deadline,
+        or on a second signal, every rank is SIGKILLed (a torchrun whose spawn the signal
+        interrupted too).
+        """
+        deadline_unix_s = time.time() + max(0.0, deadline_s - time.monotonic())
+        atomic_write_json(self.jobdir.root / "stop_request.json",
+                          {"deadline_unix_s": deadline_unix_s,
+                           "signal": signal.Signals(signum).name})
+        proc = self.proc
+        if proc is not None:
+            while time.monotonic() < deadline_s and not self.second_signal():
+                try:
+                    proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    self.reap_orphans()
+            if self.second_signal():
+                logger.warning("cfrun: second signal; killing the ranks and the persist agent "
+                               "now")
+            elif proc.poll() is None:
+                logger.warning("cfrun: the ranks did not stop within --grace %ss; killing them",
+                               self.cfg.grace_s)
+        self.kill_ranks(timeout_s=1.0)
+        self.proc = None
+
+    def descendants(self) -> list[Any]:
+        """Our processes except the persist agent's tree (it outlives attempts)."""
+        import psutil
+
+        me = psutil.Process()
+        keep = {p.pid for p in self.own_processes() if p is not None}
+        out = []
+        for p in me.children(recursive=True):
+            try:
+                if p.pid in keep or any(a.pid in keep for a in p.parents()):
+                    continue
+            except psutil.Error:
+                continue
+            out.append(p)
+        return out
+
+    def kill_ranks(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL torchrun and every rank and worker below it, then reap them, waiting at
+        most about ``timeout_s`` seconds (a process stuck in the kernel is left to init).
+
+        torchrun starts each rank in a session of its own, so a process-group kill would miss
+        them; cfrun is a child subreaper, so ranks orphaned by a dead torchrun are still ours.
+        A torchrun not yet in ``self.proc`` (a signal during spawn) is among the descendants.
+        """
+        import psutil
+
+        procs = self.descendants()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        own = self.proc.pid if self.proc is not None else None
+        # torchrun itself is reaped by its Popen (reaping it here would lose its exit status)
+        psutil.wait_procs([p for p in procs if p.pid != own], timeout=timeout_s)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("cfrun: torchrun (pid %d) did not die after SIGKILL", self.proc.pid)
+        self.reap_orphans()
+
+    def reap_orphans(self) -> None:
+        """Reap exited processes re-parented to us (PID 1, or as subreaper), not our own."""
+        import psutil
+
+        own = {p.pid for p in (self.proc, *self.own_processes()) if p is not None}
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for c in children:
+            if c.pid in own:
+                continue
+            try:
+                if c.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(c.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                continue
