@@ -222,8 +222,8 @@ def remove_dead_slots(directories: Iterable[Path]) -> int:
         for entry in _own_entries(directory):
             pid = _slot_pid(entry.name)
             if pid is None or pid == os.getpid() or _pid_alive(pid) \
-                    or not entry.is_file(follow_symlinks=False):
-                continue
+                    or entry.is_dir(follow_symlinks=False):
+                continue  # (a link is unlinked itself, never followed)
             try:
                 os.unlink(entry.path)
                 n += 1

@@ -19,7 +19,6 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import SCRIPTS, clean_env
 
 from cfrun.contract import ipc, slots
 from cfrun.contract.config import RunConfig
 from cfrun.contract.jobdir import JobDir
-from conftest import SCRIPTS, clean_env
 
 pytestmark = pytest.mark.timeout(300)
 ATTACKER_NAME = "cfrun-attacker"
@@ -76,24 +75,24 @@ def attacker() -> Attacker:
         pw = pwd.getpwnam(ATTACKER_NAME)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", ATTACKER_NAME], capture_output=True)
+                        "/usr/sbin/nologin", ATTACKER_NAME], check=False, capture_output=True)
         try:
             pw = pwd.getpwnam(ATTACKER_NAME)
         except KeyError:
             pw = pwd.getpwnam("nobody")
-    python = "/usr/bin/python3"
     tries = []
-    if shutil.which("setpriv"):
-        tries.append(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}",
-                      "--clear-groups", python])
-    if shutil.which("runuser"):
-        tries.append(["runuser", "-u", pw.pw_name, "--", python])
+    for python in ("/usr/bin/python3", sys.executable):  # the venv's may sit in a 0700 home
+        if shutil.which("setpriv"):
+            tries.append(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}",
+                          "--clear-groups", python])
+        if shutil.which("runuser"):
+            tries.append(["runuser", "-u", pw.pw_name, "--", python])
     for argv in tries:
         p = subprocess.run([*argv, "-c", "import os; print(os.getuid())"], cwd="/",
-                           capture_output=True, text=True)
+                           check=False, capture_output=True, text=True)
         if p.returncode == 0 and p.stdout.strip() == str(pw.pw_uid):
             return Attacker(pw.pw_uid, pw.pw_gid, argv)
-    _skip(f"cannot run {python} as uid {pw.pw_uid} with setpriv or runuser")
+    _skip(f"cannot run a python as uid {pw.pw_uid} with setpriv or runuser")
     raise AssertionError
 
 
@@ -465,22 +464,22 @@ def test_agent_accepts_only_private_slots_and_sane_messages(agent, tmp_path):
     fifo = slot_dir / "rank00000-2-fifo.slot"
     os.mkfifo(fifo)
     cases = [
-        ("not in this job's private slot directory", dict(slot=str(outside), nbytes=4096)),
-        ("x.slot' is not in this job's", dict(slot=str(slot_dir / ".." / "x.slot"), nbytes=1)),
-        ("is a symbolic link", dict(slot=str(link), nbytes=4096)),
-        ("not a regular file", dict(slot=str(fifo), nbytes=1)),
-        ("fewer than the 8192", dict(slot=str(good), nbytes=8192)),
-        ("step -1", dict(step=-1, slot=str(good), nbytes=4096)),
-        ("step 99999999999999", dict(step=99999999999999, slot=str(good), nbytes=4096)),
-        ("step '5'", dict(step="5", slot=str(good), nbytes=4096)),
-        ("rank 1 is outside", dict(slot=str(good), nbytes=4096, rank=1, world_size=1)),
-        ("world_size 2 is not", dict(slot=str(good), nbytes=4096, world_size=2)),
-        ("nbytes 0", dict(slot=str(good), nbytes=0)),
+        ("not in this job's private slot directory", {"slot": str(outside), "nbytes": 4096}),
+        ("x.slot' is not in this job's", {"slot": str(slot_dir / ".." / "x.slot"), "nbytes": 1}),
+        ("is a symbolic link", {"slot": str(link), "nbytes": 4096}),
+        ("not a regular file", {"slot": str(fifo), "nbytes": 1}),
+        ("fewer than the 8192", {"slot": str(good), "nbytes": 8192}),
+        ("step -1", {"step": -1, "slot": str(good), "nbytes": 4096}),
+        ("step 99999999999999", {"step": 99999999999999, "slot": str(good), "nbytes": 4096}),
+        ("step '5'", {"step": "5", "slot": str(good), "nbytes": 4096}),
+        ("rank 1 is outside", {"slot": str(good), "nbytes": 4096, "rank": 1, "world_size": 1}),
+        ("world_size 2 is not", {"slot": str(good), "nbytes": 4096, "world_size": 2}),
+        ("nbytes 0", {"slot": str(good), "nbytes": 0}),
     ]
     if os.getuid() == 0:
         foreign = slots.create_slot(slot_dir, 0, 4096).rename(slot_dir / "foreign.slot")
         os.chown(foreign, 65534, 65534)
-        cases.append(("belongs to uid 65534", dict(slot=str(foreign), nbytes=4096)))
+        cases.append(("belongs to uid 65534", {"slot": str(foreign), "nbytes": 4096}))
     for why, msg in cases:
         msg.setdefault("step", 5)
         reply = _persist(job, **msg)

@@ -5,7 +5,7 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 stop_file, min_steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
