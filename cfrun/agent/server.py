@@ -90,9 +90,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("cfrun.agent")
 
 WRITE_CHUNK_BYTES = 16 << 20
+"""Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
 MAX_STEP = 10**12
 """A step number above this is refused (no job takes 10^12 optimizer steps)."""
-"""Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
 
 ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
 """Testing aid: the agent SIGKILLs itself half-way through writing the first step >= this one

@@ -651,12 +651,16 @@ class Supervisor:
             try:
                 ipc.connect(self.cfg.job_dir, timeout_s=1.0, address=address,
                             expect_pid=self.agent.pid).close()
+            except ipc.RefusedPeer:
+                return False  # another process answers there (said in one line)
+            except OSError:
+                time.sleep(0.05)
+                continue
+            try:
                 if ipc.read_agent_record(self.cfg.job_dir).pid == self.agent.pid:
                     return True
-            except ipc.RefusedPeer:
-                return False
             except OSError:
-                pass
+                pass  # not written yet (or an old one)
             time.sleep(0.05)
         return False
 
