@@ -32,6 +32,8 @@ from cfrun.contract.errors import BadInputError, JobDirLockedError
 from cfrun.contract.settings import node_rank
 
 CHECKPOINTS = "checkpoints"
+PROFILES = "profiles"
+"""The policy's cached profiles (cfrun.rank.tuner)."""
 DIR_MODE = 0o700
 """Mode of the job dir and the directories cfrun makes in it."""
 FILE_MODE = 0o600
@@ -135,22 +137,24 @@ class JobDir:
                 or (self.root / "events.jsonl").exists() or (self.root / "checkpoints").is_dir())
 
     def create(self) -> None:
-        """Create the directory tree (idempotent): the job dir and ``checkpoints/`` 0700 (an
-        existing one of this user, e.g. from an older cfrun, is made 0700 too).
+        """Create the directory tree (idempotent): the job dir, ``checkpoints/`` and the
+        ``profiles/`` cache 0700 (an existing one of this user, e.g. from an older cfrun, is made
+        0700 too).
 
         Raises:
-            BadInputError: ``checkpoints`` is a symbolic link or not a directory.
+            BadInputError: ``checkpoints`` or ``profiles`` is a symbolic link or not a directory.
         """
         self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _make_private_dir(self.root)
-        try:
-            self.checkpoints.mkdir(mode=DIR_MODE)
-        except FileExistsError:
-            pass
-        if self.checkpoints.is_symlink() or not self.checkpoints.is_dir():
-            raise BadInputError(f"{str(self.checkpoints)!r} is not a directory (a link?); "
-                                "remove it, cfrun creates it")
-        _make_private_dir(self.checkpoints)
+        for sub in (self.checkpoints, self.root / PROFILES):
+            try:
+                sub.mkdir(mode=DIR_MODE)
+            except FileExistsError:
+                pass
+            if sub.is_symlink() or not sub.is_dir():
+                raise BadInputError(f"{str(sub)!r} is not a directory (a link?); remove it, "
+                                    "cfrun creates it")
+            _make_private_dir(sub)
 
     def _open_private(self, path: Path, flags: int) -> int:
         """``os.open`` a file of the job dir without following a link, creating it 0600.

@@ -174,6 +174,7 @@ def test_job_dir_and_its_files_are_private(tmp_path: Path) -> None:
         jd = JobDir(tmp_path / "job")
         jd.create()
         assert _mode(jd.root) == 0o700 and _mode(jd.checkpoints) == 0o700
+        assert _mode(jd.root / "profiles") == 0o700
         jd.emit_event("attempt_start", attempt=0)
         jd.lock()
         jd.unlock()
