@@ -317,8 +317,8 @@ def slot_prefix_of(job_dir):
 
 
 def run_sampling_shm(cmd, env, cwd, prefix, period_s=0.05):
-    """Run ``cmd`` to completion; while it runs, sample the /dev/shm files named ``prefix*``
-    (cfrun's snapshot slots) every ``period_s``.
+    """Run ``cmd`` to completion; while it runs, sample the slot files in /dev/shm's
+    ``prefix_*/`` (cfrun's private snapshot slot directory) every ``period_s``.
 
     Returns (CompletedProcess or None on timeout, shm) where shm is None without a prefix,
     else ``{"peak_bytes": largest total size seen at once, "files": every slot file name
@@ -335,7 +335,7 @@ def run_sampling_shm(cmd, env, cwd, prefix, period_s=0.05):
                 return None, None
             if prefix is not None:
                 total = 0
-                for f in Path("/dev/shm").glob(prefix + "*"):
+                for f in Path("/dev/shm").glob(prefix + "_*/*.slot"):  # the job's private dir
                     try:
                         n = f.stat().st_size
                     except OSError:

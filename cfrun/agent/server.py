@@ -31,16 +31,28 @@ the agent first installs the newest complete checkpoint found in peer RAM or at 
 (``--persist-to``) into the job dir, if it is newer than the job dir's own, after checking every
 file against its manifest; the ranks then restore from the job dir as usual.
 
-Run as ``python -m cfrun.agent.server --job-dir DIR --keep N [--peer HOST:PORT --peer-token-file F
---peer-streams S --peer-job NAME] [--persist-to URL]``.
+Only the job's user talks to it (issue 12, the local trust boundary): it listens on the random
+abstract name the supervisor gives it (``--address``) and records it with its pid in
+``agent.json`` (0600); it closes every connection from another uid (``SO_PEERCRED``), saying so
+once per uid in one line and in an ``agent_refused`` event. A ``persist`` is refused (``ok:
+false``, event ``persist_refused``) unless its step, rank, world size and byte count are sane for
+the job and its slot is a regular file of the job's user, inside the job's private slot
+directory (``--slot-dir``, or ``<job_dir>/.slots``), opened without following links
+(:mod:`cfrun.contract.slots`).
+
+Run as ``python -m cfrun.agent.server --job-dir DIR --keep N [--address NAME --slot-dir DIR
+--world-size W] [--peer HOST:PORT --peer-token-file F --peer-streams S --peer-job NAME]
+[--persist-to URL]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import errno
 import json
 import logging
+import math
 import mmap
 import os
 import queue
@@ -57,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import filelock
 import xxhash
 
-from cfrun.contract import ipc
+from cfrun.contract import ipc, slots
 from cfrun.codec.checkpoint import (
     FileEntry,
     apply_retention,
@@ -79,6 +91,8 @@ logger = logging.getLogger("cfrun.agent")
 
 WRITE_CHUNK_BYTES = 16 << 20
 """Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
+MAX_STEP = 10**12
+"""A step number above this is refused (no job takes 10^12 optimizer steps)."""
 
 ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
 """Testing aid: the agent SIGKILLs itself half-way through writing the first step >= this one
@@ -132,8 +146,14 @@ class PersistAgent:
     def __init__(self, job_dir: Path, *, keep: int, use_odirect: bool = True,
                  peer: PeerTier | None = None, level2: Storage | None = None,
                  job: str | None = None, nnodes: int = 1, node_rank: int = 0,
-                 local_world_size: int | None = None) -> None:
+                 local_world_size: int | None = None, address: str | None = None,
+                 slot_dir: Path | None = None, world_size: int | None = None) -> None:
         self.jobdir = JobDir(job_dir)
+        self.address = address or ipc.new_agent_address()
+        self.slot_dir = slot_dir
+        self.slot_dirs = [d for d in (slot_dir, slots.fallback_dir(self.jobdir.root)) if d]
+        """Where a slot may be: the job's private slot directory, or ``<job_dir>/.slots``."""
+        self.world_size = world_size
         self.nnodes = nnodes
         self.node_rank = node_rank
         self.local_world_size = local_world_size
@@ -164,9 +184,11 @@ class PersistAgent:
         else:
             remove_staging(self.jobdir.checkpoints)  # this agent is now the only writer
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(ipc.agent_address(self.jobdir.root))
+        srv.bind("\0" + self.address)  # EADDRINUSE: another process holds it; main() says so
         srv.listen(64)
         srv.settimeout(0.2)
+        ipc.write_agent_record(self.jobdir.root, ipc.AgentRecord(
+            os.getpid(), self.address, str(self.slot_dir) if self.slot_dir else None))
         writer = threading.Thread(target=self._writer, name="cfrun-persist", daemon=True)
         writer.start()
         self.jobdir.emit_event("agent_start", pid=os.getpid())
@@ -177,13 +199,61 @@ class PersistAgent:
                 continue
             except OSError:
                 break
+            if not self._same_user(conn):
+                conn.close()
+                continue
             threading.Thread(target=self._reader, args=(conn,), daemon=True).start()
         srv.close()
+        ipc.remove_agent_record(self.jobdir.root, os.getpid())
         self.jobs.put(None)  # drain what was queued, then stop
         writer.join()
         self._drain_peer()
         if self.peer is not None:
             self.peer.join_watchers(60.0)  # the last checkpoints' `durable`, if it comes soon
+
+    def _same_user(self, conn: socket.socket) -> bool:
+        """True if the connecting process runs as the agent's uid; else say so (once per uid,
+        one line and an ``agent_refused`` event) and refuse it."""
+        try:
+            pid, uid, _ = ipc.peer_credentials(conn)
+        except OSError:
+            return False
+        if uid == os.getuid():
+            return True
+        if ipc.say_refused_once("agent", uid, f"cfrun: refused a connection to the agent from "
+                                f"uid {uid} (pid {pid}): only uid {os.getuid()} may use it"):
+            self.jobdir.emit_event("agent_refused", uid=uid, pid=pid)
+        return False
+
+    def _check_persist(self, msg: dict[str, Any]) -> None:
+        """Refuse a ``persist`` message that does not fit this job.
+
+        Raises:
+            ValueError: a field has the wrong type or range, the world size is not the job's,
+                or the slot is not a private slot of this job (:class:`slots.SlotRefused`).
+        """
+        for name in ("step", "rank", "world_size", "nbytes"):
+            if type(msg.get(name)) is not int:
+                raise ValueError(f"{name} {msg.get(name)!r} is not an integer")
+        step, rank, world_size = int(msg["step"]), int(msg["rank"]), int(msg["world_size"])
+        nbytes = int(msg["nbytes"])
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step {step} is outside 0..{MAX_STEP}")
+        if world_size < 1 or (self.world_size is not None and world_size != self.world_size):
+            raise ValueError(f"world_size {world_size} is not this job's ({self.world_size})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        if nbytes < 1:
+            raise ValueError(f"nbytes {nbytes} is not a positive byte count")
+        others = self.pending.get(step, {})
+        if any(int(m["world_size"]) != world_size for _, _, m in others.values()):
+            raise ValueError(f"world_size {world_size} differs from the other ranks' of step "
+                             f"{step}")
+        t = msg.get("t_trigger_unix_s", 0.0)
+        if not isinstance(msg.get("doc"), dict) or not isinstance(msg.get("slot"), str) \
+                or type(t) not in (int, float) or not math.isfinite(t):
+            raise ValueError("doc, slot or t_trigger_unix_s has the wrong type")
+        os.close(slots.open_slot(msg["slot"], self.slot_dirs, nbytes))
 
     def _reader(self, conn: socket.socket) -> None:
         try:
@@ -221,6 +291,14 @@ class PersistAgent:
                     except Exception as e:  # resume from the job dir then
                         logger.warning("cfrun agent: looking for newer checkpoints failed: %r", e)
                 self._reply(conn, {"op": "ready", "last_committed": self.last_committed})
+                continue
+            try:
+                self._check_persist(msg)
+            except ValueError as e:
+                logger.warning("cfrun agent: refused a persist: %s", e)
+                self.jobdir.emit_event("persist_refused", error=str(e))
+                self._reply(conn, {"op": "persisted", "step": msg.get("step"), "ok": False,
+                                   "error": f"refused: {e}"})
                 continue
             if self.peer is not None and (self.peer.available()
                                           or int(msg["step"]) in self.peer_steps):
@@ -558,7 +636,8 @@ class PersistAgent:
         marker = self.jobdir.root / ".agent-kill-done"
         kill = kill_at is not None and step >= int(kill_at) and not marker.exists()
         th = throttle()  # testing aid: simulated network storage
-        with open(slot, "rb") as f, mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
+        with os.fdopen(slots.open_slot(str(slot), self.slot_dirs, nbytes), "rb") as f, \
+                mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
             view = memoryview(mm)
             try:
                 digest = xxhash.xxh3_64_hexdigest(view)
@@ -619,6 +698,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--local-world-size", type=int, default=None)
+    p.add_argument("--address", default=None, help="abstract socket name (default: random)")
+    p.add_argument("--slot-dir", default=None, help="the job's private slot directory "
+                   "(default: a new one, removed at exit)")
+    p.add_argument("--world-size", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[cfrun agent] %(message)s")
     _lower_priority()
@@ -637,12 +720,25 @@ def main(argv: list[str] | None = None) -> None:
         from cfrun.storage.tiers import open_storage
 
         level2 = open_storage(args.persist_to)
+    own_slot_dir = None if args.slot_dir else slots.create_dir(jd.root)
     agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,
                          peer=peer, level2=level2, job=job, nnodes=args.nnodes,
-                         node_rank=args.node_rank, local_world_size=args.local_world_size)
+                         node_rank=args.node_rank, local_world_size=args.local_world_size,
+                         address=args.address, world_size=args.world_size,
+                         slot_dir=Path(args.slot_dir) if args.slot_dir else own_slot_dir)
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to cfrun, which stops us
-    agent.serve()
+    try:
+        agent.serve()
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        logger.warning("cfrun agent: another process holds the address %s; not serving",
+                       agent.address)
+        sys.exit(3)
+    finally:
+        if own_slot_dir is not None:
+            slots.remove_dir(own_slot_dir)
     sys.exit(0)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -68,7 +70,16 @@ app = typer.Typer(
 )
 
 SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export", "peer"}
-_RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "PYTHON", "NCCL_", "MKL_")
+_RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "NCCL_", "MKL_")
+_CODE_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_")
+"""Interpreter and loader variables: never recorded, never taken back by ``cfrun resume``."""
+_CODE_ENV_WORDS = ("PYTHON", "PRELOAD", "PLUGIN", "INJECTION", "LIBRARY_PATH")
+"""Variables naming code to load (``NCCL_NET_PLUGIN``, ``CUDA_INJECTION64_PATH``): the same."""
+_SECRET_ENV_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH",
+                     "SESSION")
+_URL_WITH_PASSWORD = re.compile(r"[a-z][a-z0-9+.-]*://[^/@\s:]*:[^/@\s]*@", re.IGNORECASE)
+WITHHELD = "<not recorded: looks like a credential>"
+"""The value config.json holds for a recorded variable that looks like a credential."""
 
 log = logging.getLogger("cfrun")
 
@@ -98,9 +109,47 @@ def _resolve_script(script: str) -> Path:
     return path.resolve()
 
 
+def _is_code_env(name: str) -> bool:
+    """True for a variable that makes the interpreter or the loader run code of its choosing."""
+    return name.upper().startswith(_CODE_ENV_PREFIXES) or \
+        any(w in name.upper() for w in _CODE_ENV_WORDS)
+
+
+def _looks_secret(name: str, value: str) -> bool:
+    """True for a credential by its name (KEY, SECRET, TOKEN, PASSWORD, PASSWD, CREDENTIAL,
+    AUTH, SESSION) or its value (a URL with a password: ``s3://user:pw@host``)."""
+    return any(w in name.upper() for w in _SECRET_ENV_WORDS) or \
+        _URL_WITH_PASSWORD.search(value) is not None
+
+
 def _recorded_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k.startswith(_RECORDED_ENV_PREFIXES) and not k.startswith("CFRUN_RANK_")}
+    """The environment config.json keeps for ``cfrun resume`` (the ``cfrun run`` process):
+    variables with the ``CFRUN_``, ``CUDA_``, ``OMP_``, ``NCCL_`` or ``MKL_`` prefixes, except
+    the ranks' own and interpreter or loader variables; a credential's name is kept with
+    :data:`WITHHELD` instead of its value."""
+    return {k: WITHHELD if _looks_secret(k, v) else v for k, v in os.environ.items()
+            if k.startswith(_RECORDED_ENV_PREFIXES) and not k.startswith("CFRUN_RANK_")
+            and not _is_code_env(k)}
+
+
+def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
+    """Split a recorded environment into what ``cfrun resume`` sets again, the names it
+    refuses (interpreter or loader variables, other prefixes than cfrun records, values that
+    are not strings) and the names whose value was withheld. config.json is data: nothing in
+    it may choose code to run."""
+    keep: dict[str, str] = {}
+    refused: list[str] = []
+    withheld: list[str] = []
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str) or _is_code_env(k) or "=" in k \
+                or "\0" in k + v or not k.startswith(_RECORDED_ENV_PREFIXES) \
+                or k.startswith("CFRUN_RANK_"):
+            refused.append(str(k))
+        elif v == WITHHELD:
+            withheld.append(k)
+        else:
+            keep[k] = v
+    return keep, sorted(refused), sorted(withheld)
 
 
 @app.command(
@@ -346,8 +395,10 @@ def resume_cmd(
     The script, its arguments, every option and the working directory come from the job dir's
     ``config.json`` (current ``CFRUN_*`` variables do not change them; only ``--node-rank``
     picks the node). Recorded environment variables (``CFRUN_``, ``CUDA_``, ``OMP_``,
-    ``PYTHON``, ``NCCL_``, ``MKL_`` prefixes) are set again where the current environment lacks
-    them. The job dir named here is used even if it was moved since.
+    ``NCCL_``, ``MKL_`` prefixes) are set again where the current environment lacks them;
+    interpreter and loader variables (``PYTHON*``, ``LD_*``, plugins) found there are ignored
+    with a warning, and credentials were never recorded. Prints the command it resumes. The job
+    dir named here is used even if it was moved since.
     """
     import dataclasses
 
@@ -385,8 +436,19 @@ def resume_cmd(
     cfg = dataclasses.replace(cfg, job_dir=str(jd))
     if JobDir(jd).is_locked():
         raise JobDirLockedError(f"job dir {str(jd)!r} is in use by another cfrun")
-    for k, v in cfg.env.items():
+    env, refused, withheld = _resumable_env(cfg.env)
+    if refused:
+        print(f"cfrun: warning: ignoring {', '.join(refused)} recorded in {cfg_path}: cfrun "
+              "resume never takes interpreter or loader variables from a job dir",
+              file=sys.stderr)
+    missing = [k for k in withheld if k not in os.environ]
+    if missing:
+        print(f"cfrun: note: {', '.join(missing)} looked like credentials and were not "
+              "recorded; set them again if the job needs them", file=sys.stderr)
+    for k, v in env.items():
         os.environ.setdefault(k, v)
+    print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
+          f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node)", file=sys.stderr, flush=True)
     _run(cfg)
 
 

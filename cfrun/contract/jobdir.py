@@ -4,16 +4,23 @@ Layout::
 
     <job_dir>/
       job.lock                  filelock held by the live supervisor (released by the OS on death)
+      agent.json                the persist agent's pid, socket name and slot dir (cfrun.contract.ipc)
       config.json               resolved RunConfig, cfrun version, format version
       events.jsonl              one JSON object per line: attempts, checkpoints, resumes, warnings
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
       checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
+
+Only the job's user may read it (issue 12, the local trust boundary): the directory and
+``checkpoints/`` are 0700, the files cfrun creates here 0600, and the lock and the events are
+opened without following links (a link found there is refused, not written through).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +32,12 @@ from cfrun.contract.errors import BadInputError, JobDirLockedError
 from cfrun.contract.settings import node_rank
 
 CHECKPOINTS = "checkpoints"
+PROFILES = "profiles"
+"""The policy's cached profiles (cfrun.rank.tuner)."""
+DIR_MODE = 0o700
+"""Mode of the job dir and the directories cfrun makes in it."""
+FILE_MODE = 0o600
+"""Mode of the files cfrun creates in the job dir."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
 
@@ -83,6 +96,12 @@ class JobDir:
         return self.root / CHECKPOINTS
 
     @property
+    def agent_path(self) -> Path:
+        from cfrun.contract.settings import node_suffix
+
+        return self.root / f"agent{node_suffix()}.json"  # one agent per node
+
+    @property
     def lock_path(self) -> Path:
         from cfrun.contract.settings import node_suffix
 
@@ -92,12 +111,18 @@ class JobDir:
         """Raise if ``root`` exists but cannot be a job dir (a file, or a foreign directory).
 
         Raises:
-            BadInputError: ``root`` is a file, or a non-empty directory without ``config.json``
-                that is not a job dir (cfrun never writes into someone else's directory).
+            BadInputError: ``root`` is a file, a directory of another user, or a non-empty
+                directory without ``config.json`` that is not a job dir (cfrun never writes
+                into someone else's directory).
         """
         if self.root.exists() and not self.root.is_dir():
             raise BadInputError(
                 f"--job-dir {str(self.root)!r} is a file; give a directory path (it is created)"
+            )
+        if self.root.is_dir() and self.root.stat().st_uid != os.getuid():
+            raise BadInputError(
+                f"--job-dir {str(self.root)!r} belongs to uid {self.root.stat().st_uid}, not to "
+                f"you (uid {os.getuid()}); give a directory of your own or a new path"
             )
         if self.root.is_dir() and any(self.root.iterdir()) and not self._looks_like_job_dir():
             raise BadInputError(
@@ -112,8 +137,38 @@ class JobDir:
                 or (self.root / "events.jsonl").exists() or (self.root / "checkpoints").is_dir())
 
     def create(self) -> None:
-        """Create the directory tree (idempotent)."""
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        """Create the directory tree (idempotent): the job dir, ``checkpoints/`` and the
+        ``profiles/`` cache 0700 (an existing one of this user, e.g. from an older cfrun, is made
+        0700 too).
+
+        Raises:
+            BadInputError: ``checkpoints`` or ``profiles`` is a symbolic link or not a directory.
+        """
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _make_private_dir(self.root)
+        for sub in (self.checkpoints, self.root / PROFILES):
+            try:
+                sub.mkdir(mode=DIR_MODE)
+            except FileExistsError:
+                pass
+            if sub.is_symlink() or not sub.is_dir():
+                raise BadInputError(f"{str(sub)!r} is not a directory (a link?); remove it, "
+                                    "cfrun creates it")
+            _make_private_dir(sub)
+
+    def _open_private(self, path: Path, flags: int) -> int:
+        """``os.open`` a file of the job dir without following a link, creating it 0600.
+
+        Raises:
+            BadInputError: ``path`` is a symbolic link.
+        """
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise BadInputError(f"{str(path)!r} is a symbolic link; cfrun does not write "
+                                    "through links in a job dir: remove it") from None
+            raise
 
     def lock(self) -> None:
         """Take the job dir's lock for this process's lifetime.
@@ -123,7 +178,8 @@ class JobDir:
         Raises:
             JobDirLockedError: another live process holds it.
         """
-        lock = filelock.FileLock(str(self.lock_path), timeout=0)
+        os.close(self._open_private(self.lock_path, os.O_WRONLY))  # 0600, never a link
+        lock = filelock.FileLock(str(self.lock_path), timeout=0, mode=FILE_MODE)
         try:
             lock.acquire()
         except filelock.Timeout:
@@ -139,7 +195,10 @@ class JobDir:
         """True when a live process holds the lock (tries it without blocking)."""
         if not self.lock_path.exists():
             return False
-        probe = filelock.FileLock(str(self.lock_path), timeout=0)
+        if self.lock_path.is_symlink():  # the probe would open (and truncate) its target
+            raise BadInputError(f"{str(self.lock_path)!r} is a symbolic link; cfrun does not "
+                                "write through links in a job dir: remove it")
+        probe = filelock.FileLock(str(self.lock_path), timeout=0, mode=FILE_MODE)
         try:
             probe.acquire()
         except filelock.Timeout:
@@ -156,7 +215,7 @@ class JobDir:
         if node:
             record.setdefault("node", node)
         line = json.dumps(record, sort_keys=True, default=str) + "\n"
-        fd = os.open(self.events_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self._open_private(self.events_path, os.O_RDWR | os.O_APPEND)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line
@@ -176,3 +235,10 @@ class JobDir:
             except json.JSONDecodeError:
                 continue
         return out
+
+
+def _make_private_dir(path: Path) -> None:
+    """Drop group and other bits of ``path`` (a directory) if it has any and is ours."""
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)

@@ -3,7 +3,8 @@
 CheckFreq §4.3.1 (snapshot overlapped with compute; the next weight update waits for it),
 ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 
-* **Slot.** A file in shared memory (``/dev/shm``, or ``CFRUN_SHM_DIR``), mapped into the rank as
+* **Slot.** A file in the job's private slot directory in shared memory (``/dev/shm``, or
+  ``CFRUN_SHM_DIR``; 0700, a random name, mode 0600: :mod:`cfrun.contract.slots`), mapped into the rank as
   a ``uint8`` tensor (``torch.from_file(shared=True)``) and read by the persist agent through
   ``mmap`` without any copy or unpickling. Allocated once, grown only if the state grows (never
   while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``) so device to
@@ -33,10 +34,8 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -47,7 +46,7 @@ from typing import Any
 
 import torch
 
-from cfrun.contract import ipc
+from cfrun.contract import ipc, slots
 from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ SYNC_COPY_MAX_BYTES = 1 << 16
 """Tensors up to this size are copied on the training thread (cheaper than a hand-off)."""
 STAGING_ALIGN_BYTES = 256
 """Offsets in the device-side staging buffer are multiples of this (any dtype can view them)."""
-ENV_SHM_DIR = "CFRUN_SHM_DIR"
+ENV_SHM_DIR = slots.ENV_SHM_DIR
 ENV_SNAPSHOT_MODE = "CFRUN_SNAPSHOT_MODE"
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
 ``gpu``/``host`` force or forbid the device-side first copy on CUDA (default: when it fits)."""
@@ -80,31 +79,33 @@ first checkpoint at or after this step (a bug there must not stop later checkpoi
 
 
 def shm_dir(job_dir: Path, nbytes: int) -> Path:
-    """Where snapshot slots live: ``$CFRUN_SHM_DIR``, else ``/dev/shm`` when it has room for
-    twice ``nbytes``, else ``<job_dir>/.slots`` (still shared, but backed by the disk)."""
-    env = os.environ.get(ENV_SHM_DIR)
-    if env:
-        return Path(env)
-    dev_shm = Path("/dev/shm")
-    if dev_shm.is_dir() and os.access(dev_shm, os.W_OK):
-        st = os.statvfs(dev_shm)
+    """Where this rank's slot goes: the job's private slot directory in shared memory (made by
+    the supervisor, published by the agent in ``agent.json``) when it has room for twice
+    ``nbytes`` (``$CFRUN_SHM_DIR``: always), else ``<job_dir>/.slots`` (private too, backed by
+    the disk)."""
+    try:
+        private = ipc.read_agent_record(job_dir).slot_dir
+    except OSError:
+        private = None
+    if private and slots.is_private_dir(Path(private)):
+        if os.environ.get(ENV_SHM_DIR):
+            return Path(private)
+        st = os.statvfs(private)
         if st.f_bavail * st.f_frsize >= 2 * nbytes:
-            return dev_shm
-    return job_dir / ".slots"
+            return Path(private)
+    return slots.fallback_dir(job_dir)
 
 
 def slot_prefix(job_dir: Path) -> str:
-    """File-name prefix of a job's slots; the supervisor removes ``<prefix>*`` at the end."""
-    from cfrun.contract.settings import node_suffix
-
-    return "cfrun-" + hashlib.sha1(str(job_dir.absolute()).encode()).hexdigest()[:12] \
-        + node_suffix()
+    """Name prefix of a job's slot directories on this node (``<prefix>_<random>``)."""
+    return slots.dir_prefix(job_dir)
 
 
 class SnapshotSlot:
     """A shared-memory byte buffer that grows but is otherwise allocated once.
 
-    Its file is named ``<prefix>-rank<R>-<pid>-<generation>.slot``. A restarted rank does not
+    Its file ``rank<R>-<pid>-<random>.slot`` is created exclusively, 0600, in the job's private
+    slot directory (:mod:`cfrun.contract.slots`). A restarted rank does not
     reuse its predecessor's file (the agent might still read a snapshot the predecessor handed
     off); :meth:`remove_stale` deletes it once the agent has drained that work.
     """
@@ -127,12 +128,9 @@ class SnapshotSlot:
         if self.buf is None or self.buf.numel() < nbytes:
             self.release()
             directory = shm_dir(self.job_dir, nbytes)
-            directory.mkdir(parents=True, exist_ok=True)
+            slots.ensure_private(directory)
             self.generation += 1
-            self.path = directory / (f"{slot_prefix(self.job_dir)}-rank{self.rank:05d}-"
-                                     f"{os.getpid()}-{self.generation}.slot")
-            with open(self.path, "wb") as f:
-                f.truncate(nbytes)
+            self.path = slots.create_slot(directory, self.rank, nbytes)
             self.buf = torch.from_file(str(self.path), shared=True, size=nbytes,
                                        dtype=torch.uint8)
         if pin and not self.pinned and torch.cuda.is_available():
@@ -156,39 +154,11 @@ class SnapshotSlot:
         Call right after the agent answered ``ready`` to a ``hello``: it has then persisted
         everything those ranks handed off before it, so nothing reads their slots any more (a
         mapping the agent still holds stays valid after the unlink anyway). Keeps /dev/shm at
-        one slot per live rank across restarts. Returns the number of files deleted.
+        one slot per live rank across restarts. Links and files of other users are left
+        alone. Returns the number of files deleted.
         """
-        n = 0
-        pattern = f"{slot_prefix(self.job_dir)}-rank*.slot"  # not another node's "-node<R>-rank"
-        for directory in {shm_dir(self.job_dir, 0), Path("/dev/shm"), self.job_dir / ".slots"}:
-            if not directory.is_dir():
-                continue
-            for p in directory.glob(pattern):
-                pid = _slot_pid(p.name)
-                if pid is None or pid == os.getpid() or _pid_alive(pid):
-                    continue
-                p.unlink(missing_ok=True)
-                n += 1
-        return n
-
-
-def _slot_pid(name: str) -> int | None:
-    """The pid in a slot file name ``...-rank<R>-<pid>-<generation>.slot``, or None."""
-    parts = name.removesuffix(".slot").split("-")
-    try:
-        return int(parts[-2])
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return slots.remove_dead_slots({shm_dir(self.job_dir, 0),
+                                        slots.fallback_dir(self.job_dir)})
 
 
 def staging_layout(sources: list[torch.Tensor],
@@ -543,13 +513,7 @@ def _view(buf: torch.Tensor, e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
 
 
 def remove_slots(job_dir: Path) -> int:
-    """Delete a job's slot files (the supervisor calls this when the job ends)."""
-    n = 0
-    for directory in {Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")), job_dir / ".slots"}:
-        if directory.is_dir():
-            for p in directory.glob(slot_prefix(job_dir) + "-*.slot"):
-                p.unlink(missing_ok=True)
-                n += 1
-    if (job_dir / ".slots").is_dir():
-        shutil.rmtree(job_dir / ".slots", ignore_errors=True)
-    return n
+    """Delete this node's slot directories of ``job_dir`` and our slot files in them (the
+    supervisor, at the start and the end of a job); never follows a link or deletes a file of
+    another user (:func:`cfrun.contract.slots.remove_dirs`). Returns the files deleted."""
+    return slots.remove_dirs(job_dir)

@@ -36,10 +36,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
-from cfrun.contract import ipc
+from cfrun.contract import ipc, slots
 from cfrun.contract import settings as E
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract.config import RunConfig
@@ -53,7 +54,6 @@ from cfrun.supervisor.launcher import (
     spawn,
     start_reaper,
 )
-from cfrun.rank.snapshot import remove_slots
 from cfrun.supervisor.machine import (
     Action,
     ActionKind,
@@ -108,6 +108,7 @@ class Supervisor:
         self.jobdir = JobDir(cfg.job_dir)
         self.state = SupervisorState.STARTING
         self.agent: subprocess.Popen[bytes] | None = None
+        self.slot_dir: Path | None = None  # the job's private slot directory (contract.slots)
         self.reaper: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
@@ -193,6 +194,7 @@ class Supervisor:
                 pids.append(agent_pid)
             except psutil.Error:
                 pass
+        slots.remove_dirs(self.cfg.job_dir)  # slots of a dead supervisor's ranks
         pids += kill_job_processes(self.cfg.job_dir, self.cfg.node_rank,
                                    exclude_supervisor_pid=os.getpid())
         if pids:
@@ -286,9 +288,35 @@ class Supervisor:
 
     def _start_agent(self) -> None:
         """Start the node's persist agent (its own process group: it outlives rank restarts;
-        it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG)."""
+        it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG).
+
+        Each start gets a new random socket name; the agent is in service once the process
+        answering there is the one started (pid and uid, ``SO_PEERCRED``) and ``agent.json``
+        names it. If another process answers (it took the name first), that is said in one
+        line, the agent is stopped and started again under a new name (3 tries).
+
+        Raises:
+            FatalJobError: no agent came up.
+        """
+        if self.slot_dir is None:
+            self.slot_dir = slots.create_dir(self.cfg.job_dir)
+        for _ in range(3):
+            address = ipc.new_agent_address()
+            if self._launch_agent(address):
+                return
+            if self.agent is not None and self.agent.poll() is None:
+                self.agent.kill()
+                self.agent.wait()
+        raise FatalJobError("the persist agent did not start (see its output above)")
+
+    def _launch_agent(self, address: str) -> bool:
+        """Start an agent at ``address``; True once it answers there and ``agent.json`` names
+        it, False if it died or another process answers."""
         argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
-                "--keep", str(self.cfg.keep)]
+                "--keep", str(self.cfg.keep), "--address", address,
+                "--world-size", str(self.cfg.nnodes * self.cfg.nproc_per_node)]
+        if self.slot_dir is not None:
+            argv += ["--slot-dir", str(self.slot_dir)]
         if self.cfg.peer:
             argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
                      "--peer-streams", str(self.cfg.peer_streams)]
@@ -304,11 +332,20 @@ class Supervisor:
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:
             try:
-                ipc.connect(self.cfg.job_dir, timeout_s=1.0).close()
-                return
+                ipc.connect(self.cfg.job_dir, timeout_s=1.0, address=address,
+                            expect_pid=self.agent.pid).close()
+            except ipc.RefusedPeer:
+                return False  # another process answers there (said in one line)
             except OSError:
                 time.sleep(0.05)
-        raise FatalJobError("the persist agent did not start (see its output above)")
+                continue
+            try:
+                if ipc.read_agent_record(self.cfg.job_dir).pid == self.agent.pid:
+                    return True
+            except OSError:
+                pass  # not written yet (or an old one)
+            time.sleep(0.05)
+        return False
 
     def _check_agent(self) -> None:
         """Restart the agent if it died; ranks reconnect at their next checkpoint."""
@@ -347,4 +384,5 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     pass
         self.agent = None
-        remove_slots(self.jobdir.root)
+        slots.remove_dirs(self.jobdir.root)
+        self.slot_dir = None

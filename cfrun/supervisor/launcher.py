@@ -178,24 +178,25 @@ def kill_job_processes(job_dir: str, node_rank: int, *, supervisor_pid: int | No
 
 
 def leftover_agent_pid(job_dir: str) -> int | None:
-    """Pid of a persist agent answering on ``job_dir``'s socket (this node's), else None.
+    """Pid of a persist agent answering at the address in ``job_dir``'s ``agent.json`` (this
+    node's), else None.
 
     Called by a supervisor that holds the job dir's lock: any agent found then is a leftover of
-    a supervisor that died without stopping it. The pid comes from ``SO_PEERCRED``."""
-    import socket
-    import struct
-
+    a supervisor that died without stopping it. The pid comes from ``SO_PEERCRED`` and must be
+    the one the record names; a process of another user there is refused (one line), never
+    killed."""
     from cfrun.contract import ipc
 
     try:
-        sock = ipc.connect(job_dir, timeout_s=1.0)
+        record = ipc.read_agent_record(job_dir)
+        sock = ipc.connect(job_dir, timeout_s=1.0, address=record.address,
+                           expect_pid=record.pid)
     except OSError:
         return None
     try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = ipc.peer_credentials(sock)[0]
     finally:
         sock.close()
-    pid = struct.unpack("3i", creds)[0]
     return pid if pid > 0 else None
 
 

@@ -156,3 +156,70 @@ def test_event_after_torn_line_is_kept(tmp_path: Path) -> None:
         f.write('{"event": "c", "n"')  # crash mid-append
     jd.emit_event("resume", step=10)
     assert [e["event"] for e in jd.read_events()] == ["a", "resume"]
+
+
+# ---------------------------------------------------------------- private modes, no links
+
+def _mode(path: Path) -> int:
+    import stat
+
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_job_dir_and_its_files_are_private(tmp_path: Path) -> None:
+    """The job dir and checkpoints/ 0700 (an existing 0755 one is tightened), the lock and
+    the events 0600, whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        jd = JobDir(tmp_path / "job")
+        jd.create()
+        assert _mode(jd.root) == 0o700 and _mode(jd.checkpoints) == 0o700
+        assert _mode(jd.root / "profiles") == 0o700
+        jd.emit_event("attempt_start", attempt=0)
+        jd.lock()
+        jd.unlock()
+        assert _mode(jd.events_path) == 0o600 and _mode(jd.lock_path) == 0o600
+        older = JobDir(tmp_path / "older")
+        (older.root / "checkpoints").mkdir(parents=True, mode=0o755)
+        older.root.chmod(0o755)
+        older.create()
+        assert _mode(older.root) == 0o700 and _mode(older.checkpoints) == 0o700
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("name", ["events.jsonl", "job.lock"])
+def test_no_write_into_the_job_dir_follows_a_link(tmp_path: Path, name: str) -> None:
+    """A link planted where the events or the lock go is refused; its target is untouched."""
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    target = tmp_path / "target.txt"
+    target.write_text("precious")
+    (jd.root / name).symlink_to(target)
+    with pytest.raises(BadInputError, match="symbolic link"):
+        if name == "job.lock":
+            jd.lock()
+        else:
+            jd.emit_event("attempt_start", attempt=0)
+    if name == "job.lock":
+        with pytest.raises(BadInputError, match="symbolic link"):
+            jd.is_locked()
+    assert target.read_text() == "precious"
+
+
+def test_checkpoints_as_a_link_is_refused(tmp_path: Path) -> None:
+    jd = JobDir(tmp_path / "job")
+    jd.root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    jd.checkpoints.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(BadInputError, match="not a directory"):
+        jd.create()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory of another uid")
+def test_check_usable_refuses_a_directory_of_another_user(tmp_path: Path) -> None:
+    d = tmp_path / "theirs"
+    d.mkdir()
+    os.chown(d, 65534, 65534)
+    with pytest.raises(BadInputError, match="belongs to uid 65534"):
+        JobDir(d).check_usable()

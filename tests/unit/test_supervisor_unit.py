@@ -62,11 +62,13 @@ def test_leftover_agent_and_ranks_of_a_dead_supervisor_are_killed(tmp_path: Path
     jd.create()
     # an agent left behind (answers on the job's socket) and a rank of a supervisor long gone
     agent = _child(f"""
-        import socket
+        import os, socket
         from cfrun.contract import ipc
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(ipc.agent_address({cfg.job_dir!r}))
+        address = ipc.new_agent_address()
+        s.bind("\\0" + address)
         s.listen(4)
+        ipc.write_agent_record({cfg.job_dir!r}, ipc.AgentRecord(os.getpid(), address))
         """)
     rank = _child("", env={E.RANK_JOB_DIR: cfg.job_dir, E.RANK_SUPERVISOR_PID: "999999999"})
     other_job = _child("", env={E.RANK_JOB_DIR: str(tmp_path / "other"),

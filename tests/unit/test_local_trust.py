@@ -1,0 +1,187 @@
+"""Unit tests of the local trust boundary (issue 12, items 5 and 6) that need no second user:
+what ``cfrun run`` records of the environment and what ``cfrun resume`` takes back, the agent's
+record, and the private slot files and their cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cfrun.cli import app as A
+from cfrun.contract import ipc, slots
+from cfrun.contract.config import RunConfig
+from cfrun.contract.jobdir import JobDir
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+# ---------------------------------------------------------------- config.json is data
+
+def test_recorded_env_keeps_names_not_values_of_credentials(monkeypatch) -> None:
+    for k in list(os.environ):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("CFRUN_PERSIST_TO", "s3://alice:hunter2@minio.local:9000/bucket")
+    monkeypatch.setenv("CFRUN_PEER_TOKEN_FILE", "/home/alice/token")
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5")
+    monkeypatch.setenv("CUDA_API_KEY", "k")
+    monkeypatch.setenv("MKL_AUTH_HEADER", "Bearer x")
+    monkeypatch.setenv("CFRUN_SESSION_ID", "s")
+    monkeypatch.setenv("PYTHONPATH", "/evil")
+    monkeypatch.setenv("PYTHONSTARTUP", "/evil.py")
+    monkeypatch.setenv("LD_PRELOAD", "/evil.so")
+    monkeypatch.setenv("NCCL_NET_PLUGIN", "/evil.so")
+    monkeypatch.setenv("CUDA_INJECTION64_PATH", "/evil.so")
+    monkeypatch.setenv("CFRUN_RANK_JOB_DIR", "/j")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never")
+    env = A._recorded_env()
+    assert env == {"OMP_NUM_THREADS": "3", "NCCL_IB_HCA": "mlx5",
+                   "CFRUN_PERSIST_TO": A.WITHHELD, "CFRUN_PEER_TOKEN_FILE": A.WITHHELD,
+                   "CUDA_API_KEY": A.WITHHELD, "MKL_AUTH_HEADER": A.WITHHELD,
+                   "CFRUN_SESSION_ID": A.WITHHELD}
+    assert "hunter2" not in json.dumps(env)
+
+
+def test_resumable_env_refuses_interpreter_and_loader_variables() -> None:
+    keep, refused, withheld = A._resumable_env({
+        "OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "PYTHONSTARTUP": "/e.py",
+        "LD_PRELOAD": "/e.so", "LD_LIBRARY_PATH": "/e", "DYLD_INSERT_LIBRARIES": "/e",
+        "NCCL_NET_PLUGIN": "/e.so", "CFRUN_PREV_PYTHONPATH": "/e", "BASH_ENV": "/e.sh",
+        "CFRUN_RANK_ACTIVE": "1", "CUDA_VISIBLE_DEVICES": 0, "CFRUN_PEER_TOKEN_FILE": A.WITHHELD})
+    assert keep == {"OMP_NUM_THREADS": "3"}
+    assert refused == sorted(["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH",
+                              "DYLD_INSERT_LIBRARIES", "NCCL_NET_PLUGIN", "CFRUN_PREV_PYTHONPATH",
+                              "BASH_ENV", "CFRUN_RANK_ACTIVE", "CUDA_VISIBLE_DEVICES"])
+    assert withheld == ["CFRUN_PEER_TOKEN_FILE"]
+
+
+def test_resume_ignores_an_edited_pythonpath_and_prints_the_command(tmp_path, monkeypatch):
+    """An edited config.json with PYTHONPATH and LD_PRELOAD: ``cfrun resume`` names them in one
+    warning line, leaves them unset, sets the recorded OMP_NUM_THREADS, and prints the command
+    it resumes in one line."""
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    cfg = RunConfig(script=str(script), script_args=["--lr", "0.1 0.2"], job_dir=str(jd.root),
+                    cwd=str(tmp_path), env={"OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil",
+                                            "LD_PRELOAD": "/evil.so"})
+    jd.config_path.write_text(json.dumps(cfg.to_json()))
+    for k in ("OMP_NUM_THREADS", "PYTHONPATH", "LD_PRELOAD"):
+        monkeypatch.delenv(k, raising=False)
+    seen: dict = {}
+    monkeypatch.setattr(A, "_run", lambda c: seen.update(
+        cfg=c, env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH",
+                                                     "LD_PRELOAD")}))
+    result = CliRunner().invoke(A.app, ["resume", str(jd.root)])
+    assert result.exit_code == 0, result.output
+    assert seen["env"] == {"OMP_NUM_THREADS": "3", "PYTHONPATH": None, "LD_PRELOAD": None}
+    lines = result.output.splitlines()
+    warned = [line for line in lines if "ignoring" in line]
+    assert len(warned) == 1 and "LD_PRELOAD, PYTHONPATH" in warned[0]
+    resumed = [line for line in lines if line.startswith("cfrun: resuming:")]
+    assert resumed == [(f"cfrun: resuming: {script} --lr '0.1 0.2' in {tmp_path} (job dir "
+                       f"{jd.root}, 1 rank(s) per node)")]
+
+
+# ---------------------------------------------------------------- agent record, slots
+
+def test_agent_record_is_private_and_never_read_through_a_link(tmp_path) -> None:
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    rec = ipc.AgentRecord(os.getpid(), ipc.new_agent_address(), "/dev/shm/x")
+    ipc.write_agent_record(jd.root, rec)
+    assert ipc.read_agent_record(jd.root) == rec and _mode(jd.agent_path) == 0o600
+    assert ipc.new_agent_address() != rec.address and len(rec.address) == 12 + 32
+    jd.agent_path.unlink()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"pid": 1, "address": ipc.new_agent_address()}))
+    jd.agent_path.symlink_to(other)
+    with pytest.raises(ipc.RefusedPeer, match="symbolic link"):
+        ipc.read_agent_record(jd.root)
+    jd.agent_path.unlink()
+    jd.agent_path.write_text(json.dumps({"pid": 1, "address": "\0evil"}))
+    with pytest.raises(ipc.RefusedPeer, match="malformed"):
+        ipc.read_agent_record(jd.root)
+    ipc.write_agent_record(jd.root, rec)  # replaces whatever is there, never writes through
+    assert ipc.read_agent_record(jd.root) == rec
+
+
+def test_slots_are_private_exclusive_and_unpredictable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(slots.ENV_SHM_DIR, str(tmp_path / "shm"))
+    job = tmp_path / "job"
+    d1, d2 = slots.create_dir(job), slots.create_dir(job)
+    assert d1 is not None and d2 is not None and d1 != d2
+    assert d1.name.startswith(slots.dir_prefix(job) + "_") and _mode(d1) == 0o700
+    a, b = slots.create_slot(d1, 0, 8192), slots.create_slot(d1, 0, 8192)
+    assert a != b and _mode(a) == 0o600 and a.stat().st_size == 8192
+    slots.ensure_private(d1)
+    d1.chmod(0o755)
+    with pytest.raises(slots.SlotRefused, match="mode 755"):
+        slots.ensure_private(d1)
+    d1.chmod(0o700)
+    link = tmp_path / "shm" / "linked"
+    link.symlink_to(d1)
+    with pytest.raises(slots.SlotRefused, match="not a directory"):
+        slots.ensure_private(link)
+    fd = slots.open_slot(str(a), [d1], 8192)
+    os.close(fd)
+    with pytest.raises(slots.SlotRefused, match="not in this job's"):
+        slots.open_slot(str(link / a.name), [d1], 1)
+
+
+def test_cleanup_never_follows_links_nor_deletes_foreign_files(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(slots.ENV_SHM_DIR, str(tmp_path / "shm"))
+    job = tmp_path / "job"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    mine = slots.create_dir(job)
+    assert mine is not None
+    slots.create_slot(mine, 0, 4096)
+    (mine / "rank00000-1-x.slot").symlink_to(victim)
+    foreign_dir = tmp_path / "shm" / (slots.dir_prefix(job) + "_theirs")
+    foreign_dir.mkdir()
+    (foreign_dir / "theirs.slot").write_text("theirs")
+    (tmp_path / "shm" / (slots.dir_prefix(job) + "_link")).symlink_to(tmp_path)
+    if os.getuid() == 0:
+        os.chown(foreign_dir, 65534, 65534)
+        os.chown(foreign_dir / "theirs.slot", 65534, 65534)
+        foreign_in_mine = slots.create_slot(mine, 1, 1).rename(mine / "foreign.slot")
+        os.chown(foreign_in_mine, 65534, 65534)
+    slots.remove_dirs(job)
+    assert victim.read_text() == "precious"
+    assert (tmp_path / "shm" / (slots.dir_prefix(job) + "_link")).is_symlink()
+    if os.getuid() == 0:
+        assert (foreign_dir / "theirs.slot").read_text() == "theirs"
+        assert [p.name for p in mine.iterdir()] == ["foreign.slot"]
+    else:
+        assert not mine.exists()
+
+
+def test_dead_ranks_slots_are_removed_live_and_foreign_ones_kept(tmp_path) -> None:
+    import subprocess
+
+    d = tmp_path / "slots"
+    slots.ensure_private(d)
+    live = slots.create_slot(d, 0, 1)
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              check=False, capture_output=True, text=True).stdout.strip()
+    dead = d / f"rank00001-{dead_pid}-abcd.slot"
+    dead.write_bytes(b"x")
+    link = d / f"rank00002-{dead_pid}-link.slot"
+    link.symlink_to(tmp_path / "nowhere")
+    foreign = d / f"rank00003-{dead_pid}-theirs.slot"
+    foreign.write_bytes(b"y")
+    if os.getuid() == 0:
+        os.chown(foreign, 65534, 65534)
+    assert slots.remove_dead_slots([d]) == (2 if os.getuid() == 0 else 3)
+    assert live.exists() and not dead.exists() and not link.is_symlink()
+    assert foreign.exists() == (os.getuid() == 0)
