@@ -108,12 +108,13 @@ def test_point_travels_to_a_child_process() -> None:
 # ---------------------------------------------------------------- storage.throttle_bytes_per_s
 
 
+@pytest.mark.parametrize("scheme", ["", "file://"])  # DirStorage, FsspecStorage
 def test_throttle_limits_level2_writes_and_is_read_once_per_file(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str) -> None:
     from cfrun.storage import tiers
 
     parts = [b"x" * (256 << 10)] * 4  # 1 MiB in four chunks
-    store = tiers.open_storage(str(tmp_path / "l2"))
+    store = tiers.open_storage(f"{scheme}{tmp_path / 'l2'}")
     t0 = time.monotonic()
     store.begin("job", 1).write_file("rank-00000.bin", parts)
     unthrottled_s = time.monotonic() - t0
