@@ -45,6 +45,7 @@ _USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
 _ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
 from cfrun import __version__
+from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
     RunConfig,
@@ -587,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = False
     try:
         debug = E.get_flag(E.DEBUG)
+        faults.check()
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False)
     except _EXIT as e:
         sys.exit(e.exit_code)  # type: ignore[attr-defined]

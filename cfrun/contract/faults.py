@@ -85,6 +85,16 @@ def _load() -> dict[str, Any]:
     return _armed
 
 
+def check() -> dict[str, Any]:
+    """The armed points of this process (``{}`` in a real run); the CLI calls it at start, so a
+    malformed ``CFRUN_FAULTS`` stops ``cfrun`` with one line instead of failing in the agent.
+
+    Raises:
+        BadInputError: ``CFRUN_FAULTS`` is not a JSON object of declared points.
+    """
+    return dict(_load())
+
+
 def value(name: str) -> Any:
     """The armed value of point ``name``, or ``None`` when it is not armed (any process).
 

@@ -38,7 +38,10 @@ def test_unarmed_points_are_none() -> None:
 
 
 def test_armed_point_has_its_value_and_others_stay_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert faults.check() == {}
+    faults.reset()
     _arm_here(monkeypatch, **{"agent.kill_at_step": 40})
+    assert faults.check() == {"agent.kill_at_step": 40}
     assert faults.value("agent.kill_at_step") == 40
     assert faults.value("agent.commit_delay_s") is None
 
@@ -75,6 +78,19 @@ def test_bad_variable_is_one_line_bad_input(monkeypatch: pytest.MonkeyPatch, raw
         faults.value("agent.kill_at_step")
     assert needle in str(e.value) and "CFRUN_FAULTS" in str(e.value)
     assert "\n" not in str(e.value) and e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_cli_stops_on_a_malformed_variable_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
+    from cfrun.cli.app import main
+
+    monkeypatch.setenv(faults.ENV, '{"agent.kill_at_stp": 3}')
+    with pytest.raises(SystemExit) as e:
+        main(["status", str(tmp_path)])
+    assert e.value.code == EXIT_BAD_INPUT
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("cfrun: error: CFRUN_FAULTS arms undeclared fault points")
 
 
 def test_points_are_declared_with_a_process_prefix_and_a_meaning() -> None:
