@@ -7,7 +7,7 @@ run, on this machine's loopback:
 
 * ``direct``: the persist agent writes every rank's shard to the job dir, which stands for
   network storage (EBS/EFS/NFS): writes are **throttled to ~100 MB/s** by a token bucket in the
-  writer (``CFRUN_TEST_THROTTLE_BYTES_PER_S``; a *simulation*: the disk itself is faster);
+  writer (fault point ``storage.throttle_bytes_per_s``; a *simulation*: the disk itself is faster);
 * ``peer``: ``cfrun --peer``: the agent sends each rank's shard to a ``cfrun peer`` on
   127.0.0.1 in ``S`` parallel parts (shards per rank, ACUTE's sharding degree), one TCP
   connection each; the peer keeps them in RAM (*protected*, where PGT ends) and flushes them
@@ -66,14 +66,14 @@ RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_OUT = RESULTS_DIR / "peer_tier.json"
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from cfrun.contract import ipc  # noqa: E402
+from cfrun.contract import faults, ipc  # noqa: E402
 from cfrun.contract.jobdir import JobDir  # noqa: E402
 from cfrun.rank.snapshot import Snapshotter, remove_slots  # noqa: E402
 
 
 def start_peer(work: Path, token: Path, throttle: int, slots: int, max_bytes: int
                ) -> tuple[subprocess.Popen[str], str, list[str]]:
-    env = {**os.environ, "CFRUN_TEST_THROTTLE_BYTES_PER_S": str(throttle)}
+    env = faults.arm(dict(os.environ), **{"storage.throttle_bytes_per_s": throttle})
     proc = subprocess.Popen(
         [sys.executable, "-m", "cfrun", "peer", "--listen", "127.0.0.1:0", "--flush-to",
          str(work / "level2"), "--token-file", str(token), "--slots", str(slots),
@@ -104,7 +104,7 @@ def start_agent(job_dir: Path, throttle: int, peer: str | None, token: Path, str
     argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", str(job_dir), "--keep", "2"]
     if peer:
         argv += ["--peer", peer, "--peer-token-file", str(token), "--peer-streams", str(streams)]
-    env = {**os.environ, "CFRUN_TEST_THROTTLE_BYTES_PER_S": str(throttle)}
+    env = faults.arm(dict(os.environ), **{"storage.throttle_bytes_per_s": throttle})
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

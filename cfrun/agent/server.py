@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import filelock
 import xxhash
 
-from cfrun.contract import ipc, slots
+from cfrun.contract import faults, ipc, slots
 from cfrun.codec.checkpoint import (
     FileEntry,
     apply_retention,
@@ -93,15 +93,6 @@ WRITE_CHUNK_BYTES = 16 << 20
 """Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
 MAX_STEP = 10**12
 """A step number above this is refused (no job takes 10^12 optimizer steps)."""
-
-ENV_TEST_KILL_AT = "CFRUN_TEST_AGENT_KILL_AT"
-"""Testing aid: the agent SIGKILLs itself half-way through writing the first step >= this one
-(once per job dir)."""
-
-
-ENV_TEST_SLOW_S = "CFRUN_TEST_AGENT_SLOW_S"
-"""Testing aid: the agent sleeps this long before each commit (a slow disk)."""
-
 
 def _manifest_bytes(step_dir: Path) -> int:
     try:
@@ -364,7 +355,7 @@ class PersistAgent:
         self._peer_finish(step, st)
 
     def _test_kill_mid_transfer(self, step: int) -> Any:
-        kill_at = os.environ.get(ENV_TEST_KILL_AT)
+        kill_at = faults.value("agent.kill_at_step")
         marker = self.jobdir.root / ".agent-kill-done"
         if kill_at is None or step < int(kill_at) or marker.exists():
             return None
@@ -477,9 +468,9 @@ class PersistAgent:
             return
         if len(shard) < world_size:
             return
-        slow_s = float(os.environ.get(ENV_TEST_SLOW_S, "0") or 0)
-        if slow_s:
-            time.sleep(slow_s)
+        delay_s = faults.value("agent.commit_delay_s")
+        if delay_s:
+            time.sleep(float(delay_s))
         files = [f for r in sorted(shard) for f in shard[r][0]]
         meta = msg["doc"].get("meta", {})
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
@@ -632,7 +623,7 @@ class PersistAgent:
 
     def _write_slot(self, path: Path, slot: Path, nbytes: int, step: int) -> FileEntry:
         """Write ``nbytes`` of the shared-memory slot to ``path``, fsynced, with its checksum."""
-        kill_at = os.environ.get(ENV_TEST_KILL_AT)
+        kill_at = faults.value("agent.kill_at_step")
         marker = self.jobdir.root / ".agent-kill-done"
         kill = kill_at is not None and step >= int(kill_at) and not marker.exists()
         th = throttle()  # testing aid: simulated network storage

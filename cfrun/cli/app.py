@@ -47,6 +47,7 @@ _USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
 _ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
 from cfrun import __version__
+from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
     RunConfig,
@@ -256,7 +257,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         read_token(peer_token_file, option="--peer-token-file")
         from cfrun.storage.tiers import check_job_name
 
-        job_name = os.environ.get(E.PEER_JOB) or jd.name
+        job_name = E.get_str(E.PEER_JOB) or jd.name
         try:
             check_job_name(job_name)
         except ValueError:
@@ -646,7 +647,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     _setup_logging()
     command = typer.main.get_command(app)
+    debug = False
     try:
+        debug = E.get_flag(E.DEBUG)
+        faults.check()
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False)
     except _EXIT as e:
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
@@ -657,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
     except _ABORT:
         sys.exit(EXIT_BAD_INPUT)
     except CfrunError as e:
-        if os.environ.get(E.DEBUG):
+        if debug:
             raise
         print(f"cfrun: error: {e}", file=sys.stderr)
         if e.hint:

@@ -3,58 +3,120 @@
 Tests arm points through one variable, ``CFRUN_FAULTS``, holding a JSON object that maps a point's
 name to its value, e.g. ``{"agent.kill_at_step": 40, "storage.throttle_bytes_per_s": 5e7}``.
 Product code asks for a point's value at the place the fault belongs; when the variable is unset
-(every real run) :func:`value` returns ``None`` after one dictionary lookup, so a point costs
+(every real run) :func:`value` returns ``None`` after two dictionary lookups, so a point costs
 nothing on a hot path. The variable travels to every process of the job (supervisor, agent,
-torchrun, ranks) with the environment, so one setting reaches the process it names.
+torchrun, ranks) with the environment, so one setting reaches the process it names. The variable
+is read once per process (:func:`reset` forgets it, for tests that change ``os.environ``).
 
 Every point is declared here, in :data:`POINTS`, with what its value means; asking for or arming
-an undeclared name raises (a typo must not make a fault test pass by testing nothing).
+an undeclared name raises (a typo must not make a fault test pass by testing nothing). The idea
+is torchsnapshot's: faults are injected at a seam of the product, never by test variables read
+across its modules.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
-ENV = "CFRUN_FAULTS"
+from cfrun.contract import settings
+from cfrun.contract.errors import BadInputError
+
+ENV = settings.FAULTS
 
 #: name -> meaning of its value. The prefix names the process the point runs in.
 POINTS: dict[str, str] = {
+    "agent.kill_at_step":
+        "int STEP: the persist agent SIGKILLs itself half-way through writing the first "
+        "checkpoint at a step >= STEP, once per job dir (a marker file in the job dir)",
+    "agent.commit_delay_s":
+        "float SECONDS: the persist agent sleeps this long before each commit (a slow disk)",
+    "storage.throttle_bytes_per_s":
+        "float BYTES_PER_S: every level-2 write (cfrun.storage.tiers) and every write of the "
+        "persist agent in this process goes at most this fast, through one token bucket "
+        "(simulated network storage; ACUTE measured EBS/EFS ~90% slower than a local SSD)",
+    "peer.flush_delay_s":
+        "float SECONDS: the cfrun peer's flusher sleeps this long after the first file of each "
+        "checkpoint (a slow level 2)",
+    "rank.raise_in_step":
+        "int STEP: cfrun's optimizer-step hook raises RuntimeError at this step (an internal "
+        "error of cfrun: the Guard must keep the script running)",
+    "rank.checkpoint_stall_s":
+        "[SECONDS, FIRST, LAST]: every checkpoint taken at a step in [FIRST, LAST) holds the "
+        "training thread SECONDS more (a checkpoint made expensive by outside pressure, e.g. a "
+        "saturated disk: what the adaptive tuner must react to)",
+    "rank.kill_after_snapshot":
+        "int STEP: in attempt 0, the rank SIGKILLs itself right after it handed the first "
+        "checkpoint at or after STEP to the agent (the training thread takes that checkpoint "
+        "without deferring and waits for it, so the kill lands before the next iteration)",
+    "rank.kill_before_handoff":
+        "int STEP: in attempt 0, the rank SIGKILLs itself mid-checkpoint at the first checkpoint "
+        "at or after STEP: its snapshot copied, not yet handed to the agent (on the synchronous "
+        "path: its shard written, the checkpoint not committed)",
+    "rank.snapshot_copy_delay_s":
+        "float SECONDS: the background snapshot copy sleeps this long before it starts (a slow "
+        "copy: the next optimizer.step() must wait for it at the gate)",
+    "rank.sync_copy_max_bytes":
+        "int BYTES: replaces cfrun.rank.snapshot.SYNC_COPY_MAX_BYTES, the largest tensor copied "
+        "on the training thread (0: every tensor goes through the background copy)",
+    "rank.snapshot_handoff_error":
+        "int STEP: in attempt 0, the background thread raises TypeError while handing off the "
+        "first checkpoint at or after STEP (a bug there must not stop later checkpoints)",
 }
 
 _armed: dict[str, Any] | None = None
 
 
+def _parse(env: Mapping[str, str]) -> dict[str, Any]:
+    armed = settings.get_json(ENV, env) or {}
+    unknown = sorted(set(armed) - set(POINTS))
+    if unknown:
+        raise BadInputError(f"{ENV} arms undeclared fault points {unknown}; use the names in "
+                            "cfrun.contract.faults.POINTS")
+    return armed
+
+
 def _load() -> dict[str, Any]:
     global _armed
     if _armed is None:
-        raw = os.environ.get(ENV, "")
-        armed = json.loads(raw) if raw else {}
-        if not isinstance(armed, dict):
-            raise ValueError(f"{ENV} must be a JSON object of point -> value, got {raw!r}")
-        _armed = armed
+        _armed = _parse(os.environ)
     return _armed
+
+
+def check() -> dict[str, Any]:
+    """The armed points of this process (``{}`` in a real run); the CLI calls it at start, so a
+    malformed ``CFRUN_FAULTS`` stops ``cfrun`` with one line instead of failing in the agent.
+
+    Raises:
+        BadInputError: ``CFRUN_FAULTS`` is not a JSON object of declared points.
+    """
+    return dict(_load())
 
 
 def value(name: str) -> Any:
     """The armed value of point ``name``, or ``None`` when it is not armed (any process).
 
     Raises:
-        KeyError: ``name`` is not declared in :data:`POINTS` (checked only when something is
-            armed, so an unarmed run pays one lookup).
+        KeyError: ``name`` is not declared in :data:`POINTS` (a bug in the caller).
+        BadInputError: ``CFRUN_FAULTS`` is not a JSON object of declared points.
     """
-    armed = _load()
-    if not armed:
-        return None
     if name not in POINTS:
         raise KeyError(f"fault point {name!r} is not declared in cfrun.contract.faults.POINTS")
-    return armed.get(name)
+    return _load().get(name)
 
 
 def arm(env: dict[str, str], **points: Any) -> dict[str, str]:
-    """Tests: ``env`` with ``points`` added to its ``CFRUN_FAULTS`` (names use ``.`` for ``__``)."""
-    current = json.loads(env.get(ENV) or "{}")
+    """Tests: a copy of ``env`` with ``points`` added to its ``CFRUN_FAULTS``.
+
+    Pass names with their dots, ``arm(env, **{"agent.kill_at_step": 40})``, or with ``__`` for
+    each dot, ``arm(env, agent__kill_at_step=40)``. Values must be JSON-serialisable.
+
+    Raises:
+        KeyError: a name not declared in :data:`POINTS`.
+    """
+    current = _parse(env)
     named = {k.replace("__", "."): v for k, v in points.items()}
     unknown = sorted(set(named) - set(POINTS))
     if unknown:

@@ -1,4 +1,10 @@
-"""Every ``CFRUN_*`` environment variable, in one place.
+"""Every ``CFRUN_*`` environment variable, in one place: its type, default and meaning.
+
+Why environment variables at all: every option of ``cfrun`` and ``cfrun peer`` is also a variable
+(as torchrun's are), so that a batch script or a Kubernetes manifest can set them; a few knobs
+exist only as variables because no user should need them on a command line (debugging, benchmark
+layouts); and the supervisor passes what the ranks must know through the environment, the one
+channel that reaches them through torchrun unchanged.
 
 Precedence of ``cfrun [run]``'s settings: command-line flag > environment variable > default.
 ``cfrun resume JOBDIR`` takes every setting from the job dir's ``config.json`` instead (the
@@ -7,89 +13,361 @@ the node); it sets the environment variables recorded there (prefixes ``CFRUN_``
 ``OMP_``, ``PYTHON``, ``NCCL_``, ``MKL_``) where the current environment lacks them, and runs the
 script in the recorded working directory. The launcher passes the resolved values to the ranks
 through the ``CFRUN_RANK_*`` variables below; users do not set those.
+
+Each variable is declared once, by :func:`_declare`, into :data:`SETTINGS` (name ->
+:class:`Setting`); the module constant of the same name (``JOB_DIR = "CFRUN_JOB_DIR"``) is what
+code refers to. Values are read with the typed accessors (:func:`get_str`, :func:`get_int`,
+:func:`get_float`, :func:`get_flag`, :func:`get_json`), which parse, validate and fall back to
+the declared default; a bad value raises :class:`~cfrun.contract.errors.BadInputError` with one
+line naming the variable and the fix. The options of ``cfrun`` and ``cfrun peer`` are parsed by
+their own parsers (:mod:`cfrun.contract.config`) through typer's ``envvar``. Test faults are not
+settings: they are named points of :mod:`cfrun.contract.faults`, armed through ``CFRUN_FAULTS``.
 """
 
 from __future__ import annotations
 
-# User-facing settings (each is also a flag of `cfrun`).
-JOB_DIR = "CFRUN_JOB_DIR"
-INTERVAL = "CFRUN_INTERVAL"
-OVERHEAD = "CFRUN_OVERHEAD"
-MTBF = "CFRUN_MTBF"
-NPROC_PER_NODE = "CFRUN_NPROC_PER_NODE"
-MAX_RESTARTS = "CFRUN_MAX_RESTARTS"
-KEEP = "CFRUN_KEEP"
-GRACE = "CFRUN_GRACE"
-INJECT_CRASH = "CFRUN_INJECT_CRASH"
-HANG_TIMEOUT = "CFRUN_HANG_TIMEOUT"
-CRASH_LOOP = "CFRUN_CRASH_LOOP"
-DEBUG = "CFRUN_DEBUG"
-SHARD = "CFRUN_SHARD"
-"""``0``: every data-parallel rank persists its whole state; ``rank0``: rank 0 alone persists
-the replicated tensors; default ``1``: each rank persists 1/N of them (DeepFreeze)."""
-EVENTS_ALL_RANKS = "CFRUN_EVENTS_ALL_RANKS"
-"""``1``: ranks other than 0 also log each checkpoint (``checkpoint_rank`` events)."""
-NNODES = "CFRUN_NNODES"
-NODE_RANK = "CFRUN_NODE_RANK"
-"""This node's index in a multi-node job (torchrun ``--node-rank``); also names this node's
-config, lock, agent socket and snapshot slots in the shared job dir."""
-RDZV_ENDPOINT = "CFRUN_RDZV_ENDPOINT"
-RDZV_ID = "CFRUN_RDZV_ID"
-PEER = "CFRUN_PEER"
-"""``HOST:PORT`` of a ``cfrun peer``: checkpoints go to its RAM (ACUTE level 1)."""
-PEER_TOKEN_FILE = "CFRUN_PEER_TOKEN_FILE"
-"""File holding the peer's shared secret (``cfrun --peer-token-file`` and ``cfrun peer
---token-file``)."""
-PEER_STREAMS = "CFRUN_PEER_STREAMS"
-PEER_JOB = "CFRUN_PEER_JOB"
-"""The job's name at the peer and at level 2 (default: the job dir's name)."""
-PERSIST_TO = "CFRUN_PERSIST_TO"
-PEER_LISTEN = "CFRUN_PEER_LISTEN"
-PEER_FLUSH_TO = "CFRUN_PEER_FLUSH_TO"
-PEER_SLOTS = "CFRUN_PEER_SLOTS"
-PEER_MAX_CHECKPOINT_BYTES = "CFRUN_PEER_MAX_CHECKPOINT_BYTES"
-PEER_KEEP = "CFRUN_PEER_KEEP"
-FF_EVAL = "CFRUN_FF_EVAL"
-TEST_KILL_BEFORE_COMMIT = "CFRUN_TEST_KILL_BEFORE_COMMIT"
-TEST_CKPT_STALL = "CFRUN_TEST_CKPT_STALL"
-"""Testing aid, ``SECONDS@FIRST-LAST``: every checkpoint taken at a step in [FIRST, LAST) holds
-the training thread for SECONDS more (a checkpoint made expensive by outside pressure, e.g. a
-saturated disk, at chosen steps: what the adaptive tuner must react to)."""
-"""Testing aid: in attempt 0, SIGKILL the rank after its shard of this step is written and
-before the checkpoint commits (a crash in the middle of a checkpoint)."""
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-# Set by the launcher for the ranks (the hook activates only where ACTIVE is set).
-RANK_ACTIVE = "CFRUN_RANK_ACTIVE"
-RANK_JOB_DIR = "CFRUN_RANK_JOB_DIR"
-RANK_INTERVAL = "CFRUN_RANK_INTERVAL"
-RANK_KEEP = "CFRUN_RANK_KEEP"
-RANK_OVERHEAD = "CFRUN_RANK_OVERHEAD"
-RANK_MTBF_S = "CFRUN_RANK_MTBF_S"
-RANK_PROFILE_ONLY = "CFRUN_RANK_PROFILE_ONLY"
-RANK_SCRIPT = "CFRUN_RANK_SCRIPT"
-RANK_ATTEMPT = "CFRUN_RANK_ATTEMPT"
-RANK_INJECT_CRASH = "CFRUN_RANK_INJECT_CRASH"
-RANK_FF_EVAL = "CFRUN_RANK_FF_EVAL"
-RANK_AGENT = "CFRUN_RANK_AGENT"
-"""``1`` when the supervisor runs a persist agent for this job (two-phase checkpoints)."""
-RANK_SUPERVISOR_PID = "CFRUN_RANK_SUPERVISOR_PID"
-"""Pid of the supervisor that started this torchrun; marks every process of the job (inherited
-by ranks, workers and their children) so that none outlives the supervisor
-(cfrun.supervisor.launcher.kill_job_processes)."""
-HOOK_OWNER_PID = "CFRUN_HOOK_OWNER_PID"
-"""Pid of the rank process whose hook is live; children that inherit it stay inert."""
-PREV_SITECUSTOMIZE_PATH = "CFRUN_PREV_PYTHONPATH"
-"""The PYTHONPATH the user had, so the hook can chain the user's own sitecustomize."""
+from cfrun.contract.errors import BadInputError
+
+TYPES = ("str", "int", "float", "flag", "json", "path", "choice", "address", "url", "duration",
+         "percent", "bytes", "steps")
+"""Kinds of value. ``int``/``float``/``flag``/``json`` have their own accessor; the others are
+text read with :func:`get_str` (``choice``: one of :attr:`Setting.choices`), or parsed by the
+option parsers of :mod:`cfrun.contract.config` (``duration``, ``percent``, ``bytes``,
+``steps``: ``STEP[@ATTEMPT],...``)."""
+
+SET_BY = ("user", "launcher", "hook")
+"""Who sets a variable: the user (``user``), the supervisor for the ranks (``launcher``), or the
+hook in a rank for its own children (``hook``)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``CFRUN_*`` variable: what it holds and who sets it (see the module docstring)."""
+
+    name: str
+    """The variable's name, ``CFRUN_...``."""
+    type: str
+    """One of :data:`TYPES`."""
+    default: str | None
+    """The text the variable defaults to when it is unset or empty (parsed like a set value);
+    ``None``: no default, the accessors return ``None``."""
+    meaning: str
+    """What the value means, with its unit; the README's settings table shows the user's ones."""
+    set_by: str = "user"
+    """One of :data:`SET_BY`."""
+    unset: str = "none"
+    """What happens when the variable is unset and :attr:`default` is ``None`` (README wording)."""
+    choices: tuple[str, ...] = ()
+    """The values allowed for a ``choice``."""
+
+
+SETTINGS: dict[str, Setting] = {}
+"""Every declared variable, name -> :class:`Setting`, in declaration order."""
+
+
+def _declare(name: str, type: str, default: str | None, meaning: str, *, set_by: str = "user",
+             unset: str = "none", choices: tuple[str, ...] = ()) -> str:
+    if not name.startswith("CFRUN_") or name in SETTINGS or type not in TYPES \
+            or set_by not in SET_BY or (type == "choice") != bool(choices):
+        raise ValueError(f"bad declaration of {name}")
+    SETTINGS[name] = Setting(name, type, default, meaning, set_by, unset, choices)
+    return name
+
+
+# ----------------------------------------------------------------- options of `cfrun [run]`
+
+JOB_DIR = _declare("CFRUN_JOB_DIR", "path", None, "job directory: checkpoints, events, config",
+                   unset="./cfrun-jobs/<script name>")
+INTERVAL = _declare("CFRUN_INTERVAL", "int", None,
+                    "checkpoint every K optimizer steps (turns the overhead policy off)",
+                    unset="policy")
+OVERHEAD = _declare("CFRUN_OVERHEAD", "percent", "3.5%",
+                    "overhead budget: 3.5%, 3.5 (percent) or 0.035 (fraction)")
+MTBF = _declare("CFRUN_MTBF", "duration", None,
+                "mean time between failures (90s, 30m, 6h, 2d) for the Young/Daly limit",
+                unset="learned")
+NPROC_PER_NODE = _declare("CFRUN_NPROC_PER_NODE", "int", "1", "ranks on this node (torchrun)")
+NNODES = _declare("CFRUN_NNODES", "int", "1",
+                  "nodes in the job; one cfrun per node, same job dir on a shared file system")
+NODE_RANK = _declare("CFRUN_NODE_RANK", "int", "0",
+                     "this node's index in a multi-node job (torchrun --node-rank); also names "
+                     "this node's config, lock, agent socket and snapshot slots in the shared "
+                     "job dir")
+RDZV_ENDPOINT = _declare("CFRUN_RDZV_ENDPOINT", "address", None,
+                         "HOST:PORT of the torchrun c10d rendezvous; required with --nnodes > 1")
+RDZV_ID = _declare("CFRUN_RDZV_ID", "str", None, "rendezvous id shared by the nodes",
+                   unset="job dir name")
+MAX_RESTARTS = _declare("CFRUN_MAX_RESTARTS", "int", "5",
+                        "restarts after failures before giving up (exit code 4)")
+KEEP = _declare("CFRUN_KEEP", "int", "2", "committed checkpoints kept")
+GRACE = _declare("CFRUN_GRACE", "float", "25",
+                 "seconds the ranks get after SIGTERM for a final checkpoint before SIGKILL")
+HANG_TIMEOUT = _declare("CFRUN_HANG_TIMEOUT", "float", "1800",
+                        "seconds without an optimizer step before the job restarts (0: off)")
+CRASH_LOOP = _declare("CFRUN_CRASH_LOOP", "int", "3",
+                      "the same failure at the same step this many times: stop with exit code 5 "
+                      "(0: off)")
+INJECT_CRASH = _declare("CFRUN_INJECT_CRASH", "steps", None,
+                        "testing aid, STEP[@ATTEMPT],...: rank 0 SIGKILLs itself after step STEP "
+                        "in attempt ATTEMPT (default 0)")
+PEER = _declare("CFRUN_PEER", "address", None,
+                "HOST:PORT of a `cfrun peer`: checkpoints go to its RAM first (ACUTE level 1)")
+PEER_TOKEN_FILE = _declare("CFRUN_PEER_TOKEN_FILE", "path", None,
+                           "file holding the peer's shared secret (cfrun --peer-token-file and "
+                           "cfrun peer --token-file)")
+PEER_STREAMS = _declare("CFRUN_PEER_STREAMS", "int", "4",
+                        "parallel connections per rank to the peer (1..64)")
+PERSIST_TO = _declare("CFRUN_PERSIST_TO", "url", None,
+                      "level 2 (directory or fsspec URL) that a resume also searches")
+
+# ----------------------------------------------------------------- options of `cfrun peer`
+
+PEER_LISTEN = _declare("CFRUN_PEER_LISTEN", "address", None,
+                       "cfrun peer: HOST:PORT to listen on (port 0: a free port, printed)")
+PEER_FLUSH_TO = _declare("CFRUN_PEER_FLUSH_TO", "url", None,
+                         "cfrun peer: level 2, a directory or fsspec URL checkpoints are "
+                         "flushed to")
+PEER_SLOTS = _declare("CFRUN_PEER_SLOTS", "int", "2", "cfrun peer: checkpoints held in RAM")
+PEER_MAX_CHECKPOINT_BYTES = _declare(
+    "CFRUN_PEER_MAX_CHECKPOINT_BYTES", "bytes", "auto",
+    "cfrun peer: largest checkpoint accepted, e.g. 8G (auto: half the RAM / slots, at most 16G)")
+PEER_KEEP = _declare("CFRUN_PEER_KEEP", "int", "3",
+                     "cfrun peer: flushed checkpoints kept per job at level 2")
+
+# ----------------------------------------------------------------- variables without an option
+
+DEBUG = _declare("CFRUN_DEBUG", "flag", "0",
+                 "1: the CLI shows the traceback of an error instead of one line")
+PROGRESS_S = _declare("CFRUN_PROGRESS_S", "float", "30",
+                      "seconds between the supervisor's progress lines on a terminal (0: none)")
+PEER_JOB = _declare("CFRUN_PEER_JOB", "str", None,
+                    "the job's name at the peer and at level 2", unset="job dir name")
+S3_ENDPOINT_URL = _declare("CFRUN_S3_ENDPOINT_URL", "url", None,
+                           "endpoint of s3:// level-2 stores (e.g. a MinIO server)",
+                           unset="the AWS configuration")
+SHARD = _declare("CFRUN_SHARD", "choice", "1",
+                 "1: each data-parallel rank persists 1/N of the replicated tensors "
+                 "(DeepFreeze); 0: every rank persists its whole state; rank0: rank 0 alone "
+                 "persists the replicated tensors", choices=("0", "1", "rank0"))
+EVENTS_ALL_RANKS = _declare("CFRUN_EVENTS_ALL_RANKS", "flag", "0",
+                            "1: ranks other than 0 also log each checkpoint (checkpoint_rank "
+                            "events)")
+FF_EVAL = _declare("CFRUN_FF_EVAL", "choice", "one",
+                   "while a resume fast-forwards, other loaders (evaluation) yield one batch "
+                   "(one) or run in full (run)", choices=("one", "run"))
+SHM_DIR = _declare("CFRUN_SHM_DIR", "path", None,
+                   "directory of the snapshot slots",
+                   unset="/dev/shm when it has room for twice the snapshot, else <job_dir>/.slots")
+SNAPSHOT_MODE = _declare("CFRUN_SNAPSHOT_MODE", "choice", "thread",
+                         "thread: background copy; inline: copy on the training thread; gpu/host: "
+                         "force or forbid the device-side first copy on CUDA (default: when it "
+                         "fits)", choices=("thread", "inline", "gpu", "host"))
+FAULTS = _declare("CFRUN_FAULTS", "json", None,
+                  "testing aid: armed fault points, a JSON object of point -> value "
+                  "(cfrun.contract.faults.POINTS)")
+
+# ----------------------------------------------------------------- set by the launcher for the ranks
+
+RANK_SETTINGS = _declare("CFRUN_RANK_SETTINGS", "json", None,
+                         "the rank runtime's settings as one JSON object, set by the supervisor",
+                         set_by="launcher")
+RANK_ACTIVE = _declare("CFRUN_RANK_ACTIVE", "flag", "0",
+                       "1: the hook activates cfrun's runtime in this process (a torchrun worker)",
+                       set_by="launcher")
+RANK_JOB_DIR = _declare("CFRUN_RANK_JOB_DIR", "path", None, "the job dir", set_by="launcher")
+RANK_INTERVAL = _declare("CFRUN_RANK_INTERVAL", "int", None, "fixed interval, or empty: policy",
+                         set_by="launcher")
+RANK_KEEP = _declare("CFRUN_RANK_KEEP", "int", "2", "committed checkpoints kept",
+                     set_by="launcher")
+RANK_OVERHEAD = _declare("CFRUN_RANK_OVERHEAD", "float", "0.035",
+                         "overhead budget as a fraction", set_by="launcher")
+RANK_MTBF_S = _declare("CFRUN_RANK_MTBF_S", "float", None,
+                       "mean time between failures in seconds, or empty: learned",
+                       set_by="launcher")
+RANK_PROFILE_ONLY = _declare("CFRUN_RANK_PROFILE_ONLY", "flag", "0",
+                             "1: cfrun profile (measure, do not checkpoint)", set_by="launcher")
+RANK_SCRIPT = _declare("CFRUN_RANK_SCRIPT", "path", None, "the training script",
+                       set_by="launcher")
+RANK_ATTEMPT = _declare("CFRUN_RANK_ATTEMPT", "int", "0", "the attempt (0: the first start)",
+                        set_by="launcher")
+RANK_INJECT_CRASH = _declare("CFRUN_RANK_INJECT_CRASH", "steps", None,
+                             "the value of CFRUN_INJECT_CRASH",
+                             set_by="launcher")
+RANK_FF_EVAL = _declare("CFRUN_RANK_FF_EVAL", "choice", "one",
+                        "the value of CFRUN_FF_EVAL",
+                        set_by="launcher", choices=("one", "run"))
+RANK_AGENT = _declare("CFRUN_RANK_AGENT", "flag", "0",
+                      "1: the supervisor runs a persist agent for this job (two-phase "
+                      "checkpoints)", set_by="launcher")
+RANK_SUPERVISOR_PID = _declare(
+    "CFRUN_RANK_SUPERVISOR_PID", "int", None,
+    "pid of the supervisor that started this torchrun; marks every process of the job "
+    "(inherited by ranks, workers and their children) so that none outlives the supervisor "
+    "(cfrun.supervisor.launcher.kill_job_processes)", set_by="launcher")
+HOOK_OWNER_PID = _declare("CFRUN_HOOK_OWNER_PID", "int", None,
+                          "pid of the rank process whose hook is live; children that inherit it "
+                          "stay inert (hooks/sitecustomize.py)", set_by="hook")
+
+# ----------------------------------------------------------------- rank-side testing aids
+# To become points of cfrun.contract.faults (rank.*); declared until the rank runtime reads those.
+
+TEST_KILL_BEFORE_COMMIT = _declare(
+    "CFRUN_TEST_KILL_BEFORE_COMMIT", "int", None,
+    "testing aid (fault rank.kill_before_handoff): in attempt 0, SIGKILL the rank mid-checkpoint "
+    "at the first checkpoint step >= this one")
+TEST_CKPT_STALL = _declare(
+    "CFRUN_TEST_CKPT_STALL", "str", None,
+    "testing aid (fault rank.checkpoint_stall_s), SECONDS@FIRST-LAST: every checkpoint at a step "
+    "in [FIRST, LAST) holds the training thread SECONDS more")
+TEST_RAISE_IN_STEP = _declare(
+    "CFRUN_TEST_RAISE_IN_STEP", "int", None,
+    "testing aid (fault rank.raise_in_step): cfrun's optimizer-step hook raises at this step")
+TEST_KILL_AFTER_SNAPSHOT = _declare(
+    "CFRUN_TEST_KILL_AFTER_SNAPSHOT", "int", None,
+    "testing aid (fault rank.kill_after_snapshot): in attempt 0, SIGKILL the rank right after it "
+    "handed the first checkpoint at or after this step to the agent")
+TEST_SNAPSHOT_COPY_DELAY_S = _declare(
+    "CFRUN_TEST_SNAPSHOT_COPY_DELAY_S", "float", None,
+    "testing aid (fault rank.snapshot_copy_delay_s): the background copy sleeps this long first")
+TEST_SYNC_COPY_MAX_BYTES = _declare(
+    "CFRUN_TEST_SYNC_COPY_MAX_BYTES", "int", None,
+    "testing aid (fault rank.sync_copy_max_bytes): tensors up to this size are copied on the "
+    "training thread")
+TEST_SNAPSHOT_HANDOFF_ERROR = _declare(
+    "CFRUN_TEST_SNAPSHOT_HANDOFF_ERROR", "int", None,
+    "testing aid (fault rank.snapshot_handoff_error): in attempt 0, the hand-off of the first "
+    "checkpoint at or after this step raises TypeError")
+
+
+# ----------------------------------------------------------------- typed accessors
+
+
+def _text(name: str, type_: tuple[str, ...], env: Mapping[str, str] | None) -> str | None:
+    """The variable's text, or its default; checks that ``name`` is declared with a ``type_``."""
+    setting = SETTINGS.get(name)
+    if setting is None:
+        raise KeyError(f"{name} is not declared in cfrun.contract.settings")
+    if setting.type not in type_:
+        raise TypeError(f"{name} is declared as {setting.type}, not {'/'.join(type_)}")
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    return raw or setting.default
+
+
+def _bad(name: str, text: str, what: str) -> BadInputError:
+    setting = SETTINGS[name]
+    default = f"the default, {setting.default}" if setting.default is not None else setting.unset
+    return BadInputError(f"{name}={text!r} is not {what}; set {name} to {what} ({setting.meaning})"
+                         f" or unset it for {default}")
+
+
+def get_str(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A text setting (``str``, ``path``, ``choice``, ``address``, ``url``, ...), or its
+    default; ``None`` when unset without a default. Any process; ``env`` defaults to
+    ``os.environ``.
+
+    Raises:
+        BadInputError: a ``choice`` outside :attr:`Setting.choices`.
+        KeyError, TypeError: ``name`` is undeclared or not a text setting (a bug).
+    """
+    text = _text(name, ("str", "path", "choice", "address", "url", "duration", "percent",
+                        "bytes", "steps"), env)
+    choices = SETTINGS[name].choices
+    if text is not None and choices and text not in choices:
+        raise _bad(name, text, "one of " + ", ".join(choices))
+    return text
+
+
+def get_int(name: str, env: Mapping[str, str] | None = None, *, minimum: int | None = None
+            ) -> int | None:
+    """An ``int`` setting (``minimum`` and above when given), or its default, or ``None``.
+
+    Raises:
+        BadInputError: not a whole number, or below ``minimum``.
+    """
+    text = _text(name, ("int",), env)
+    if text is None:
+        return None
+    what = "a whole number" if minimum is None else f"a whole number >= {minimum}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise _bad(name, text, what) from None
+    if minimum is not None and value < minimum:
+        raise _bad(name, text, what)
+    return value
+
+
+def get_float(name: str, env: Mapping[str, str] | None = None, *, minimum: float | None = None
+              ) -> float | None:
+    """A finite ``float`` setting (``minimum`` and above when given), or its default, or ``None``.
+
+    Raises:
+        BadInputError: not a finite number, or below ``minimum``.
+    """
+    text = _text(name, ("float",), env)
+    if text is None:
+        return None
+    what = "a number" if minimum is None else f"a number >= {minimum:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise _bad(name, text, what) from None
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        raise _bad(name, text, what)
+    return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def get_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """A ``flag`` setting: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``
+    (any case; unset: the default).
+
+    Raises:
+        BadInputError: any other value.
+    """
+    text = _text(name, ("flag",), env) or "0"
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise _bad(name, text, "1 or 0")
+
+
+def get_json(name: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """A ``json`` setting: a JSON object, or ``None`` when unset.
+
+    Raises:
+        BadInputError: not JSON, or not an object.
+    """
+    text = _text(name, ("json",), env)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise _bad(name, text, "a JSON object")
+    return value
 
 
 def node_rank() -> int:
-    """This process's node in a multi-node job (``CFRUN_NODE_RANK``; 0 when unset)."""
-    import os
+    """This process's node in a multi-node job (``CFRUN_NODE_RANK``; 0 when unset). Any process.
 
-    try:
-        return max(0, int(os.environ.get(NODE_RANK, "0") or 0))
-    except ValueError:
-        return 0
+    Raises:
+        BadInputError: not a whole number >= 0.
+    """
+    return get_int(NODE_RANK, minimum=0) or 0
 
 
 def node_suffix() -> str:

@@ -30,8 +30,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-ENV_SHM_DIR = "CFRUN_SHM_DIR"
-"""Base directory of the slot directory instead of ``/dev/shm`` (tests, or a bigger tmpfs)."""
+from cfrun.contract.settings import SHM_DIR as ENV_SHM_DIR
 FALLBACK = ".slots"
 """The slot directory inside the job dir, used when the shared-memory one has no room."""
 SUFFIX = ".slot"

@@ -37,7 +37,6 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
-import os
 import socket
 import threading
 import time
@@ -85,8 +84,6 @@ logger = logging.getLogger("cfrun.peer.server")
 STALE_PARTIAL_S = 60.0
 """A partial checkpoint with no transfer for this long may be evicted (its sender died)."""
 
-ENV_TEST_FLUSH_SLOW_S = "CFRUN_TEST_PEER_FLUSH_SLOW_S"
-"""Testing aid: the flusher sleeps this long after the first file of each checkpoint."""
 
 
 # ---------------------------------------------------------------------- server state
@@ -554,7 +551,9 @@ class PeerServer:
         t0 = time.monotonic()
         manifest = ck.manifest()
         writer = self.storage.begin(ck.job, ck.step)
-        slow_s = float(os.environ.get(ENV_TEST_FLUSH_SLOW_S, "0") or 0)
+        from cfrun.contract import faults
+
+        slow_s = float(faults.value("peer.flush_delay_s") or 0)
         try:
             for i, entry in enumerate(manifest["files"]):
                 parts = ck.files[entry["name"]].ordered()

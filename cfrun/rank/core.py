@@ -16,7 +16,6 @@ GradScalers (their ``__init__``), DataLoaders (:mod:`cfrun.rank.data`) and its v
 
 from __future__ import annotations
 
-import atexit
 import gc
 import io
 import itertools
@@ -40,12 +39,11 @@ from cfrun.codec.checkpoint import (
     WorldSizeChangedError,
     commit,
     load_newest,
-    shard_names,
     staging_dir,
     write_shard,
 )
 from cfrun.contract.config import parse_inject_crash
-from cfrun.codec.format import UnsupportedValueError, decode, encode
+from cfrun.codec.format import UnsupportedValueError, encode
 from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.rank import frames as F
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng

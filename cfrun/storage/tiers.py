@@ -20,9 +20,11 @@ copy into a job dir) reads. Two implementations, chosen by the URL:
 ``s3://`` uses s3fs; its endpoint comes from ``CFRUN_S3_ENDPOINT_URL`` (e.g. a MinIO or moto
 server), else from the AWS configuration (``AWS_ENDPOINT_URL``, profiles, instance roles).
 
-Testing/benchmark aid: ``CFRUN_TEST_THROTTLE_BYTES_PER_S`` limits every write of this module (and
-of the persist agent's local writes) to that many bytes per second with a token bucket, to
-*simulate* network storage (ACUTE §III-B measured EBS/EFS ~90% slower than a local SSD).
+Testing/benchmark aid: the fault point ``storage.throttle_bytes_per_s`` of
+:mod:`cfrun.contract.faults` limits every write of this module (and of the persist agent's local
+writes) to that many bytes per second with a token bucket, to *simulate* network storage (ACUTE
+§III-B measured EBS/EFS ~90% slower than a local SSD). :func:`throttle` reads the point once per
+file written, not per chunk.
 """
 
 from __future__ import annotations
@@ -37,14 +39,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from cfrun.contract import faults, settings
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
 from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
 from cfrun.codec.checkpoint import committed_steps
 
 MANIFEST = "manifest.json"
-ENV_S3_ENDPOINT_URL = "CFRUN_S3_ENDPOINT_URL"
-ENV_TEST_THROTTLE = "CFRUN_TEST_THROTTLE_BYTES_PER_S"
-"""Testing aid: simulated storage bandwidth in bytes per second for level-2 and agent writes."""
 WRITE_CHUNK_BYTES = 8 << 20
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FILE_RE = re.compile(r"^rank-\d{5}\.(bin|json)$")
@@ -85,9 +85,10 @@ _THROTTLE_LOCK = threading.Lock()
 
 
 def throttle() -> Throttle | None:
-    """This process's throttle if ``CFRUN_TEST_THROTTLE_BYTES_PER_S`` is set, else None."""
+    """This process's throttle if the fault point ``storage.throttle_bytes_per_s`` is armed, else
+    None. Writers call it once per file and then :meth:`Throttle.take` per chunk."""
     global _THROTTLE
-    rate = float(os.environ.get(ENV_TEST_THROTTLE, "0") or 0)
+    rate = float(faults.value("storage.throttle_bytes_per_s") or 0)
     if rate <= 0:
         return None
     with _THROTTLE_LOCK:
@@ -284,7 +285,7 @@ class FsspecStorage:
         self.url = url.rstrip("/")
         protocol = self.url.split("://", 1)[0]
         options: dict[str, Any] = {}
-        endpoint = os.environ.get(ENV_S3_ENDPOINT_URL)
+        endpoint = settings.get_str(settings.S3_ENDPOINT_URL)
         if protocol in ("s3", "s3a") and endpoint:
             options["endpoint_url"] = endpoint
         if protocol in ("s3", "s3a"):

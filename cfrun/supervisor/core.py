@@ -112,7 +112,7 @@ class Supervisor:
         self.reaper: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
-        self.progress_s = float(os.environ.get("CFRUN_PROGRESS_S", "30")) \
+        self.progress_s = (E.get_float(E.PROGRESS_S, minimum=0) or 0.0) \
             if sys.stderr.isatty() else 0.0
         self._pending_signals: list[int] = []
         self.policy = Policy.from_config(cfg, backoff_s)
@@ -320,8 +320,9 @@ class Supervisor:
         if self.cfg.peer:
             argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
                      "--peer-streams", str(self.cfg.peer_streams)]
-            if os.environ.get(E.PEER_JOB):
-                argv += ["--peer-job", os.environ[E.PEER_JOB]]
+            peer_job = E.get_str(E.PEER_JOB)
+            if peer_job:
+                argv += ["--peer-job", peer_job]
         if self.cfg.persist_to:
             argv += ["--persist-to", self.cfg.persist_to]
         if self.cfg.nnodes > 1:

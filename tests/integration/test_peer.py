@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import re
 import secrets
 import shutil
@@ -26,6 +25,7 @@ import torch
 import xxhash
 
 from cfrun.codec.checkpoint import committed_steps, verify
+from cfrun.contract import faults
 from cfrun.contract.jobdir import step_dir_name
 from cfrun.peer.protocol import (
     FRAME,
@@ -218,7 +218,7 @@ def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_use
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "3"])
     run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", "--peer",
                      peer.address, "--peer-token-file", str(token), *TINY, "--out", "got.pt"],
-                    cwd=tmp_path, env={"CFRUN_TEST_AGENT_KILL_AT": "20"})
+                    cwd=tmp_path, env=faults.arm({}, **{"agent.kill_at_step": 20}))
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("agent_restart")) == 1
     [lost] = [e["step"] for e in run.events("persist_lost")]
@@ -235,7 +235,7 @@ def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_use
 def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_path, peers):
     token = write_token(tmp_path / "token")
     l2_url = f"file://{tmp_path / 'l2'}"
-    slow = peers(tmp_path, l2_url, token, env={"CFRUN_TEST_PEER_FLUSH_SLOW_S": "60"})
+    slow = peers(tmp_path, l2_url, token, env=faults.arm({}, **{"peer.flush_delay_s": 60}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--peer",
          slow.address, "--peer-token-file", str(token), SLOW, "240", "out.pt", "0.04"],

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract import faults
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
@@ -124,7 +125,7 @@ def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, 
 
 def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
-                             env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"})
+                             env=faults.arm({}, **{"agent.commit_delay_s": 0.6}))
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
     assert pre["final_checkpoint"] == pre["step"]
@@ -134,7 +135,8 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
 
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
-                                env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"}, during_persist=True)
+                                env=faults.arm({}, **{"agent.commit_delay_s": 1.0}),
+                                during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
     [pre] = run.events("preempted")
     newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
@@ -158,7 +160,7 @@ def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(referen
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
     about a second after the grace, and the newest committed checkpoint stays the resume point."""
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "1"], at_step=12,
-                                        env={"CFRUN_TEST_AGENT_SLOW_S": "3"},
+                                        env=faults.arm({}, **{"agent.commit_delay_s": 3}),
                                         script=[SLOW, "60", "j.pt", "0.1"], during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
     assert elapsed_s < 1.5, elapsed_s  # killed at the deadline, not when the persist ends
@@ -172,7 +174,7 @@ def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(referen
 
 def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=12,
-                                        env={"CFRUN_TEST_AGENT_SLOW_S": "3"},
+                                        env=faults.arm({}, **{"agent.commit_delay_s": 3}),
                                         script=[SLOW, "60", "j.pt", "0.1"], during_persist=True,
                                         second_after_s=0.3)
     assert run.returncode == 75, run.stderr[-2000:]
@@ -241,7 +243,7 @@ def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_refer
     killed by torchrun because another one exited first (persists slowed: the signal may land
     during one)."""
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--nproc-per-node", "2"], at_step=12,
-                                env={"CFRUN_TEST_AGENT_SLOW_S": "0.6"},
+                                env=faults.arm({}, **{"agent.commit_delay_s": 0.6}),
                                 script=[DDP_SLOW, "j.pt", "0.1"])
     assert run.returncode == 75, run.stderr[-3000:]
     [pre] = run.events("preempted")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cfrun.codec.checkpoint import committed_steps, load_shard
+from cfrun.contract import faults
 from cfrun.contract.jobdir import step_dir_name
 from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun
 
@@ -46,7 +47,8 @@ def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
 def test_agent_killed_mid_write_is_restarted_and_training_goes_on(reference, tmp_path):
     ref_run, ref_state = reference
     run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", *ARGS,
-                     "--out", "got.pt"], cwd=tmp_path, env={"CFRUN_TEST_AGENT_KILL_AT": "30"})
+                     "--out", "got.pt"], cwd=tmp_path,
+                    env=faults.arm({}, **{"agent.kill_at_step": 30}))
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("agent_restart")) == 1
     assert len(run.events("attempt_start")) == 1  # the ranks never noticed
@@ -174,7 +176,7 @@ def test_at_most_one_checkpoint_in_flight(tmp_path):
     """With a slow persist and a checkpoint due at every step, each snapshot starts only after
     the previous checkpoint committed; a checkpoint due meanwhile is put off, not queued."""
     run = run_cfrun(["--interval", "1", "--keep", "2", "--job-dir", "j", *ARGS, "--out", "got.pt"],
-                    cwd=tmp_path, env={"CFRUN_TEST_AGENT_SLOW_S": "1.0"})
+                    cwd=tmp_path, env=faults.arm({}, **{"agent.commit_delay_s": 1.0}))
     assert run.returncode == 0, run.stderr[-3000:]
     steps = 3 * 23  # 1500 samples, batch 64, drop_last, 3 epochs
     ckpts = run.events("checkpoint")

@@ -8,7 +8,6 @@ import secrets
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import xxhash
