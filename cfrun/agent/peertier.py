@@ -28,11 +28,11 @@ from typing import Any
 
 import xxhash
 
-from cfrun.codec.checkpoint import FileEntry, shard_names
+from cfrun.contract.checkpoints import write_file
 from cfrun.contract.errors import CheckpointCorruptError
-from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.manifest import FileEntry, Manifest, shard_names
 from cfrun.peer.server import PeerClient, PeerError
-from cfrun.storage.tiers import FILE_RE, MANIFEST
+from cfrun.storage.tiers import MANIFEST
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -232,7 +232,7 @@ class PeerTier:
         """The peer's view of this job: ``{flush_to, checkpoints: [{step, state, ...}]}``."""
         return dict(self._call(lambda c: c.list(self.job)))
 
-    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], dict[str, Any]]:
+    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], Manifest]:
         """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
 
         Returns:
@@ -242,15 +242,16 @@ class PeerTier:
             PeerError: unreachable or the step is gone.
             CheckpointCorruptError: a file does not match the manifest.
         """
-        import json
-
         raw = self._call(lambda c: c.get(self.job, step, MANIFEST, 1 << 24))
-        manifest = json.loads(raw)
+        manifest = Manifest.parse(raw, f"peer manifest of step {step}")
+        if manifest.step != step:
+            raise CheckpointCorruptError(f"peer manifest of step {step} is for step "
+                                         f"{manifest.step}")
         return manifest_files_to(staging, manifest, lambda name, nbytes: self._call(
             lambda c: c.get(self.job, step, name, nbytes))), manifest
 
 
-def manifest_files_to(staging: Path, manifest: dict[str, Any],
+def manifest_files_to(staging: Path, manifest: Manifest,
                       read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
     """Write every file ``manifest`` lists into ``staging``, checked against the manifest.
 
@@ -259,20 +260,14 @@ def manifest_files_to(staging: Path, manifest: dict[str, Any],
     Raises:
         CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
     """
-    from cfrun.codec.checkpoint import _fsync_write
-
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION \
-            or not isinstance(manifest.get("files"), list):
-        raise CheckpointCorruptError("fetched manifest has an unknown format")
     staging.mkdir(parents=True, exist_ok=True)
     out = []
-    for f in manifest["files"]:
-        name, nbytes, digest = f.get("name"), f.get("nbytes"), f.get("xxh3_64")
-        if not (isinstance(name, str) and FILE_RE.match(name) and isinstance(nbytes, int)
-                and 0 <= nbytes <= MAX_FETCH_BYTES):
-            raise CheckpointCorruptError(f"fetched manifest lists a bad file {name!r}")
-        data = read(name, nbytes)
-        if len(data) != nbytes or xxhash.xxh3_64_hexdigest(data) != digest:
-            raise CheckpointCorruptError(f"fetched {name} does not match its manifest")
-        out.append(_fsync_write(staging / name, [data]))
+    for f in manifest.files:  # names and sizes checked by Manifest.parse
+        if f.nbytes > MAX_FETCH_BYTES:
+            raise CheckpointCorruptError(f"fetched manifest lists {f.name} of {f.nbytes} bytes, "
+                                         f"more than {MAX_FETCH_BYTES}")
+        data = read(f.name, f.nbytes)
+        if len(data) != f.nbytes or xxhash.xxh3_64_hexdigest(data) != f.xxh3_64:
+            raise CheckpointCorruptError(f"fetched {f.name} does not match its manifest")
+        out.append(write_file(staging / f.name, [data]))
     return out

@@ -61,9 +61,8 @@ from typing import Any
 
 import xxhash
 
-from cfrun import __version__
 from cfrun.contract.errors import BadInputError
-from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.manifest import FileEntry, Manifest
 from cfrun.storage.tiers import FILE_RE, MANIFEST, Storage, check_job_name
 
 logger = logging.getLogger("cfrun.peer.server")
@@ -263,12 +262,10 @@ class _Checkpoint:
     def manifest(self) -> dict[str, Any]:
         """The manifest of the job dir's format, from the ranks' seals (checksums as sent)."""
         files = [f for r in sorted(self.sealed) for f in self.sealed[r]]
-        return {"format_version": FORMAT_VERSION, "cfrun_version": __version__,
-                "step": self.step, "world_size": self.world_size,
-                "committed_unix_s": self.t_protected or time.time(),
-                "files": [{"name": f["name"], "nbytes": f["nbytes"], "xxh3_64": f["xxh3_64"]}
-                          for f in files],
-                "meta": self.meta}
+        return Manifest.build(self.step, self.world_size,
+                              [FileEntry(f["name"], f["nbytes"], f["xxh3_64"]) for f in files],
+                              self.meta, committed_unix_s=self.t_protected or time.time()
+                              ).to_json()
 
 
 class _Reject(Exception):
