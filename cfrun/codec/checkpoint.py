@@ -24,6 +24,7 @@ import torch
 
 from cfrun.codec.format import (
     FORMAT_VERSION,
+    MAX_DOC_BYTES,
     TensorEntry,
     check_layout,
     decode,
@@ -142,6 +143,10 @@ def _read_rank(step_dir: Path, manifest: Manifest, rank: int
         CheckpointCorruptError: see :func:`load_shard`.
     """
     bin_name, json_name = shard_names(rank)
+    if manifest.entry(json_name).nbytes > MAX_DOC_BYTES:
+        raise CheckpointCorruptError(f"{step_dir.name}/{json_name}: "
+                                     f"{manifest.entry(json_name).nbytes} bytes, more than the "
+                                     f"{MAX_DOC_BYTES} a shard document may have")
     raw = manifest.read_file(step_dir, json_name)
     try:
         doc = loads_doc(raw)
@@ -200,3 +205,29 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
             continue
         return step, state, meta
     return None
+
+
+def check_like(loaded: Any, live: Any, where: str) -> None:
+    """The tensors of a loaded ``state_dict`` have the dtype and shape of the live object's.
+
+    A checksum shows the bytes are the ones the manifest's writer meant, not that the
+    metadata tells the truth: ``int32`` written over ``float32`` bytes has the right size and
+    loads (and ``load_state_dict`` would convert it silently). The rank calls this before
+    ``load_state_dict`` for each model and optimizer, which catches it. Nested dicts and lists
+    are compared key by key; keys only on one side are left to ``load_state_dict``.
+
+    Raises:
+        CheckpointCorruptError: a tensor differs in dtype or shape, naming it.
+    """
+    stack: list[tuple[str, Any, Any]] = [(where, loaded, live)]
+    while stack:
+        path, a, b = stack.pop()
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.dtype != b.dtype or a.shape != b.shape:
+                raise CheckpointCorruptError(
+                    f"{path} is {str(a.dtype).removeprefix('torch.')} {list(a.shape)} in the "
+                    f"checkpoint, {str(b.dtype).removeprefix('torch.')} {list(b.shape)} live")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            stack.extend((f"{path}.{k}", a[k], b[k]) for k in a if k in b)
+        elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+            stack.extend((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b)))

@@ -23,11 +23,14 @@ import torch
 
 from cfrun.contract.manifest import FORMAT_VERSION, dumps_json, loads_bounded
 
-__all__ = ["ALIGN_BYTES", "FORMAT_VERSION", "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH",
+__all__ = ["ALIGN_BYTES", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH",
            "TensorEntry", "UnsupportedValueError", "check_layout", "decode", "dumps_json",
            "encode", "loads_doc", "plan_layout", "tensor_bytes", "tensor_from_buffer"]
 
 ALIGN_BYTES = 64
+FILE_PAD_BYTES = 4096
+"""A ``.bin`` written from a snapshot slot is padded to a multiple of this (at least one), as
+``cfrun.rank.snapshot.SLOT_ALIGN_BYTES``."""
 MAX_DOC_BYTES = 256 << 20
 """Largest ``rank-NNNNN.json`` a reader parses (the tree holds numpy arrays as lists)."""
 MAX_TREE_DEPTH = 100
@@ -113,11 +116,13 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 def check_layout(entries: list[TensorEntry], file_bytes: int) -> None:
     """The tensors lie where the writer (:func:`plan_layout`) puts them: in table order, each at
-    the next aligned offset after the previous one (so no two overlap), all inside a
-    ``file_bytes`` long ``.bin`` file.
+    the next aligned offset after the previous one (so no two overlap), and the ``.bin`` file is
+    exactly as long as a writer makes it (``file_bytes``: the manifest's size, checked before
+    the file is read): the table's end, or that rounded up to :data:`FILE_PAD_BYTES` (the
+    agent writes whole snapshot slots).
 
     Raises:
-        ValueError: an entry elsewhere, naming it.
+        ValueError: an entry elsewhere, or a file of another size, naming it.
     """
     expected = 0
     for i, e in enumerate(entries):
@@ -127,6 +132,10 @@ def check_layout(entries: list[TensorEntry], file_bytes: int) -> None:
         if end > file_bytes:
             raise ValueError(f"tensor {i} ends at byte {end}, the shard file has {file_bytes}")
         expected = (end + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+    padded = max(FILE_PAD_BYTES, -(-expected // FILE_PAD_BYTES) * FILE_PAD_BYTES)
+    if file_bytes not in (expected, padded):
+        raise ValueError(f"the shard file has {file_bytes} bytes, its tensor table {expected} "
+                         f"(padded: {padded})")
 
 
 def loads_doc(raw: bytes | bytearray) -> dict[str, Any]:

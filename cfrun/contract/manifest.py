@@ -251,7 +251,7 @@ class Manifest:
         another message)."""
         if isinstance(d, dict) and "format_version" in d and d["format_version"] != FORMAT_VERSION:
             raise IncompatibleFormatError(f"{where}: format_version "
-                                          f"{str(d['format_version'])[:20]!r}, this cfrun reads "
+                                          f"{str(d['format_version'])[:20]}, this cfrun reads "
                                           f"{FORMAT_VERSION}")
         d = _fields(d, cls._KEYS, where)
         step = _int(d, "step", where, 0, 2**62)
