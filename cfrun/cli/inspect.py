@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cfrun.contract.checkpoints import committed_steps, read_manifest
+from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import UnsafeFileError, read_regular
 from cfrun.contract.jobdir import JobDir, step_dir_name
@@ -182,8 +182,9 @@ def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
     """Committed checkpoints, newest first: step, epoch, batches, bytes, age_s, verified.
 
     ``verified`` is ``ok``, ``corrupt: <why>`` or ``unchecked`` (``check=False``). Verifying
-    streams each file through its checksum (memory bounded by one chunk) after checking that it
-    is a regular file of the size the manifest records.
+    (:func:`cfrun.contract.checkpoints.verify`) streams each file through its checksum after
+    checking that it is a regular file of the recorded size, and checks every rank's tensor
+    table, without torch.
     """
     out: list[dict[str, Any]] = []
     now = time.time()
@@ -198,7 +199,7 @@ def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
         verified = "unchecked"
         if check:
             try:
-                manifest.verify_dir(d)
+                verify(d)
                 verified = "ok"
             except (CheckpointCorruptError, IncompatibleFormatError) as e:
                 verified = f"corrupt: {e}"

@@ -24,12 +24,8 @@ import torch
 
 from cfrun.codec.format import (
     FORMAT_VERSION,
-    MAX_DOC_BYTES,
-    TensorEntry,
-    check_layout,
     decode,
     dumps_json,
-    loads_doc,
     plan_layout,
     tensor_bytes,
     tensor_from_buffer,
@@ -52,6 +48,7 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
 )
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import step_dir_name
+from cfrun.contract.shard import read_doc
 
 logger = logging.getLogger(__name__)
 
@@ -142,18 +139,8 @@ def _read_rank(step_dir: Path, manifest: Manifest, rank: int
     Raises:
         CheckpointCorruptError: see :func:`load_shard`.
     """
-    bin_name, json_name = shard_names(rank)
-    if manifest.entry(json_name).nbytes > MAX_DOC_BYTES:
-        raise CheckpointCorruptError(f"{step_dir.name}/{json_name}: "
-                                     f"{manifest.entry(json_name).nbytes} bytes, more than the "
-                                     f"{MAX_DOC_BYTES} a shard document may have")
-    raw = manifest.read_file(step_dir, json_name)
-    try:
-        doc = loads_doc(raw)
-        entries = [TensorEntry.from_json(e) for e in doc["tensors"]]
-        check_layout(entries, manifest.entry(bin_name).nbytes)
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{step_dir.name}/{json_name}: {e}") from None
+    bin_name, _ = shard_names(rank)
+    doc, entries = read_doc(step_dir, manifest, rank)
     data = manifest.read_file(step_dir, bin_name)
     try:
         tensors = [tensor_from_buffer(data, e) for e in entries]

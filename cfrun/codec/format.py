@@ -15,30 +15,31 @@ exist. Idea: DeepFreeze §IV-A ("lightweight, label-free serialization"); safete
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cfrun.contract.manifest import FORMAT_VERSION, dumps_json, loads_bounded
+from cfrun.contract.manifest import FORMAT_VERSION, dumps_json
+from cfrun.contract.shard import (
+    ALIGN_BYTES,
+    DTYPE_ITEMSIZE,
+    FILE_PAD_BYTES,
+    MAX_DIM,
+    MAX_DOC_BYTES,
+    MAX_NDIM,
+    MAX_TREE_DEPTH,
+    TensorEntry,
+    check_layout,
+    check_shape,
+    loads_doc,
+)
 
-__all__ = ["ALIGN_BYTES", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH",
-           "TensorEntry", "UnsupportedValueError", "check_layout", "decode", "dumps_json",
-           "encode", "loads_doc", "plan_layout", "tensor_bytes", "tensor_from_buffer"]
+__all__ = ["ALIGN_BYTES", "DTYPE_ITEMSIZE", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DIM",
+           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "UnsupportedValueError",
+           "check_layout", "decode", "dumps_json", "encode", "loads_doc", "plan_layout",
+           "tensor_bytes", "tensor_from_buffer"]
 
-ALIGN_BYTES = 64
-FILE_PAD_BYTES = 4096
-"""A ``.bin`` written from a snapshot slot is padded to a multiple of this (at least one), as
-``cfrun.rank.snapshot.SLOT_ALIGN_BYTES``."""
-MAX_DOC_BYTES = 256 << 20
-"""Largest ``rank-NNNNN.json`` a reader parses (the tree holds numpy arrays as lists)."""
-MAX_TREE_DEPTH = 100
-"""Deepest nesting of a rank's JSON document a reader parses (a state is a few levels)."""
-MAX_NDIM = 64
-"""Most dimensions a stored tensor or array may have."""
-MAX_DIM = 1 << 48
-"""Largest single dimension a stored tensor or array may have."""
 _NP_KINDS = "biuf"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -52,109 +53,14 @@ _DTYPES: dict[str, torch.dtype] = {
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
         _DTYPES[_name] = getattr(torch, _name)
+if any(DTYPE_ITEMSIZE.get(k) != d.itemsize for k, d in _DTYPES.items()):  # pragma: no cover
+    raise ImportError("cfrun.contract.shard.DTYPE_ITEMSIZE disagrees with this torch")
 
 _RESERVED = ("__t__", "__tuple__", "__dict__", "__nd__", "__np__")
 
 
 class UnsupportedValueError(TypeError):
     """A value in the state cannot be stored without pickle (e.g. a lambda or a custom object)."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes live in a ``.bin`` file."""
-
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset in the ``.bin`` file, a multiple of ``ALIGN_BYTES``."""
-    nbytes: int
-    device: str
-    """Device the tensor came from, e.g. ``cpu`` or ``cuda:0``."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
-                "nbytes": self.nbytes, "device": self.device}
-
-    @classmethod
-    def from_json(cls, d: Any) -> TensorEntry:
-        """A checked entry: known dtype, non-negative bounded shape, ``nbytes`` equal to the
-        number of elements times the item size, aligned non-negative offset.
-
-        Raises:
-            ValueError: anything else, naming the value.
-        """
-        if not isinstance(d, dict) or set(d) != {"dtype", "shape", "offset", "nbytes", "device"}:
-            raise ValueError(f"tensor entry {str(d)[:120]} does not have exactly the fields "
-                             "dtype, shape, offset, nbytes, device")
-        dtype, shape, offset, nbytes, device = (d["dtype"], d["shape"], d["offset"],
-                                                d["nbytes"], d["device"])
-        if not isinstance(dtype, str) or dtype not in _DTYPES:
-            raise ValueError(f"dtype {str(dtype)[:40]!r} is not one cfrun stores "
-                             f"({', '.join(sorted(_DTYPES))})")
-        shape_t = _check_shape(shape)
-        if type(offset) is not int or offset < 0 or offset % ALIGN_BYTES:
-            raise ValueError(f"offset {offset!r} is not a non-negative multiple of "
-                             f"{ALIGN_BYTES}")
-        expected = math.prod(shape_t) * _DTYPES[dtype].itemsize
-        if type(nbytes) is not int or nbytes != expected:
-            raise ValueError(f"nbytes {nbytes!r} is not {expected} (shape {list(shape_t)} of "
-                             f"{dtype})")
-        if not isinstance(device, str) or len(device) > 64:
-            raise ValueError(f"device {str(device)[:80]!r} is not a device name")
-        return cls(dtype, shape_t, offset, nbytes, device)
-
-
-def _check_shape(shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-            type(x) is int and 0 <= x <= MAX_DIM for x in shape):
-        raise ValueError(f"shape {str(shape)[:120]} is not a list of at most {MAX_NDIM} "
-                         f"integers in [0, {MAX_DIM}]")
-    return tuple(shape)
-
-
-def check_layout(entries: list[TensorEntry], file_bytes: int) -> None:
-    """The tensors lie where the writer (:func:`plan_layout`) puts them: in table order, each at
-    the next aligned offset after the previous one (so no two overlap), and the ``.bin`` file is
-    exactly as long as a writer makes it (``file_bytes``: the manifest's size, checked before
-    the file is read): the table's end, or that rounded up to :data:`FILE_PAD_BYTES` (the
-    agent writes whole snapshot slots).
-
-    Raises:
-        ValueError: an entry elsewhere, or a file of another size, naming it.
-    """
-    expected = 0
-    for i, e in enumerate(entries):
-        if e.offset != expected:
-            raise ValueError(f"tensor {i} at offset {e.offset}, the writer puts it at {expected}")
-        end = e.offset + e.nbytes
-        if end > file_bytes:
-            raise ValueError(f"tensor {i} ends at byte {end}, the shard file has {file_bytes}")
-        expected = (end + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-    padded = max(FILE_PAD_BYTES, -(-expected // FILE_PAD_BYTES) * FILE_PAD_BYTES)
-    if file_bytes not in (expected, padded):
-        raise ValueError(f"the shard file has {file_bytes} bytes, its tensor table {expected} "
-                         f"(padded: {padded})")
-
-
-def loads_doc(raw: bytes | bytearray) -> dict[str, Any]:
-    """Parse a rank's ``rank-NNNNN.json`` document, bounded (:data:`MAX_DOC_BYTES`,
-    :data:`MAX_TREE_DEPTH`) before it is parsed (``inf``/``NaN`` kept: they are user values).
-
-    Raises:
-        ValueError: oversized, too deep, not JSON, or not an object with ``tree`` and
-            ``tensors`` (a list).
-    """
-    doc = loads_bounded(raw, max_bytes=MAX_DOC_BYTES, max_depth=MAX_TREE_DEPTH, allow_nan=True)
-    if not isinstance(doc, dict) or "tree" not in doc or not isinstance(doc.get("tensors"), list):
-        raise ValueError("not a shard document (an object with tree and tensors)")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"shard format_version {str(doc.get('format_version'))[:20]!r}, this "
-                         f"cfrun reads {FORMAT_VERSION}")
-    if not isinstance(doc.get("meta", {}), dict):
-        raise ValueError("shard meta is not an object")  # noqa: TRY004 (the loader's contract)
-    return doc
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -215,7 +121,7 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in tree["__dict__"]}
     if "__nd__" in tree:
         dtype = _np_dtype(tree["__nd__"])
-        shape, data = _check_shape(tree["shape"]), tree["data"]
+        shape, data = check_shape(tree["shape"]), tree["data"]
         if not isinstance(data, list) or len(data) != math.prod(shape):
             raise ValueError(f"numpy array data does not fill its shape {list(shape)}")
         return np.array(data, dtype=dtype).reshape(shape)

@@ -24,14 +24,8 @@ from typing import Any
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import fsync_dir, write_atomic
 from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
-from cfrun.contract.manifest import (
-    MANIFEST,
-    FileEntry,
-    Manifest,
-    read_manifest,
-    shard_names,
-    verify,
-)
+from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest, shard_names
+from cfrun.contract.shard import check_docs
 
 __all__ = ["MANIFEST", "FileEntry", "Manifest", "apply_retention", "check_complete", "commit",
            "committed_steps", "quarantine", "read_manifest", "remove_staging", "shard_names",
@@ -90,6 +84,22 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
     if keep is not None:
         apply_retention(checkpoints, keep)
     return final
+
+
+def verify(step_dir: Path) -> Manifest:
+    """Check a committed checkpoint without loading it; return its manifest.
+
+    Every file the manifest lists is a regular file of the recorded size and checksum
+    (streamed: memory bounded by one chunk), and every rank's tensor table is one the writer
+    makes (:func:`cfrun.contract.shard.check_docs`). What ``cfrun ls`` shows as ``ok``.
+
+    Raises:
+        CheckpointCorruptError, IncompatibleFormatError.
+    """
+    manifest = read_manifest(step_dir)
+    manifest.verify_dir(step_dir)
+    check_docs(step_dir, manifest)
+    return manifest
 
 
 def apply_retention(checkpoints: Path, keep: int) -> list[int]:

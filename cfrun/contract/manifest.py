@@ -362,16 +362,3 @@ def read_manifest(step_dir: Path) -> Manifest:
         raise CheckpointCorruptError(f"{step_dir.name}: unreadable manifest "
                                      f"({e.strerror or e})") from None
     return Manifest.parse(raw, step_dir.name)
-
-
-def verify(step_dir: Path) -> Manifest:
-    """Check every file of a committed checkpoint against its manifest; return the manifest.
-
-    Memory use is bounded by one read chunk, whatever the files claim.
-
-    Raises:
-        CheckpointCorruptError, IncompatibleFormatError.
-    """
-    manifest = read_manifest(step_dir)
-    manifest.verify_dir(step_dir)
-    return manifest

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,10 @@ DOC_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 }
 
 
+DECODE_ONLY = {"tensor index out of range", "negative tensor index", "numpy object dtype",
+               "numpy huge shape", "numpy void dtype", "bad dict pairs"}
+
+
 def _assert_refused_then_fallback(ckpts: Path, needle: str) -> None:
     step_dir = ckpts / step_dir_name(CRAFTED)
     t0 = time.monotonic()
@@ -158,7 +163,13 @@ def _assert_refused_then_fallback(ckpts: Path, needle: str) -> None:
 def test_lying_shard_metadata_is_refused_and_resume_falls_back(ckpts: Path, case: str) -> None:
     edit, needle = DOC_CASES[case]
     _edit_doc(ckpts / step_dir_name(CRAFTED), edit)
-    verify(ckpts / step_dir_name(CRAFTED))  # the checksums pass: only the loader's checks stop it
+    crafted = ckpts / step_dir_name(CRAFTED)
+    read_manifest(crafted).verify_dir(crafted)  # the checksums pass: only the loader's checks
+    if case in DECODE_ONLY:
+        verify(crafted)  # the tree is judged when decoded, by the rank
+    else:
+        with pytest.raises(CheckpointCorruptError, match=re.escape(needle)):
+            verify(crafted)  # what `cfrun ls` runs, without torch
     _assert_refused_then_fallback(ckpts, needle)
 
 
