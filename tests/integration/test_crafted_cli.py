@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-
 from conftest import run_cfrun
 
 from cfrun.codec.checkpoint import MANIFEST, commit, staging_dir, write_shard
