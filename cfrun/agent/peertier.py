@@ -251,7 +251,7 @@ class PeerTier:
             lambda c: c.get(self.job, step, name, nbytes))), manifest
 
 
-def manifest_files_to(staging: Path, manifest: Manifest,
+def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],
                       read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
     """Write every file ``manifest`` lists into ``staging``, checked against the manifest.
 
@@ -260,6 +260,8 @@ def manifest_files_to(staging: Path, manifest: Manifest,
     Raises:
         CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
     """
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_json(manifest, "fetched manifest")
     staging.mkdir(parents=True, exist_ok=True)
     out = []
     for f in manifest.files:  # names and sizes checked by Manifest.parse

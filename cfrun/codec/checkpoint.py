@@ -52,6 +52,9 @@ from cfrun.contract.shard import read_doc
 
 logger = logging.getLogger(__name__)
 
+_fsync_write = write_file
+"""Old name of :func:`cfrun.contract.checkpoints.write_file` (callers move to that)."""
+
 _DECODE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
                   RuntimeError, RecursionError, MemoryError)
 """What decoding a crafted shard can raise; each means a corrupt checkpoint."""

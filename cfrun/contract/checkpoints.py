@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def staging_dir(checkpoints: Path, step: int) -> Path:
     return checkpoints / f"{STAGING_PREFIX}{step_dir_name(step)}"
 
 
-def write_file(path: Path, parts: list[memoryview | bytes] | list[bytes], *,
-               before_chunk: Any = None) -> FileEntry:
+def write_file(path: Path, parts: Iterable[bytes | bytearray | memoryview], *,
+               before_chunk: Callable[[int], None] | None = None) -> FileEntry:
     """Write one new checkpoint file durably (:func:`cfrun.contract.fsio.write_atomic`, the
     directory is fsynced by :func:`commit`) and return its manifest entry.
 

@@ -51,6 +51,7 @@ MAX_META_DEPTH = 8
 SHARD_FILE_RE = re.compile(r"^rank-\d{5}\.(bin|json)$")
 """The only file names a checkpoint may list besides ``manifest.json``."""
 _XXH3_RE = re.compile(r"^[0-9a-f]{16}$")
+_SEAL_TAG_RE = re.compile(r"^[0-9a-f]{64}$")
 _VERIFY_CHUNK_BYTES = 8 << 20
 
 _STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -119,11 +120,12 @@ def _int(d: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:
     return v
 
 
-def _fields(d: Any, allowed: frozenset[str], where: str) -> dict[str, Any]:
+def _fields(d: Any, allowed: frozenset[str], where: str,
+            optional: frozenset[str] = frozenset()) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise CheckpointCorruptError(f"{where}: expected a JSON object, got "
                                      f"{type(d).__name__}")
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(set(d) - allowed - optional)
     if unknown:
         raise CheckpointCorruptError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
     missing = sorted(allowed - set(d))
@@ -184,21 +186,27 @@ class Manifest:
     committed_unix_s: float = 0.0
     cfrun_version: str = __version__
     format_version: int = FORMAT_VERSION
+    seals: tuple[dict[str, Any], ...] = ()
+    """``[{rank, tag}]``: each rank's agent's HMAC over its files, written by ``cfrun peer``
+    (:mod:`cfrun.peer`) so that a fetching agent can authenticate the manifest; absent in a
+    job dir's own manifests. Checked here for form only (rank in range, 64 hex digits)."""
 
     _KEYS = frozenset({"format_version", "cfrun_version", "step", "world_size",
                        "committed_unix_s", "files", "meta"})
+    _OPTIONAL = frozenset({"seals"})
 
     @classmethod
     def build(cls, step: int, world_size: int, files: list[FileEntry] | tuple[FileEntry, ...],
-              meta: dict[str, Any] | None = None, *,
-              committed_unix_s: float | None = None) -> Manifest:
+              meta: dict[str, Any] | None = None, *, committed_unix_s: float | None = None,
+              seals: list[dict[str, Any]] | None = None) -> Manifest:
         """The manifest a committer writes now (this cfrun's version and format).
 
         Raises:
             ValueError: a value the format cannot hold (checked as a reader would).
         """
         m = cls(step, world_size, tuple(files), dict(meta or {}),
-                time.time() if committed_unix_s is None else committed_unix_s)
+                time.time() if committed_unix_s is None else committed_unix_s,
+                seals=tuple(dict(s) for s in seals or ()))
         try:
             cls.from_json(m.to_json(), "new manifest")
         except CheckpointCorruptError as e:
@@ -206,10 +214,13 @@ class Manifest:
         return m
 
     def to_json(self) -> dict[str, Any]:
-        return {"format_version": self.format_version, "cfrun_version": self.cfrun_version,
-                "step": self.step, "world_size": self.world_size,
-                "committed_unix_s": self.committed_unix_s,
-                "files": [f.to_json() for f in self.files], "meta": self.meta}
+        d = {"format_version": self.format_version, "cfrun_version": self.cfrun_version,
+             "step": self.step, "world_size": self.world_size,
+             "committed_unix_s": self.committed_unix_s,
+             "files": [f.to_json() for f in self.files], "meta": self.meta}
+        if self.seals:
+            d["seals"] = [dict(s) for s in self.seals]
+        return d
 
     def dumps(self) -> bytes:
         """The bytes of ``manifest.json``."""
@@ -253,7 +264,7 @@ class Manifest:
             raise IncompatibleFormatError(f"{where}: format_version "
                                           f"{str(d['format_version'])[:20]}, this cfrun reads "
                                           f"{FORMAT_VERSION}")
-        d = _fields(d, cls._KEYS, where)
+        d = _fields(d, cls._KEYS, where, optional=cls._OPTIONAL)
         step = _int(d, "step", where, 0, 2**62)
         world_size = _int(d, "world_size", where, 1, MAX_WORLD_SIZE)
         t = d["committed_unix_s"]
@@ -274,7 +285,18 @@ class Manifest:
         if not isinstance(meta, dict):
             raise CheckpointCorruptError(f"{where}: meta must be a JSON object")
         _check_finite(meta, where)
-        return cls(step, world_size, files, meta, float(t), version, FORMAT_VERSION)
+        seals = d.get("seals", [])
+        if not isinstance(seals, list) or len(seals) > world_size:
+            raise CheckpointCorruptError(f"{where}: seals must be a list of at most "
+                                         f"{world_size} entries")
+        for s in seals:
+            s = _fields(s, frozenset({"rank", "tag"}), f"{where}: seal")
+            _int(s, "rank", f"{where}: seal", 0, world_size - 1)
+            if not isinstance(s["tag"], str) or not _SEAL_TAG_RE.match(s["tag"]):
+                raise CheckpointCorruptError(f"{where}: seal tag {str(s['tag'])[:80]!r} is not "
+                                             "64 hex digits")
+        return cls(step, world_size, files, meta, float(t), version, FORMAT_VERSION,
+                   tuple(dict(s) for s in seals))
 
     # ------------------------------------------------------------------ files on disk
 

@@ -228,6 +228,10 @@ MANIFEST_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "duplicate file": (lambda m: m["files"].append(dict(m["files"][0])), "listed twice"),
     "bad checksum text": (lambda m: m["files"][0].update(xxh3_64="zz"), "xxh3_64 'zz'"),
     "no files": (lambda m: m.update(files=[]), "files must be a list"),
+    "seal of a rank not in the job": (lambda m: m.update(seals=[{"rank": 1, "tag": "a" * 64}]),
+                                      "seal: rank 1"),
+    "seal tag not hex": (lambda m: m.update(seals=[{"rank": 0, "tag": "../x"}]),
+                         "seal tag '../x'"),
 }
 
 
@@ -290,6 +294,9 @@ def test_build_refuses_what_a_reader_would() -> None:
                        committed_unix_s=math.nan)
     m = Manifest.build(5, 2, [FileEntry("rank-00000.bin", 1, "0" * 16)], {"epoch": 1})
     assert Manifest.parse(m.dumps()) == m
+    sealed = Manifest.build(5, 2, [FileEntry("rank-00000.bin", 1, "0" * 16)],
+                            seals=[{"rank": 0, "tag": "ab" * 32}, {"rank": 1, "tag": "cd" * 32}])
+    assert Manifest.parse(sealed.dumps()) == sealed and "seals" not in m.to_json()
 
 
 # ---------------------------------------------------------------------- not regular files
