@@ -232,7 +232,7 @@ class PeerTier:
         """The peer's view of this job: ``{flush_to, checkpoints: [{step, state, ...}]}``."""
         return dict(self._call(lambda c: c.list(self.job)))
 
-    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], Manifest]:
+    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], dict[str, Any]]:
         """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
 
         Returns:
@@ -248,7 +248,7 @@ class PeerTier:
             raise CheckpointCorruptError(f"peer manifest of step {step} is for step "
                                          f"{manifest.step}")
         return manifest_files_to(staging, manifest, lambda name, nbytes: self._call(
-            lambda c: c.get(self.job, step, name, nbytes))), manifest
+            lambda c: c.get(self.job, step, name, nbytes))), manifest.to_json()
 
 
 def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],

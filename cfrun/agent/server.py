@@ -365,7 +365,8 @@ class PersistAgent:
                     files = manifest_files_to(
                         staging, manifest, lambda name, n: store.read_file(self.job, step, name))
                 commit(self.jobdir.checkpoints, step, files,
-                       world_size=manifest.world_size, meta=manifest.meta, keep=self.keep)
+                       world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
+                       keep=self.keep)
             except Exception as e:
                 shutil.rmtree(staging, ignore_errors=True)
                 logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %r", step,

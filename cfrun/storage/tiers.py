@@ -121,7 +121,7 @@ class Storage(Protocol):
 
     def list_steps(self, job: str) -> list[int]: ...
 
-    def read_manifest(self, job: str, step: int) -> Manifest: ...
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]: ...
 
     def read_file(self, job: str, step: int, name: str) -> bytes: ...
 
@@ -190,8 +190,9 @@ class DirStorage:
         """Steps of ``job`` with a manifest file, newest first (not verified)."""
         return committed_steps(self._job(job))
 
-    def read_manifest(self, job: str, step: int) -> Manifest:
-        """Step ``step``'s manifest, parsed and checked (:meth:`Manifest.parse`).
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        """Step ``step``'s manifest, parsed and checked (:meth:`Manifest.parse`), as JSON (the
+        form ``cfrun peer``'s seals cover).
 
         Raises:
             CheckpointCorruptError: missing, not a regular file, oversized or malformed.
@@ -202,7 +203,7 @@ class DirStorage:
             raw = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
         except (UnsafeFileError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
-        return Manifest.parse(raw, str(path))
+        return Manifest.parse(raw, str(path)).to_json()
 
     def read_file(self, job: str, step: int, name: str) -> bytes:
         if not FILE_RE.match(name):
@@ -319,8 +320,9 @@ class FsspecStorage:
                     continue
         return sorted(steps, reverse=True)
 
-    def read_manifest(self, job: str, step: int) -> Manifest:
-        """Step ``step``'s manifest, parsed and checked (at most ``MAX_MANIFEST_BYTES`` read).
+    def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        """Step ``step``'s manifest, parsed and checked (at most ``MAX_MANIFEST_BYTES`` read),
+        as JSON.
 
         Raises:
             CheckpointCorruptError: missing, oversized or malformed.
@@ -331,7 +333,7 @@ class FsspecStorage:
             raw = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
         except (FileNotFoundError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
-        return Manifest.parse(raw, path)
+        return Manifest.parse(raw, path).to_json()
 
     def read_file(self, job: str, step: int, name: str) -> bytes:
         if not FILE_RE.match(name):

@@ -257,9 +257,9 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
     assert not (tmp_path / "l2" / "j" / step_dir_name(flushing)).exists()  # restart cleaned it
     for step in storage.list_steps("j"):
         manifest = storage.read_manifest("j", step)
-        for f in manifest.files:
-            data = storage.read_file("j", step, f.name)
-            assert xxhash.xxh3_64_hexdigest(data) == f.xxh3_64
+        for f in manifest["files"]:
+            data = storage.read_file("j", step, f["name"])
+            assert xxhash.xxh3_64_hexdigest(data) == f["xxh3_64"]
 
 
 def test_wrong_token_is_refused_logged_and_training_falls_back(tmp_path, peers):
