@@ -1054,8 +1054,8 @@ def main(argv=None):
                     "budget", t4,
                     f"decision k={k_decision}, sweep k={k_sweep}: ratio {fmt(ratio, '.2f')} "
                     f"(final k={k_final}: ratio {fmt(ratio_final, '.2f')})"
-                    + ("" if k_sweep else f"; no k of the sweep met the budget with every larger"
-                       f" k")
+                    + ("" if k_sweep else "; no k of the sweep met the budget with every larger"
+                       " k")
                     + (f"; cross-check k from the per-checkpoint cost: {k_from_cost['k']}, "
                        f"decision / that = {k_decision / k_from_cost['k']:.2f}"
                        if k_from_cost and k_decision else "")))

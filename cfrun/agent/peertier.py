@@ -34,9 +34,9 @@ from typing import Any
 
 import xxhash
 
-from cfrun.codec.checkpoint import FileEntry, shard_names
+from cfrun.contract.checkpoints import write_file
 from cfrun.contract.errors import CheckpointCorruptError
-from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.manifest import FileEntry, Manifest, shard_names
 from cfrun.peer.protocol import (
     MAX_FETCH_BYTES,
     MAX_MANIFEST_BYTES,
@@ -47,7 +47,7 @@ from cfrun.peer.protocol import (
     seal_tag,
     verify_manifest,
 )
-from cfrun.storage.tiers import FILE_RE, MANIFEST
+from cfrun.storage.tiers import MANIFEST
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -277,11 +277,15 @@ class PeerTier:
         except PeerError as e:
             raise CheckpointCorruptError(f"manifest of step {step} from the peer: {e}") from None
         self.verify_manifest(manifest, step)
-        return manifest_files_to(staging, manifest, lambda name, nbytes: self._call(
+        parsed = Manifest.from_json(manifest, f"peer manifest of step {step}")
+        if parsed.step != step:
+            raise CheckpointCorruptError(f"peer manifest of step {step} is for step "
+                                         f"{parsed.step}")
+        return manifest_files_to(staging, parsed, lambda name, nbytes: self._call(
             lambda c: c.get(self.job, step, name, nbytes, exact=True))), manifest
 
 
-def manifest_files_to(staging: Path, manifest: dict[str, Any],
+def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],
                       read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
     """Write every file ``manifest`` lists into ``staging``, checked against the manifest.
 
@@ -290,20 +294,16 @@ def manifest_files_to(staging: Path, manifest: dict[str, Any],
     Raises:
         CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
     """
-    from cfrun.codec.checkpoint import _fsync_write
-
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION \
-            or not isinstance(manifest.get("files"), list):
-        raise CheckpointCorruptError("fetched manifest has an unknown format")
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_json(manifest, "fetched manifest")
     staging.mkdir(parents=True, exist_ok=True)
     out = []
-    for f in manifest["files"]:
-        name, nbytes, digest = f.get("name"), f.get("nbytes"), f.get("xxh3_64")
-        if not (isinstance(name, str) and FILE_RE.match(name) and isinstance(nbytes, int)
-                and not isinstance(nbytes, bool) and 0 <= nbytes <= MAX_FETCH_BYTES):
-            raise CheckpointCorruptError(f"fetched manifest lists a bad file {name!r}")
-        data = read(name, nbytes)
-        if len(data) != nbytes or xxhash.xxh3_64_hexdigest(data) != digest:
-            raise CheckpointCorruptError(f"fetched {name} does not match its manifest")
-        out.append(_fsync_write(staging / name, [data]))
+    for f in manifest.files:  # names and sizes checked by Manifest.parse
+        if f.nbytes > MAX_FETCH_BYTES:
+            raise CheckpointCorruptError(f"fetched manifest lists {f.name} of {f.nbytes} bytes, "
+                                         f"more than {MAX_FETCH_BYTES}")
+        data = read(f.name, f.nbytes)
+        if len(data) != f.nbytes or xxhash.xxh3_64_hexdigest(data) != f.xxh3_64:
+            raise CheckpointCorruptError(f"fetched {f.name} does not match its manifest")
+        out.append(write_file(staging / f.name, [data]))
     return out

@@ -70,17 +70,20 @@ import filelock
 import xxhash
 
 from cfrun.contract import faults, ipc, slots
-from cfrun.codec.checkpoint import (
+from cfrun.contract.checkpoints import (
     FileEntry,
     apply_retention,
     commit,
     committed_steps,
+    read_manifest,
     remove_staging,
     shard_names,
     staging_dir,
 )
-from cfrun.codec.format import dumps_json
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.fsio import open_new, write_atomic
 from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.manifest import dumps_json
 from cfrun.storage.tiers import throttle
 
 if TYPE_CHECKING:
@@ -96,9 +99,8 @@ MAX_STEP = 10**12
 
 def _manifest_bytes(step_dir: Path) -> int:
     try:
-        return sum(int(f["nbytes"]) for f in
-                   json.loads((step_dir / "manifest.json").read_text())["files"])
-    except (OSError, ValueError, KeyError):
+        return read_manifest(step_dir).nbytes
+    except (CheckpointCorruptError, IncompatibleFormatError):
         return 0
 
 
@@ -570,7 +572,8 @@ class PersistAgent:
                     marks.append(json.loads(self._mark_path(step, node).read_text()))
                 except (OSError, ValueError):
                     return None
-            files = [FileEntry(**f) for m in marks for f in m["files"]]
+            files = [FileEntry.from_json(f, f"step {step} node mark") for m in marks
+                     for f in m["files"]]
             ranks = sorted(r for m in marks for r in m["ranks"])
             if ranks != list(range(world_size)):
                 raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
@@ -613,13 +616,12 @@ class PersistAgent:
                     (p / f"node-{self.node_rank:05d}.json").unlink(missing_ok=True)
 
     def _open(self, path: Path) -> tuple[int, bool]:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.use_odirect and hasattr(os, "O_DIRECT"):
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o644), True
+                return open_new(path, direct=True), True
             except OSError:
                 pass
-        return os.open(path, flags, 0o644), False
+        return open_new(path), False
 
     def _write_slot(self, path: Path, slot: Path, nbytes: int, step: int) -> FileEntry:
         """Write ``nbytes`` of the shared-memory slot to ``path``, fsynced, with its checksum."""
@@ -646,7 +648,7 @@ class PersistAgent:
                             th.take(len(piece))
                         if direct and len(piece) % 4096:
                             os.close(fd)  # the unaligned tail goes through the page cache
-                            fd, direct = os.open(path, os.O_WRONLY), False
+                            fd, direct = os.open(path, os.O_WRONLY | os.O_NOFOLLOW), False
                             os.lseek(fd, start, os.SEEK_SET)
                         while piece:
                             piece = piece[os.write(fd, piece):]
@@ -662,17 +664,9 @@ class PersistAgent:
     @staticmethod
     def _write_bytes(path: Path, data: bytes) -> FileEntry:
         th = throttle()
-        if th is not None:
-            th.take(len(data))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return FileEntry(path.name, len(data), xxhash.xxh3_64_hexdigest(data))
+        nbytes, digest = write_atomic(path, [data], sync_dir=False,
+                                      before_chunk=None if th is None else th.take)
+        return FileEntry(path.name, nbytes, digest)
 
 
 def main(argv: list[str] | None = None) -> None:

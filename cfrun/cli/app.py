@@ -333,7 +333,7 @@ def profile_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from cfrun.codec.checkpoint import committed_steps
+    from cfrun.contract.checkpoints import committed_steps
     from cfrun.contract.jobdir import JobDir
     from cfrun.rank.tuner import PROBE_MODES
     from cfrun.supervisor.core import Supervisor
@@ -543,6 +543,7 @@ def ls_cmd(
     rows = report.checkpoints(report.open_job_dir(job_dir), check=check)
     if as_json:
         print(json.dumps(rows, indent=1))
+        report.check_listing(rows)
         return
     table = Table("step", "epoch", "batches", "size", "age", "verified")
     for r in rows:
@@ -551,6 +552,7 @@ def ls_cmd(
         table.add_row(str(r["step"]), str(r["epoch"]), str(r["batches"]), size, age,
                       r["verified"])
     Console().print(table)
+    report.check_listing(rows)
 
 
 @app.command("export")

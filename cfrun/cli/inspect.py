@@ -3,19 +3,78 @@
 Everything here reads files written by the supervisor, the ranks and the agent
 (``config.json``, ``events.jsonl``, ``checkpoints/``, heartbeats); nothing is modified, so the
 commands are safe on a live job. Checkpoints are loaded only after their checksums verify.
+
+The job dir may have been edited by someone else (a copied or downloaded job dir, another
+user): only names the format allows are read (``config.json``, ``events.jsonl``, heartbeats,
+``manifest.json`` and the ``rank-NNNNN.bin|json`` files a manifest lists), each only if it is a
+regular file (not a FIFO, a device or a symlink) of a bounded size, checked with ``fstat`` on
+the open file before reading. ``status`` and ``ls`` never import torch; ``export`` does.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from cfrun.codec.checkpoint import committed_steps, load_shard, read_manifest, verify
+from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.fsio import UnsafeFileError, read_regular
 from cfrun.contract.jobdir import JobDir, step_dir_name
+
+MAX_CONFIG_BYTES = 16 << 20
+"""Largest ``config.json``/``strategy.json`` read."""
+MAX_EVENTS_BYTES = 512 << 20
+"""Largest ``events.jsonl`` read by ``cfrun status``."""
+
+
+def _read_small(path: Path, max_bytes: int) -> bytes:
+    """A regular file's bytes (not a link, FIFO or device; at most ``max_bytes``).
+
+    Raises:
+        BadInputError: anything else, naming the file.
+    """
+    try:
+        return bytes(read_regular(path, max_bytes=max_bytes))
+    except UnsafeFileError as e:
+        raise BadInputError(f"{str(path)!r} is refused: {e}; restore it from the run's "
+                            "own files") from None
+    except OSError as e:
+        raise BadInputError(f"{str(path)!r} is unreadable ({e.strerror or e})") from None
+
+
+def _read_json(path: Path, max_bytes: int) -> dict[str, Any]:
+    """A JSON object from a regular file (see :func:`_read_small`).
+
+    Raises:
+        BadInputError: not a regular file, too big, not a JSON object.
+    """
+    try:
+        obj = json.loads(_read_small(path, max_bytes))
+    except ValueError as e:
+        raise BadInputError(f"{str(path)!r} is unreadable ({e})") from None
+    if not isinstance(obj, dict):
+        raise BadInputError(f"{str(path)!r} is unreadable (not a JSON object)")
+    return obj
+
+
+def _read_events(jd: JobDir) -> list[dict[str, Any]]:
+    """``events.jsonl`` as :meth:`JobDir.read_events` reads it, from a regular file only."""
+    if not os.path.lexists(jd.events_path):
+        return []
+    out = []
+    for line in _read_small(jd.events_path, MAX_EVENTS_BYTES).splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
 
 
 def open_job_dir(path: str) -> JobDir:
@@ -43,7 +102,28 @@ def _stats(values: list[float]) -> dict[str, float | int | None]:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+    """Bytes of the regular files under ``path`` (links not followed)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _newest_readable(jd: JobDir) -> int | None:
+    """The newest committed step whose manifest parses (files not verified)."""
+    for step in committed_steps(jd.checkpoints):
+        try:
+            read_manifest(jd.checkpoints / step_dir_name(step))
+        except (CheckpointCorruptError, IncompatibleFormatError):
+            continue
+        return step
+    return None
 
 
 def status(jd: JobDir) -> dict[str, Any]:
@@ -53,33 +133,33 @@ def status(jd: JobDir) -> dict[str, Any]:
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
     ({count, median, p95, max}), attempts, restarts ([{attempt, cause, step}]), disk_bytes.
     """
-    config = json.loads(jd.config_path.read_text())
-    events = jd.read_events()
+    config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
+    events = _read_events(jd)
     states = [e for e in events if e.get("event") == "state"]
     running = jd.is_locked()
     state = "running" if running else (states[-1]["state"] if states else "unknown")
     beats = []
     for p in jd.root.glob("heartbeat-rank-*"):
         try:
-            beats.append(int(p.read_text().strip() or 0))
+            beats.append(int(read_regular(p, max_bytes=64).strip() or 0))
         except (OSError, ValueError):
             continue
-    committed = committed_steps(jd.checkpoints)
+    newest = _newest_readable(jd)
     ckpts = [e for e in events if e.get("event") == "checkpoint"]
     attempts = [e for e in events if e.get("event") == "attempt_end"]
     wall_s = sum(float(e.get("duration_s", 0)) for e in attempts)
     stall_total_s = sum(float(e.get("stall_s", 0)) for e in ckpts)
     interval = config.get("interval")
     strategy = {}
-    if (jd.root / "strategy.json").exists():
-        strategy = json.loads((jd.root / "strategy.json").read_text())
+    if os.path.lexists(jd.root / "strategy.json"):
+        strategy = _read_json(jd.root / "strategy.json", MAX_CONFIG_BYTES)
     return {
         "job_dir": str(jd.root),
         "script": config.get("script"),
         "state": state,
         "is_running": running,
         "current_step": max(beats) if beats else None,
-        "last_committed_step": committed[0] if committed else None,
+        "last_committed_step": newest,
         "interval": {"steps": interval, "why": "fixed by --interval"} if interval is not None
         else {"steps": strategy.get("interval"),
               "why": f"policy ({strategy.get('source', 'profiling')}): "
@@ -101,9 +181,12 @@ def status(jd: JobDir) -> dict[str, Any]:
 def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
     """Committed checkpoints, newest first: step, epoch, batches, bytes, age_s, verified.
 
-    ``verified`` is ``ok``, ``corrupt: <why>`` or ``unchecked`` (``check=False``).
+    ``verified`` is ``ok``, ``corrupt: <why>`` or ``unchecked`` (``check=False``). Verifying
+    (:func:`cfrun.contract.checkpoints.verify`) streams each file through its checksum after
+    checking that it is a regular file of the recorded size, and checks every rank's tensor
+    table, without torch.
     """
-    out = []
+    out: list[dict[str, Any]] = []
     now = time.time()
     for step in committed_steps(jd.checkpoints):
         d = jd.checkpoints / step_dir_name(step)
@@ -120,12 +203,26 @@ def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
                 verified = "ok"
             except (CheckpointCorruptError, IncompatibleFormatError) as e:
                 verified = f"corrupt: {e}"
-        meta = manifest.get("meta", {})
+        meta = manifest.meta
         out.append({"step": step, "epoch": meta.get("epoch"), "batches": meta.get("batches"),
-                    "bytes": sum(int(f["nbytes"]) for f in manifest["files"]),
-                    "age_s": round(now - float(manifest.get("committed_unix_s", now)), 1),
+                    "bytes": manifest.nbytes,
+                    "age_s": round(now - manifest.committed_unix_s, 1),
                     "verified": verified})
     return out
+
+
+def check_listing(rows: list[dict[str, Any]]) -> None:
+    """After ``cfrun ls`` printed ``rows``: fail if one of them is corrupt.
+
+    Raises:
+        CheckpointCorruptError: the first corrupt checkpoint, in one line (exit code 5).
+    """
+    bad = [r for r in rows if str(r["verified"]).startswith("corrupt")]
+    if bad:
+        raise CheckpointCorruptError(
+            f"{len(bad)} of {len(rows)} checkpoints are corrupt; step {bad[0]['step']}: "
+            f"{str(bad[0]['verified']).removeprefix('corrupt: ')}",
+            hint="a resume skips them and uses the newest one marked ok")
 
 
 def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, int]:
@@ -139,6 +236,8 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
         BadInputError: unknown format, no such step, or the step fails verification.
     """
     import torch
+
+    from cfrun.codec.checkpoint import load_shard
 
     if fmt not in ("torch", "safetensors"):
         raise BadInputError(f"--format {fmt!r} is not supported; give torch or safetensors")
@@ -155,7 +254,12 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
     except (CheckpointCorruptError, IncompatibleFormatError) as e:
         raise BadInputError(f"checkpoint step {step} failed verification ({e}); "
                             "export another --step") from None
-    modules = state["modules"]
+    modules = state.get("modules") if isinstance(state, dict) else None
+    if not isinstance(modules, list) or not all(
+            isinstance(m, dict) and all(isinstance(v, torch.Tensor) for v in m.values())
+            for m in modules):
+        raise BadInputError(f"checkpoint step {step} holds no model weights cfrun wrote "
+                            "(no list of state_dicts under 'modules'); export another --step")
     if fmt == "torch":
         obj = modules[0] if len(modules) == 1 else {f"model{i}": m for i, m in enumerate(modules)}
         torch.save(obj, out)

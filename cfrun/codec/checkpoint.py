@@ -1,93 +1,71 @@
-"""Writing, committing, verifying and loading checkpoints in a job dir's ``checkpoints/``.
+"""Writing and loading one rank's tensors in a checkpoint (the part of checkpointing that
+touches torch).
 
-Crash safety (DESIGN.md §3, "Persist"): every checkpoint is written into a fresh staging
-directory (never over old files); each file is fsynced; ``manifest.json`` is written last, with
-every file's size and xxh3-64 checksum; then the staging directory is renamed to ``step-NNNNNN``
-and ``checkpoints/`` is fsynced. A reader looks only at ``step-*`` directories whose manifest
-parses and matches the files (size, checksum), so a crash at any point leaves either the old
-newest checkpoint or the new one, never a torn one. CheckFreq's prototype wrote straight to the
-final file name; torchsnapshot never fsyncs.
+The directory operations (commit, verify, retention, quarantine, listing) are torch-free and
+live in :mod:`cfrun.contract.checkpoints`, re-exported here for the ranks. This module adds
+what needs tensors: :func:`write_shard` (the ranks' synchronous path), :func:`load_shard` and
+:func:`load_newest` (resume, ``cfrun export``).
+
+The loader checks what a checksum cannot (a checksum only says the bytes are the ones the
+manifest's writer meant): file names, file types and sizes before reading, bounded JSON, every
+tensor's dtype from an allow-list, ``nbytes`` equal to elements times item size, offsets where
+the writer puts them and inside the file. Any check failing, or any error while decoding,
+makes the checkpoint corrupt (:class:`CheckpointCorruptError`): :func:`load_newest` then skips
+it and falls back to an older one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
-from cfrun import __version__
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.codec.format import (
     FORMAT_VERSION,
-    TensorEntry,
     decode,
     dumps_json,
     plan_layout,
     tensor_bytes,
     tensor_from_buffer,
 )
-from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, atomic_write_json, fsync_dir, step_dir_name
+from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ranks)
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    apply_retention,
+    check_complete,
+    commit,
+    committed_steps,
+    quarantine,
+    read_manifest,
+    remove_staging,
+    shard_names,
+    staging_dir,
+    verify,
+    write_file,
+)
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.jobdir import step_dir_name
+from cfrun.contract.shard import read_doc
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-_WRITE_CHUNK_BYTES = 8 << 20
+_fsync_write = write_file
+"""Old name of :func:`cfrun.contract.checkpoints.write_file` (callers move to that)."""
 
-
-def shard_names(rank: int) -> tuple[str, str]:
-    """``(rank-NNNNN.bin, rank-NNNNN.json)``: one rank's tensor bytes and its tree."""
-    return f"rank-{rank:05d}.bin", f"rank-{rank:05d}.json"
-
-
-def staging_dir(checkpoints: Path, step: int) -> Path:
-    """Where all ranks write step ``step`` before it is committed."""
-    return checkpoints / f"{STAGING_PREFIX}{step_dir_name(step)}"
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint as the manifest records it."""
-
-    name: str
-    nbytes: int
-    xxh3_64: str
-
-
-def _fsync_write(path: Path, chunks: list[memoryview | bytes]) -> FileEntry:
-    """Write ``chunks`` to a new file, fsync it, return its size and checksum."""
-    h = xxhash.xxh3_64()
-    nbytes = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            h.update(view)
-            for start in range(0, len(view), _WRITE_CHUNK_BYTES):
-                piece = view[start:start + _WRITE_CHUNK_BYTES]
-                while piece:
-                    written = os.write(fd, piece)
-                    piece = piece[written:]
-            nbytes += len(view)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return FileEntry(path.name, nbytes, h.hexdigest())
+_DECODE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                  RuntimeError, RecursionError, MemoryError)
+"""What decoding a crafted shard can raise; each means a corrupt checkpoint."""
 
 
 def write_shard(staging: Path, rank: int, tree: Any, tensors: list[torch.Tensor],
                 meta: dict[str, Any]) -> list[FileEntry]:
     """Write one rank's state into ``staging`` (phase 2, synchronous form).
 
-    Called by each rank for the same step. Creates ``staging`` if needed. Files are new
-    (``O_EXCL``) and fsynced.
+    Called by each rank for the same step. Creates ``staging`` if needed. Files are written
+    with :func:`cfrun.contract.fsio.write_atomic` (new, 0600, fsynced, renamed into place).
 
     Args:
         tree: JSON tree from :func:`cfrun.codec.format.encode`.
@@ -112,220 +90,66 @@ def write_shard(staging: Path, rank: int, tree: Any, tensors: list[torch.Tensor]
         pos = entry.offset + entry.nbytes
     if total > pos:
         chunks.append(bytes(total - pos))
-    bin_entry = _fsync_write(staging / bin_name, chunks)
+    bin_entry = write_file(staging / bin_name, chunks)
     doc = {"format_version": FORMAT_VERSION, "rank": rank, "tree": tree,
            "tensors": [e.to_json() for e in entries], "meta": meta}
-    json_entry = _fsync_write(staging / json_name, [dumps_json(doc)])
+    json_entry = write_file(staging / json_name, [dumps_json(doc)])
     return [bin_entry, json_entry]
-
-
-def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: int,
-           meta: dict[str, Any], keep: int | None) -> Path:
-    """Make step ``step`` visible: manifest last, atomic rename, directory fsync, retention
-    (``keep`` newest; ``None``: the caller applies :func:`apply_retention` later, e.g. after
-    answering the ranks, so that deleting old files is not part of the PGT).
-
-    Called once per checkpoint (by rank 0, or by the persist agent) after every rank's files
-    are durable in the staging directory.
-
-    Returns:
-        The committed ``step-NNNNNN`` directory.
-
-    Raises:
-        OSError: the rename or a write failed; the previous newest checkpoint stays newest.
-    """
-    staging = staging_dir(checkpoints, step)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "cfrun_version": __version__,
-        "step": step,
-        "world_size": world_size,
-        "committed_unix_s": time.time(),
-        "files": [{"name": f.name, "nbytes": f.nbytes, "xxh3_64": f.xxh3_64} for f in files],
-        "meta": meta,
-    }
-    fsync_dir(staging)
-    atomic_write_json(staging / MANIFEST, manifest)
-    final = checkpoints / step_dir_name(step)
-    if final.exists():  # an older attempt committed the same step: keep it if it verifies
-        try:
-            verify(final)
-            shutil.rmtree(staging, ignore_errors=True)
-            return final
-        except (CheckpointCorruptError, IncompatibleFormatError):
-            quarantine(checkpoints, step)
-    os.rename(staging, final)
-    fsync_dir(checkpoints)
-    if keep is not None:
-        apply_retention(checkpoints, keep)
-    return final
-
-
-def apply_retention(checkpoints: Path, keep: int) -> list[int]:
-    """Delete committed checkpoints beyond the newest ``keep``. Returns the deleted steps."""
-    steps = committed_steps(checkpoints)
-    deleted = []
-    for step in steps[keep:]:
-        shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
-        deleted.append(step)
-    return deleted
-
-
-def quarantine(checkpoints: Path, step: int) -> Path | None:
-    """Move a committed checkpoint that failed verification aside (``corrupt-step-N-<t>``).
-
-    It no longer counts as committed (nor for retention), and stays for inspection.
-    """
-    src = checkpoints / step_dir_name(step)
-    dst = checkpoints / f"corrupt-{step_dir_name(step)}-{int(time.time() * 1000)}"
-    try:
-        os.rename(src, dst)
-    except OSError:
-        return None
-    fsync_dir(checkpoints)
-    return dst
-
-
-def remove_staging(checkpoints: Path) -> int:
-    """Remove staging directories of writers that died. Call only when no writer runs."""
-    n = 0
-    if checkpoints.is_dir():
-        for p in checkpoints.iterdir():
-            if p.name.startswith(STAGING_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
-                n += 1
-    return n
-
-
-def committed_steps(checkpoints: Path) -> list[int]:
-    """Steps of directories that have a manifest, newest first (not yet verified)."""
-    steps = []
-    if checkpoints.is_dir():
-        for p in checkpoints.iterdir():
-            if p.name.startswith(STEP_PREFIX) and (p / MANIFEST).is_file():
-                try:
-                    steps.append(int(p.name[len(STEP_PREFIX):]))
-                except ValueError:
-                    continue
-    return sorted(steps, reverse=True)
-
-
-def read_manifest(step_dir: Path) -> dict[str, Any]:
-    """Parse and check a manifest.
-
-    Raises:
-        CheckpointCorruptError: missing or malformed.
-        IncompatibleFormatError: written by an incompatible cfrun.
-    """
-    try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointCorruptError(f"{step_dir.name}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or "files" not in manifest:
-        raise CheckpointCorruptError(f"{step_dir.name}: malformed manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise IncompatibleFormatError(
-            f"{step_dir.name}: format_version {manifest.get('format_version')!r}, "
-            f"this cfrun reads {FORMAT_VERSION}")
-    return manifest
-
-
-def _read_verified(step_dir: Path, manifest: dict[str, Any], name: str) -> bytearray:
-    entry = next((f for f in manifest["files"] if f["name"] == name), None)
-    if entry is None:
-        raise CheckpointCorruptError(f"{step_dir.name}: manifest lists no {name}")
-    try:
-        data = bytearray((step_dir / name).read_bytes())
-    except OSError as e:
-        raise CheckpointCorruptError(f"{step_dir.name}/{name}: unreadable ({e})") from None
-    if len(data) != entry["nbytes"]:
-        raise CheckpointCorruptError(
-            f"{step_dir.name}/{name}: {len(data)} bytes, manifest says {entry['nbytes']}")
-    if xxhash.xxh3_64_hexdigest(data) != entry["xxh3_64"]:
-        raise CheckpointCorruptError(f"{step_dir.name}/{name}: checksum mismatch")
-    return data
-
-
-def verify(step_dir: Path) -> dict[str, Any]:
-    """Check every file of a committed checkpoint against its manifest; return the manifest.
-
-    Raises:
-        CheckpointCorruptError, IncompatibleFormatError.
-    """
-    manifest = read_manifest(step_dir)
-    for f in manifest["files"]:
-        _read_verified(step_dir, manifest, f["name"])
-    return manifest
 
 
 def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     """Load and verify one rank's state from a committed checkpoint.
 
+    Called by each rank on resume, and by ``cfrun export`` (rank 0).
+
     Returns:
         ``(state, meta)``: the decoded tree (tensors on CPU) and the shard's meta dict.
 
     Raises:
-        CheckpointCorruptError: a file is missing, truncated or fails its checksum.
+        CheckpointCorruptError: a file is missing, not a regular file, truncated, fails its
+            checksum, or holds metadata the writer does not write (see the module doc).
         IncompatibleFormatError: written by an incompatible cfrun.
     """
     manifest = read_manifest(step_dir)
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
+                                     f"{manifest.world_size} ranks")
     doc, tensors = _read_rank(step_dir, manifest, rank)
-    layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
-    if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
-        from cfrun.codec.sharding import reassemble
-
-        others = {}
-        for q in range(int(manifest.get("world_size", 1))):
-            if q != rank:
-                q_doc, q_tensors = _read_rank(step_dir, manifest, q)
-                others[q] = (q_tensors, q_doc["tree"].get("sharded") or [])
-        try:
-            reassemble(rank, tensors, layout, others)
-        except ValueError as e:
-            raise CheckpointCorruptError(f"{step_dir.name}: {e}") from None
-    return decode(doc["tree"], tensors), doc.get("meta", {})
-
-
-def _read_rank(step_dir: Path, manifest: dict[str, Any], rank: int
-               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One rank's verified JSON doc and its tensors (CPU)."""
-    bin_name, json_name = shard_names(rank)
-    doc = json.loads(_read_verified(step_dir, manifest, json_name))
-    data = _read_verified(step_dir, manifest, bin_name)
     try:
-        tensors = [tensor_from_buffer(data, TensorEntry.from_json(e)) for e in doc["tensors"]]
-    except ValueError as e:
-        raise CheckpointCorruptError(f"{step_dir.name}/{bin_name}: {e}") from None
-    return doc, tensors
+        layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
+        if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
+            from cfrun.codec.sharding import reassemble
+
+            others = {}
+            for q in range(manifest.world_size):
+                if q != rank:
+                    q_doc, q_tensors = _read_rank(step_dir, manifest, q)
+                    q_tree = q_doc["tree"]
+                    others[q] = (q_tensors, (q_tree.get("sharded") if isinstance(q_tree, dict)
+                                             else None) or [])
+            reassemble(rank, tensors, layout, others)
+        meta = doc.get("meta", {})
+        return decode(doc["tree"], tensors), meta
+    except _DECODE_ERRORS as e:
+        raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
+                                     f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def check_complete(step_dir: Path) -> dict[str, Any]:
-    """Every rank's shard is listed in the manifest and present at its recorded size.
-
-    Each rank checks this for the whole checkpoint before loading its own shard, so that all
-    ranks skip the same incomplete checkpoint (a rank whose shard is missing must not fall back
-    to an older step while the others load this one). Reads only the manifest and ``stat``s.
+def _read_rank(step_dir: Path, manifest: Manifest, rank: int
+               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One rank's verified JSON doc and its tensors (CPU), every entry checked.
 
     Raises:
-        CheckpointCorruptError: a rank's shard is missing from the manifest or the directory,
-            or has another size.
+        CheckpointCorruptError: see :func:`load_shard`.
     """
-    manifest = read_manifest(step_dir)
-    names = {f["name"]: int(f["nbytes"]) for f in manifest["files"]}
-    for r in range(int(manifest.get("world_size", 1))):
-        for name in shard_names(r):
-            if name not in names:
-                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is not in "
-                                             "the manifest")
-            try:
-                size = (step_dir / name).stat().st_size
-            except OSError:
-                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is "
-                                             "missing") from None
-            if size != names[name]:
-                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} has {size} "
-                                             f"bytes, the manifest says {names[name]}")
-    return manifest
+    bin_name, _ = shard_names(rank)
+    doc, entries = read_doc(step_dir, manifest, rank)
+    data = manifest.read_file(step_dir, bin_name)
+    try:
+        tensors = [tensor_from_buffer(data, e) for e in entries]
+    except _DECODE_ERRORS as e:
+        raise CheckpointCorruptError(f"{step_dir.name}/{bin_name}: {e}") from None
+    return doc, tensors
 
 
 class WorldSizeChangedError(Exception):
@@ -357,7 +181,7 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         step_dir = checkpoints / step_dir_name(step)
         try:
             manifest = check_complete(step_dir)
-            saved = int(manifest.get("world_size", 1))
+            saved = manifest.world_size
             if world_size is not None and saved != world_size:
                 raise WorldSizeChangedError(step, saved, world_size)
             state, meta = load_shard(step_dir, rank)
@@ -371,3 +195,29 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
             continue
         return step, state, meta
     return None
+
+
+def check_like(loaded: Any, live: Any, where: str) -> None:
+    """The tensors of a loaded ``state_dict`` have the dtype and shape of the live object's.
+
+    A checksum shows the bytes are the ones the manifest's writer meant, not that the
+    metadata tells the truth: ``int32`` written over ``float32`` bytes has the right size and
+    loads (and ``load_state_dict`` would convert it silently). The rank calls this before
+    ``load_state_dict`` for each model and optimizer, which catches it. Nested dicts and lists
+    are compared key by key; keys only on one side are left to ``load_state_dict``.
+
+    Raises:
+        CheckpointCorruptError: a tensor differs in dtype or shape, naming it.
+    """
+    stack: list[tuple[str, Any, Any]] = [(where, loaded, live)]
+    while stack:
+        path, a, b = stack.pop()
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.dtype != b.dtype or a.shape != b.shape:
+                raise CheckpointCorruptError(
+                    f"{path} is {str(a.dtype).removeprefix('torch.')} {list(a.shape)} in the "
+                    f"checkpoint, {str(b.dtype).removeprefix('torch.')} {list(b.shape)} live")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            stack.extend((f"{path}.{k}", a[k], b[k]) for k in a if k in b)
+        elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+            stack.extend((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b)))

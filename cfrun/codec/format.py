@@ -14,15 +14,33 @@ exist. Idea: DeepFreeze §IV-A ("lightweight, label-free serialization"); safete
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
-ALIGN_BYTES = 64
+from cfrun.contract.manifest import FORMAT_VERSION, dumps_json
+from cfrun.contract.shard import (
+    ALIGN_BYTES,
+    DTYPE_ITEMSIZE,
+    FILE_PAD_BYTES,
+    MAX_DIM,
+    MAX_DOC_BYTES,
+    MAX_NDIM,
+    MAX_TREE_DEPTH,
+    TensorEntry,
+    check_layout,
+    check_shape,
+    loads_doc,
+)
+
+__all__ = ["ALIGN_BYTES", "DTYPE_ITEMSIZE", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DIM",
+           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "UnsupportedValueError",
+           "check_layout", "decode", "dumps_json", "encode", "loads_doc", "plan_layout",
+           "tensor_bytes", "tensor_from_buffer"]
+
+_NP_KINDS = "biuf"
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -35,35 +53,14 @@ _DTYPES: dict[str, torch.dtype] = {
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
         _DTYPES[_name] = getattr(torch, _name)
+if any(DTYPE_ITEMSIZE.get(k) != d.itemsize for k, d in _DTYPES.items()):  # pragma: no cover
+    raise ImportError("cfrun.contract.shard.DTYPE_ITEMSIZE disagrees with this torch")
 
 _RESERVED = ("__t__", "__tuple__", "__dict__", "__nd__", "__np__")
 
 
 class UnsupportedValueError(TypeError):
     """A value in the state cannot be stored without pickle (e.g. a lambda or a custom object)."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's bytes live in a ``.bin`` file."""
-
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset in the ``.bin`` file, a multiple of ``ALIGN_BYTES``."""
-    nbytes: int
-    device: str
-    """Device the tensor came from, e.g. ``cpu`` or ``cuda:0``."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
-                "nbytes": self.nbytes, "device": self.device}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TensorEntry:
-        return cls(str(d["dtype"]), tuple(int(x) for x in d["shape"]), int(d["offset"]),
-                   int(d["nbytes"]), str(d["device"]))
 
 
 def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -102,22 +99,45 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode`.
+
+    Raises:
+        ValueError, TypeError, IndexError, KeyError: a tree :func:`encode` does not write (a
+            tensor index out of range, a numpy dtype outside ``biuf``, data that does not fill
+            its shape...); the loader reports any of them as a corrupt checkpoint.
+    """
     if isinstance(tree, list):
         return [decode(v, tensors) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if "__t__" in tree and len(tree) == 1:
-        return tensors[int(tree["__t__"])]
+        i = tree["__t__"]
+        if type(i) is not int or not 0 <= i < len(tensors):
+            raise IndexError(f"tensor reference {str(i)[:20]} is not one of {len(tensors)}")
+        return tensors[i]
     if "__tuple__" in tree and len(tree) == 1:
         return tuple(decode(v, tensors) for v in tree["__tuple__"])
     if "__dict__" in tree and len(tree) == 1:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in tree["__dict__"]}
     if "__nd__" in tree:
-        return np.array(tree["data"], dtype=np.dtype(tree["__nd__"])).reshape(tree["shape"])
+        dtype = _np_dtype(tree["__nd__"])
+        shape, data = check_shape(tree["shape"]), tree["data"]
+        if not isinstance(data, list) or len(data) != math.prod(shape):
+            raise ValueError(f"numpy array data does not fill its shape {list(shape)}")
+        return np.array(data, dtype=dtype).reshape(shape)
     if "__np__" in tree:
-        return np.dtype(tree["__np__"]).type(tree["v"])
+        return _np_dtype(tree["__np__"]).type(tree["v"])
     return {k: decode(v, tensors) for k, v in tree.items()}
+
+
+def _np_dtype(name: Any) -> np.dtype[Any]:
+    """A numpy dtype of kind bool/int/uint/float from its ``dtype.str`` (e.g. ``<f8``)."""
+    if not isinstance(name, str) or len(name) > 8:
+        raise ValueError(f"numpy dtype {str(name)[:20]!r} is not a dtype string")
+    dtype = np.dtype(name)
+    if dtype.kind not in _NP_KINDS or dtype.itemsize > 16:
+        raise ValueError(f"numpy dtype {name!r} is not one cfrun stores (kinds {_NP_KINDS})")
+    return dtype
 
 
 def _hashable(key: Any) -> Any:
@@ -148,19 +168,18 @@ def tensor_from_buffer(buf: memoryview | bytearray | bytes, entry: TensorEntry) 
     """A fresh CPU tensor holding ``entry``'s bytes from ``buf`` (copied, so ``buf`` may go).
 
     Raises:
-        ValueError: unknown dtype or a byte range outside ``buf``.
+        ValueError: unknown dtype, ``nbytes`` other than elements times item size, or a byte
+            range outside ``buf``.
     """
     dtype = _DTYPES.get(entry.dtype)
     if dtype is None:
         raise ValueError(f"unknown dtype {entry.dtype!r} in checkpoint")
-    if entry.offset + entry.nbytes > len(buf):
+    if entry.nbytes != math.prod(entry.shape) * dtype.itemsize:
+        raise ValueError(f"nbytes {entry.nbytes} does not hold shape {list(entry.shape)} of "
+                         f"{entry.dtype}")
+    if entry.offset < 0 or entry.offset + entry.nbytes > len(buf):
         raise ValueError("tensor bytes lie outside the shard file")
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
     return raw.clone().view(dtype).reshape(entry.shape)
-
-
-def dumps_json(obj: Any) -> bytes:
-    """Compact JSON bytes for shard metadata; dict order is kept (scripts may depend on it)."""
-    return json.dumps(obj, separators=(",", ":")).encode()

@@ -22,13 +22,13 @@ import json
 import os
 import stat
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import filelock
 
 from cfrun.contract.errors import BadInputError, JobDirLockedError
+from cfrun.contract.fsio import atomic_write_json, fsync_dir  # noqa: F401  (re-exported)
 from cfrun.contract.settings import node_rank
 
 CHECKPOINTS = "checkpoints"
@@ -40,30 +40,6 @@ FILE_MODE = 0o600
 """Mode of the files cfrun creates in the job dir."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so renames and new entries in it survive a power loss."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, obj: Mapping[str, Any] | list[Any]) -> None:
-    """Write ``obj`` as JSON so readers see the old file or the new one, never a torn one.
-
-    Writes a temporary file beside ``path``, fsyncs it, renames it over ``path`` and fsyncs the
-    directory.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def step_dir_name(step: int) -> str:

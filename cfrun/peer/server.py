@@ -46,8 +46,7 @@ from typing import Any
 
 import xxhash
 
-from cfrun import __version__
-from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.manifest import FileEntry, Manifest
 from cfrun.peer.gate import Gate
 from cfrun.peer.protocol import (  # noqa: F401  (re-exported: older imports of the server)
     IDLE_TIMEOUT_S,
@@ -136,13 +135,11 @@ class _Checkpoint:
         """The manifest of the job dir's format, from the ranks' seals (checksums as sent),
         with the agents' seal tags (``seals``) that let a fetching agent verify it."""
         files = [f for r in sorted(self.sealed) for f in self.sealed[r]]
-        return {"format_version": FORMAT_VERSION, "cfrun_version": __version__,
-                "step": self.step, "world_size": self.world_size,
-                "committed_unix_s": self.t_protected or time.time(),
-                "files": [{"name": f["name"], "nbytes": f["nbytes"], "xxh3_64": f["xxh3_64"]}
-                          for f in files],
-                "meta": self.meta,
-                "seals": [{"rank": r, "tag": self.seal_tags[r]} for r in sorted(self.seal_tags)]}
+        return Manifest.build(self.step, self.world_size,
+                              [FileEntry(f["name"], f["nbytes"], f["xxh3_64"]) for f in files],
+                              self.meta, committed_unix_s=self.t_protected or time.time(),
+                              seals=[{"rank": r, "tag": self.seal_tags[r]}
+                                     for r in sorted(self.seal_tags)]).to_json()
 
 
 class _Reject(Exception):

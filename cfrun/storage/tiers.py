@@ -9,7 +9,8 @@ so a level-2 checkpoint is a set of portable files that any cfrun (or ``cfrun ex
 copy into a job dir) reads. Two implementations, chosen by the URL:
 
 * :class:`DirStorage` for a plain path: every file is written into ``.staging-step-N``, fsynced,
-  then the manifest, then an atomic rename and a directory fsync (as :mod:`cfrun.codec.checkpoint`);
+  then the manifest, then an atomic rename and a directory fsync (as
+  :mod:`cfrun.contract.checkpoints`);
 * :class:`FsspecStorage` for ``scheme://`` URLs (``s3://``, ``gs://``, ``file://``, ...): object
   stores have no rename, so files go straight to their final keys and the manifest is written
   last; **a step counts only if its manifest exists and parses** (a flush cut short leaves files
@@ -29,7 +30,6 @@ file written, not per chunk.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -40,14 +40,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cfrun.contract import faults, settings
+from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
-from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, fsync_dir, step_dir_name
-from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.fsio import UnsafeFileError, fsync_dir, read_regular, write_atomic
+from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
+from cfrun.contract.manifest import MANIFEST, MAX_MANIFEST_BYTES, SHARD_FILE_RE, Manifest
 
-MANIFEST = "manifest.json"
 WRITE_CHUNK_BYTES = 8 << 20
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-FILE_RE = re.compile(r"^rank-\d{5}\.(bin|json)$")
+FILE_RE = SHARD_FILE_RE
 
 
 def check_job_name(job: str) -> str:
@@ -109,7 +110,7 @@ class CheckpointWriter(Protocol):
 
     def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int: ...
 
-    def commit(self, manifest: dict[str, Any]) -> None: ...
+    def commit(self, manifest: Manifest | dict[str, Any]) -> None: ...
 
     def abort(self) -> None: ...
 
@@ -132,14 +133,16 @@ class Storage(Protocol):
     def cleanup(self, job: str | None = None) -> int: ...
 
 
-def _parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{where}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
-        raise CheckpointCorruptError(f"{where}: malformed manifest")
-    return manifest
+def _manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json`` for a record (or its JSON form, checked as a reader
+    would check it).
+
+    Raises:
+        CheckpointCorruptError, IncompatibleFormatError: ``manifest`` is not a valid one.
+    """
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_json(manifest, "manifest to write")
+    return manifest.dumps()
 
 
 # ---------------------------------------------------------------------- plain directory
@@ -153,27 +156,17 @@ class _DirWriter:
         self.staging.mkdir(parents=True)
 
     def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+        if not FILE_RE.match(name):
+            raise ValueError(f"bad checkpoint file name {name!r}")
         th = throttle()
-        n = 0
-        fd = os.open(self.staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for chunk in _chunks(parts):
-                if th is not None:
-                    th.take(len(chunk))
-                while chunk:
-                    w = os.write(fd, chunk)
-                    n += w
-                    chunk = chunk[w:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        n, _ = write_atomic(self.staging / name, parts, sync_dir=False,
+                            before_chunk=None if th is None else th.take)
         return n
 
-    def commit(self, manifest: dict[str, Any]) -> None:
+    def commit(self, manifest: Manifest | dict[str, Any]) -> None:
+        data = _manifest_bytes(manifest)
         fsync_dir(self.staging)
-        from cfrun.contract.jobdir import atomic_write_json
-
-        atomic_write_json(self.staging / MANIFEST, manifest)
+        write_atomic(self.staging / MANIFEST, [data])
         if self.final.exists():  # the same step flushed before (a restarted peer): replace it
             (self.final / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(self.final, ignore_errors=True)
@@ -199,17 +192,25 @@ class DirStorage:
         return committed_steps(self._job(job))
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        """Step ``step``'s manifest, parsed and checked (:meth:`Manifest.parse`), as JSON (the
+        form ``cfrun peer``'s seals cover).
+
+        Raises:
+            CheckpointCorruptError: missing, not a regular file, oversized or malformed.
+            IncompatibleFormatError: another format version.
+        """
         path = self._job(job) / step_dir_name(step) / MANIFEST
         try:
-            raw = path.read_bytes()
-        except OSError as e:
+            raw = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
+        except (UnsafeFileError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
-        return _parse_manifest(raw, str(path))
+        return Manifest.parse(raw, str(path)).to_json()
 
     def read_file(self, job: str, step: int, name: str) -> bytes:
         if not FILE_RE.match(name):
             raise ValueError(f"bad checkpoint file name {name!r}")
-        return (self._job(job) / step_dir_name(step) / name).read_bytes()
+        return bytes(read_regular(self._job(job) / step_dir_name(step) / name,
+                                  max_bytes=1 << 50))
 
     def begin(self, job: str, step: int) -> _DirWriter:
         d = self._job(job)
@@ -264,8 +265,8 @@ class _FsspecWriter:
                 n += len(chunk)
         return n
 
-    def commit(self, manifest: dict[str, Any]) -> None:
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    def commit(self, manifest: Manifest | dict[str, Any]) -> None:
+        data = _manifest_bytes(manifest)
         with self.fs.open(f"{self.prefix}/{MANIFEST}", "wb") as f:  # last: makes it count
             f.write(data)
 
@@ -321,12 +322,19 @@ class FsspecStorage:
         return sorted(steps, reverse=True)
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]:
+        """Step ``step``'s manifest, parsed and checked (at most ``MAX_MANIFEST_BYTES`` read),
+        as JSON.
+
+        Raises:
+            CheckpointCorruptError: missing, oversized or malformed.
+            IncompatibleFormatError: another format version.
+        """
         path = f"{self._job(job)}/{step_dir_name(step)}/{MANIFEST}"
         try:
-            raw = self.fs.cat_file(path)
+            raw = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
         except (FileNotFoundError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
-        return _parse_manifest(raw, path)
+        return Manifest.parse(raw, path).to_json()
 
     def read_file(self, job: str, step: int, name: str) -> bytes:
         if not FILE_RE.match(name):

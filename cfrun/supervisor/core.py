@@ -42,10 +42,10 @@ from typing import Any
 from cfrun import __version__
 from cfrun.contract import ipc, slots
 from cfrun.contract import settings as E
-from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
-from cfrun.codec.format import FORMAT_VERSION
+from cfrun.contract.manifest import FORMAT_VERSION
 from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.supervisor.launcher import (
     die_with_parent,

@@ -147,8 +147,8 @@ def test_load_shard_round_trip(ckpts: Path) -> None:
 def test_multi_rank_shards(ckpts: Path) -> None:
     final = _save(ckpts, 3, ranks=2)
     manifest = read_manifest(final)
-    assert manifest["world_size"] == 2
-    assert len(manifest["files"]) == 4
+    assert manifest.world_size == 2
+    assert len(manifest.files) == 4
     for rank in range(2):
         loaded, meta = load_shard(final, rank)
         _assert_state_equal(_state(3 + rank), loaded)

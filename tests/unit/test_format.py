@@ -12,8 +12,11 @@ import torch
 
 from cfrun.codec.format import (
     ALIGN_BYTES,
+    DTYPE_ITEMSIZE,
+    FILE_PAD_BYTES,
     TensorEntry,
     UnsupportedValueError,
+    check_layout,
     decode,
     dumps_json,
     encode,
@@ -38,6 +41,7 @@ def _round_trip_tree(obj: Any) -> tuple[Any, list[torch.Tensor], list[torch.Tens
         assert len(raw) == entry.nbytes
         buf[entry.offset:entry.offset + entry.nbytes] = raw
     entries = [TensorEntry.from_json(json.loads(json.dumps(e.to_json()))) for e in entries]
+    check_layout(entries, total)  # what the writer makes, the reader accepts
     rebuilt = [tensor_from_buffer(buf, e) for e in entries]
     return decode(tree, rebuilt), tensors, rebuilt
 
@@ -297,3 +301,28 @@ def test_string_key_order_survives_json() -> None:
     out = decode(json.loads(dumps_json(encode(obj, []))), [])
     assert list(out) == ["zeta", "alpha", "mid"]
     assert list(out["mid"]) == ["y", "x"]
+
+
+def test_every_dtype_the_writer_stores_is_allowed_with_its_item_size() -> None:
+    from cfrun.codec.format import _DTYPES
+
+    for name, dtype in _DTYPES.items():
+        assert DTYPE_ITEMSIZE[name] == dtype.itemsize, name
+
+
+@pytest.mark.parametrize("shapes", [[], [(0,)], [(3,)], [(4, 3), (0, 5), (7,)], [(1000,)]])
+def test_layout_check_accepts_what_the_writer_makes(shapes: list[tuple[int, ...]]) -> None:
+    tensors = [torch.zeros(s) for s in shapes]
+    entries, total = plan_layout(tensors)
+    check_layout(entries, total)  # rank's synchronous path: exactly the table
+    padded = max(FILE_PAD_BYTES, -(-total // FILE_PAD_BYTES) * FILE_PAD_BYTES)
+    check_layout(entries, padded)  # agent: a whole snapshot slot
+    for wrong in {total + 1, padded + FILE_PAD_BYTES} - {total, padded}:
+        with pytest.raises(ValueError, match="shard file has"):
+            check_layout(entries, wrong)
+
+
+def test_tensor_from_buffer_refuses_a_size_that_does_not_hold_the_shape() -> None:
+    entry = TensorEntry("float32", (200_000_000,), 0, 0, "cpu")  # built past from_json
+    with pytest.raises(ValueError, match="does not hold"):
+        tensor_from_buffer(bytearray(64), entry)

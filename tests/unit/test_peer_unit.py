@@ -14,6 +14,7 @@ import xxhash
 
 from cfrun.contract.config import parse_bytes
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
+from cfrun.contract.manifest import FileEntry, Manifest
 from cfrun.peer.protocol import (
     FRAME,
     FRAME_MAGIC,
@@ -49,7 +50,10 @@ def test_level2_counts_a_step_only_with_its_manifest(tmp_path, url):
     store = open_storage(str(root) if url == "dir" else f"file://{root}")
     w = store.begin("job", 10)
     w.write_file("rank-00000.bin", [b"abc", bytearray(b"def")])
-    w.commit({"format_version": 1, "files": [], "step": 10})
+    with pytest.raises(CheckpointCorruptError, match="missing field"):
+        w.commit({"format_version": 1, "files": [], "step": 10})  # not a valid manifest
+    w.commit(Manifest.build(10, 1, [FileEntry("rank-00000.bin", 6,
+                                              xxhash.xxh3_64_hexdigest(b"abcdef"))]))
     w = store.begin("job", 20)  # cut short: files, no manifest
     w.write_file("rank-00000.bin", [b"xyz"])
     assert store.list_steps("job") == [10]

@@ -1,0 +1,191 @@
+"""A job dir's ``checkpoints/``: write files, commit, list, verify, quarantine, retention.
+
+Torch-free: the persist agent, the supervisor, ``cfrun ls``/``status`` and the ranks share it;
+only :mod:`cfrun.codec.checkpoint` (what touches tensors) needs torch.
+
+Crash safety (DESIGN.md §3, "Persist"): every checkpoint is written into a fresh staging
+directory (never over old files); each file is fsynced; ``manifest.json`` is written last, with
+every file's size and xxh3-64 checksum; then the staging directory is renamed to ``step-NNNNNN``
+and ``checkpoints/`` is fsynced. A reader looks only at ``step-*`` directories whose manifest
+parses and matches the files (size, checksum), so a crash at any point leaves either the old
+newest checkpoint or the new one, never a torn one. CheckFreq's prototype wrote straight to the
+final file name; torchsnapshot never fsyncs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.fsio import fsync_dir, write_atomic
+from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
+from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest, shard_names
+from cfrun.contract.shard import check_docs
+
+__all__ = ["MANIFEST", "FileEntry", "Manifest", "apply_retention", "check_complete", "commit",
+           "committed_steps", "quarantine", "read_manifest", "remove_staging", "shard_names",
+           "staging_dir", "verify", "write_file"]
+
+
+def staging_dir(checkpoints: Path, step: int) -> Path:
+    """Where all ranks write step ``step`` before it is committed."""
+    return checkpoints / f"{STAGING_PREFIX}{step_dir_name(step)}"
+
+
+def write_file(path: Path, parts: Iterable[bytes | bytearray | memoryview], *,
+               before_chunk: Callable[[int], None] | None = None) -> FileEntry:
+    """Write one new checkpoint file durably (:func:`cfrun.contract.fsio.write_atomic`, the
+    directory is fsynced by :func:`commit`) and return its manifest entry.
+
+    Raises:
+        FileExistsError: ``path`` exists (a checkpoint file is never overwritten).
+        OSError: the disk refused.
+    """
+    nbytes, digest = write_atomic(path, parts, sync_dir=False, exclusive=True,
+                                  before_chunk=before_chunk)
+    return FileEntry(path.name, nbytes, digest)
+
+
+def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: int,
+           meta: dict[str, Any], keep: int | None) -> Path:
+    """Make step ``step`` visible: manifest last, atomic rename, directory fsync, retention
+    (``keep`` newest; ``None``: the caller applies :func:`apply_retention` later, e.g. after
+    answering the ranks, so that deleting old files is not part of the PGT).
+
+    Called once per checkpoint (by rank 0, or by the persist agent) after every rank's files
+    are durable in the staging directory.
+
+    Returns:
+        The committed ``step-NNNNNN`` directory.
+
+    Raises:
+        OSError: the rename or a write failed; the previous newest checkpoint stays newest.
+        ValueError: ``files``/``meta`` cannot form a valid manifest.
+    """
+    staging = staging_dir(checkpoints, step)
+    manifest = Manifest.build(step, world_size, files, meta)
+    fsync_dir(staging)
+    write_atomic(staging / MANIFEST, [manifest.dumps()])
+    final = checkpoints / step_dir_name(step)
+    if final.exists():  # an older attempt committed the same step: keep it if it verifies
+        try:
+            verify(final)
+            shutil.rmtree(staging, ignore_errors=True)
+            return final
+        except (CheckpointCorruptError, IncompatibleFormatError):
+            quarantine(checkpoints, step)
+    os.rename(staging, final)
+    fsync_dir(checkpoints)
+    if keep is not None:
+        apply_retention(checkpoints, keep)
+    return final
+
+
+def verify(step_dir: Path) -> Manifest:
+    """Check a committed checkpoint without loading it; return its manifest.
+
+    Every file the manifest lists is a regular file of the recorded size and checksum
+    (streamed: memory bounded by one chunk), and every rank's tensor table is one the writer
+    makes (:func:`cfrun.contract.shard.check_docs`). What ``cfrun ls`` shows as ``ok``.
+
+    Raises:
+        CheckpointCorruptError, IncompatibleFormatError.
+    """
+    manifest = read_manifest(step_dir)
+    manifest.verify_dir(step_dir)
+    check_docs(step_dir, manifest)
+    return manifest
+
+
+def apply_retention(checkpoints: Path, keep: int) -> list[int]:
+    """Delete committed checkpoints beyond the newest ``keep``. Returns the deleted steps."""
+    steps = committed_steps(checkpoints)
+    deleted = []
+    for step in steps[keep:]:
+        shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
+        deleted.append(step)
+    return deleted
+
+
+def quarantine(checkpoints: Path, step: int) -> Path | None:
+    """Move a committed checkpoint that failed verification aside (``corrupt-step-N-<t>``).
+
+    It no longer counts as committed (nor for retention), and stays for inspection.
+    """
+    src = checkpoints / step_dir_name(step)
+    dst = checkpoints / f"corrupt-{step_dir_name(step)}-{int(time.time() * 1000)}"
+    try:
+        os.rename(src, dst)
+    except OSError:
+        return None
+    fsync_dir(checkpoints)
+    return dst
+
+
+def remove_staging(checkpoints: Path) -> int:
+    """Remove staging directories of writers that died. Call only when no writer runs."""
+    n = 0
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            if p.name.startswith(STAGING_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+                n += 1
+    return n
+
+
+def committed_steps(checkpoints: Path) -> list[int]:
+    """Steps of ``step-NNNNNN`` directories (real directories, not links) that have a
+    ``manifest.json`` entry, newest first (not parsed nor verified: see :func:`verify`)."""
+    steps = []
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            if not p.name.startswith(STEP_PREFIX) or not p.name[len(STEP_PREFIX):].isdigit():
+                continue
+            try:
+                if not stat.S_ISDIR(p.lstat().st_mode):
+                    continue
+                os.lstat(p / MANIFEST)
+            except OSError:
+                continue
+            steps.append(int(p.name[len(STEP_PREFIX):]))
+    return sorted(steps, reverse=True)
+
+
+def check_complete(step_dir: Path) -> Manifest:
+    """Every rank's shard is listed in the manifest and present at its recorded size.
+
+    Each rank checks this for the whole checkpoint before loading its own shard, so that all
+    ranks skip the same incomplete checkpoint (a rank whose shard is missing must not fall back
+    to an older step while the others load this one). Reads only the manifest and ``lstat``s.
+
+    Raises:
+        CheckpointCorruptError: a rank's shard is missing from the manifest or the directory,
+            is not a regular file, or has another size.
+        IncompatibleFormatError: written by an incompatible cfrun.
+    """
+    manifest = read_manifest(step_dir)
+    names = {f.name: f.nbytes for f in manifest.files}
+    for r in range(manifest.world_size):
+        for name in shard_names(r):
+            if name not in names:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is not in "
+                                             "the manifest")
+            try:
+                st = (step_dir / name).lstat()
+            except OSError:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is "
+                                             "missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} is not a "
+                                             "regular file")
+            if st.st_size != names[name]:
+                raise CheckpointCorruptError(f"{step_dir.name}: rank {r}'s {name} has "
+                                             f"{st.st_size} bytes, the manifest says "
+                                             f"{names[name]}")
+    return manifest
