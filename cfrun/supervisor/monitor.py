@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
 from cfrun.contract.jobdir import JobDir, atomic_write_json

@@ -75,9 +75,6 @@ def test_supervisor_modules_import_without_torch(no_torch_env: dict[str, str],
 
 def test_supervisor_core_imports_without_torch(no_torch_env: dict[str, str],
                                                tmp_path: Path) -> None:
-    if "from cfrun.rank.snapshot import" in (ROOT / "cfrun/supervisor/core.py").read_text():
-        pytest.xfail("cfrun.supervisor.core imports cfrun.rank.snapshot (torch) for "
-                     "remove_slots; slot cleanup moves to the torch-free cfrun.contract.slots")
     run = _run(["-c", "import sys, cfrun.supervisor.core; assert 'torch' not in sys.modules"],
                no_torch_env, tmp_path)
     assert run.returncode == 0, run.stderr
