@@ -9,19 +9,23 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, run_cfrun
+from conftest import SCRIPTS, cfrun_in_process, run_cfrun, shared_run
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("job")
-    run = run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash", "35",
-                     str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out", "final.pt"],
-                    cwd=cwd)
+    """The directory holding job dir ``j``: one crash and a resume, then done (made once per
+    session, whichever xdist worker asks first; read-only, tests copy it to change it)."""
+    def make(cwd):
+        return run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash",
+                          "35", str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out",
+                          "final.pt"], cwd=cwd)
+
+    run = shared_run(tmp_path_factory, "inspect-job", make)
     assert run.returncode == 0, run.stderr[-2000:]
-    return cwd
+    return run.cwd
 
 
 def test_status_json_shape(job):
@@ -94,7 +98,7 @@ def test_export_loads_without_cfrun(job, tmp_path, fmt):
 ])
 def test_bad_input_to_commands(job, args, needle):
     argv = [a.format(scripts=str(SCRIPTS)) for a in args]
-    run = run_cfrun(argv, cwd=job)
+    run = cfrun_in_process(argv, cwd=job)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert needle in run.stderr and "Traceback" not in run.stderr
     assert not (job / "x.pt").exists()
@@ -181,7 +185,8 @@ def _matrix():
 @pytest.mark.parametrize("cmd, case, code, needle", list(_matrix()))
 def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
     """One line (plus a hint), the documented exit code (2 bad input, 3 locked), nothing
-    changed in the directory given."""
+    changed in the directory given. In-process (typer's CliRunner), except the lock case: its
+    holder must be another process."""
     import shutil
 
     from cfrun.contract.jobdir import JobDir
@@ -209,7 +214,10 @@ def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
     if case == "no such step":
         args += ["--step", "7"]
     try:
-        run = run_cfrun(args, cwd=tmp_path, timeout=60)
+        if holder is not None:
+            run = run_cfrun(args, cwd=tmp_path, timeout=60)
+        else:
+            run = cfrun_in_process(args, cwd=tmp_path)
     finally:
         if holder is not None:
             holder.unlock()
