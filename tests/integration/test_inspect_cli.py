@@ -1,4 +1,8 @@
-"""cfrun status / ls / export on a real job dir, their JSON shapes, and their bad input."""
+"""cfrun status / ls / export on a real job dir, their JSON shapes, and their bad input.
+
+The job dir is made by a real run (a crash, a resume); the inspection commands themselves run
+in-process through typer's CliRunner (they only read files), except where another process is
+the point (an exported file loaded without cfrun, a lock held by another process, a terminal)."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def job(tmp_path_factory):
 
 
 def test_status_json_shape(job):
-    run = run_cfrun(["status", "j", "--json"], cwd=job)
+    run = cfrun_in_process(["status", "j", "--json"], cwd=job)
     assert run.returncode == 0, run.stderr
     st = json.loads(run.stdout)
     assert st["state"] == "succeeded" and st["is_running"] is False
@@ -43,9 +47,9 @@ def test_status_json_shape(job):
 
 
 def test_status_table_and_ls(job):
-    table = run_cfrun(["status", "j"], cwd=job)
+    table = cfrun_in_process(["status", "j"], cwd=job)
     assert table.returncode == 0 and "last committed step" in table.stdout
-    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=job).stdout)
+    rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=job).stdout)
     assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True)
     assert len(rows) == 3 and all(r["verified"] == "ok" for r in rows)
     assert rows[0]["epoch"] == 1 and rows[0]["bytes"] > 0
@@ -60,14 +64,14 @@ def test_ls_reports_a_corrupt_checkpoint(job, tmp_path):
     data = bytearray(newest.read_bytes())
     data[10] ^= 0xFF
     newest.write_bytes(bytes(data))
-    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=tmp_path).stdout)
+    rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=tmp_path).stdout)
     assert rows[0]["verified"].startswith("corrupt") and rows[1]["verified"] == "ok"
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_export_loads_without_cfrun(job, tmp_path, fmt):
     out = tmp_path / f"model.{fmt}"
-    run = run_cfrun(["export", "j", str(out), "--format", fmt], cwd=job)
+    run = cfrun_in_process(["export", "j", str(out), "--format", fmt], cwd=job)
     assert run.returncode == 0, run.stderr
     loader = ("import torch; sd = torch.load(p, weights_only=True)" if fmt == "torch" else
               "from safetensors.torch import load_file; sd = load_file(p)")
@@ -107,7 +111,7 @@ def test_bad_input_to_commands(job, args, needle):
 def test_status_plot_writes_a_png(job, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "status.png"
-    run = run_cfrun(["status", "j", "--plot", str(out)], cwd=job)
+    run = cfrun_in_process(["status", "j", "--plot", str(out)], cwd=job)
     assert run.returncode == 0, run.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
