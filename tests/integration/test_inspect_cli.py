@@ -21,15 +21,20 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The directory holding job dir ``j``: one crash and a resume, then done (made once per
-    session, whichever xdist worker asks first; read-only, tests copy it to change it)."""
+    session, whichever xdist worker asks first; read-only, tests copy it to change it). Its
+    progress interval is short, so it also shows that a piped cfrun logs no progress lines."""
+    return _piped_job(tmp_path_factory).cwd
+
+
+def _piped_job(tmp_path_factory):
     def make(cwd):
         return run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash",
                           "35", str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out",
-                          "final.pt"], cwd=cwd)
+                          "final.pt"], cwd=cwd, env={"CFRUN_PROGRESS_S": "0.5"})
 
     run = shared_run(tmp_path_factory, "inspect-job", make)
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.cwd
+    return run
 
 
 def test_status_json_shape(job):
@@ -116,7 +121,7 @@ def test_status_plot_writes_a_png(job, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
-def test_progress_lines_on_a_terminal_only(tmp_path):
+def test_progress_lines_on_a_terminal_only(tmp_path, tmp_path_factory):
     """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
     budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
@@ -152,9 +157,9 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
     # the script's own lines come through whole and in order, none cut by a progress line
     script_lines = [l for l in lines if l.startswith("step ")]
     assert script_lines == [f"step {i}" for i in range(1, 41)], text
-    piped = run_cfrun(["--interval", "5", "--job-dir", "k", str(SCRIPTS / "slow_steps.py"),
-                       "40", "p.pt", "0.05"], cwd=tmp_path, env={"CFRUN_PROGRESS_S": "0.5"})
+    piped = _piped_job(tmp_path_factory)  # CFRUN_PROGRESS_S=0.5, two attempts of seconds each
     assert piped.returncode == 0 and "steps/s" not in piped.stderr + piped.stdout
+    assert max(e["duration_s"] for e in piped.events("attempt_end")) > 0.5
 
 
 def _digest(root) -> dict[str, str]:
