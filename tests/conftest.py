@@ -140,15 +140,15 @@ def _ok(run: Run) -> Run:
     return run
 
 
-def tiny_reference(factory: pytest.TempPathFactory) -> tuple[Run, dict]:
-    """train_tiny.py, 4 epochs (92 steps), --interval 10, uninterrupted: its Run (``ITER_LOG``
-    at ``run.cwd / "ref.iters"``) and final state (model, optimizer, scheduler)."""
+def tiny_reference(factory: pytest.TempPathFactory, epochs: int = 4) -> tuple[Run, dict]:
+    """train_tiny.py, ``epochs`` epochs (23 steps each), --interval 10, uninterrupted: its Run
+    (``ITER_LOG`` at ``run.cwd / "ref.iters"``) and final state (model, optimizer, scheduler)."""
     def make(cwd: Path) -> Run:
         return _ok(run_cfrun(["--interval", "10", "--job-dir", "ref",
-                              str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out",
+                              str(SCRIPTS / "train_tiny.py"), "--epochs", str(epochs), "--out",
                               "ref.pt"], cwd=cwd, env={"ITER_LOG": str(cwd / "ref.iters")}))
 
-    run = shared_run(factory, "tiny4", make)
+    run = shared_run(factory, f"tiny{epochs}", make)
     return run, torch.load(run.cwd / "ref.pt", weights_only=True)
 
 

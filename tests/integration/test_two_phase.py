@@ -18,13 +18,13 @@ from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun, tiny_
 
 pytestmark = pytest.mark.timeout(300)
 K = 10
-ARGS = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4"]
+ARGS = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """``--interval K`` with ARGS, uninterrupted (shared with other modules)."""
-    return tiny_reference(tmp_path_factory)
+    """``--interval K`` with ARGS, uninterrupted (once per session, whichever worker asks)."""
+    return tiny_reference(tmp_path_factory, epochs=3)
 
 
 def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
