@@ -31,7 +31,7 @@ from cfrun.storage.tiers import open_storage
 from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, ddp_reference, final_line, \
     run_cfrun, tiny_reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 K = 10
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4"]
 SLOW = str(SCRIPTS / "slow_steps.py")

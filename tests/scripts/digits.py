@@ -18,7 +18,7 @@ def load_digits() -> SimpleNamespace:
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("scikit-learn is not installed (the test extra installs it)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data",
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "datasets", "data",
                         "digits.csv.gz")
     table = np.loadtxt(path, delimiter=",")
     return SimpleNamespace(data=table[:, :-1], target=table[:, -1].astype(int, copy=False))
