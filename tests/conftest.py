@@ -1,10 +1,14 @@
-"""Shared helpers: run cfrun as a real process, compare saved states bit for bit."""
+"""Shared helpers: run cfrun as a real process or in-process, share uninterrupted reference
+runs between tests and xdist workers, compare saved states bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +26,9 @@ class Run:
     stdout: str
     stderr: str
     job_dir: Path
+    cwd: Path | None = None  # where it ran (shared reference runs: their output files)
 
     def events(self, kind: str | None = None) -> list[dict]:
-        import json
-
         path = self.job_dir / "events.jsonl"
         if not path.exists():
             return []
@@ -80,3 +83,186 @@ def final_line(stdout: str) -> str:
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     return tmp_path
+
+
+# ---------------------------------------------------------------------- shared reference runs
+
+
+def _shared_root(factory: pytest.TempPathFactory) -> Path:
+    """A directory every xdist worker of this session sees (the session's own temp dir when
+    run without workers)."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/popen-gwK -> pytest-N, shared by this session's workers
+    root = base / "shared-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def shared_run(factory: pytest.TempPathFactory, key: str,
+               make: Callable[[Path], Run]) -> Run:
+    """``make(cwd)`` once per test session, whichever worker and module asks first.
+
+    Uninterrupted reference runs are the same job in several modules (and in several tests of
+    one module spread over xdist workers); this runs each once, under a file lock, and hands
+    every caller the same :class:`Run`, its job dir and the files it wrote in ``run.cwd``.
+    Callers must treat both as read-only (copy a job dir before resuming or damaging it).
+    A failing ``make`` is recorded, so every later caller fails at once with its message
+    instead of running the job again.
+    """
+    from filelock import FileLock
+
+    root = _shared_root(factory)
+    record = root / f"{key}.json"
+    with FileLock(str(root / f"{key}.lock")):
+        if not record.exists():
+            cwd = root / key
+            shutil.rmtree(cwd, ignore_errors=True)
+            cwd.mkdir()
+            try:
+                run = make(cwd)
+            except BaseException as e:
+                record.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                raise
+            record.write_text(json.dumps({"returncode": run.returncode, "stdout": run.stdout,
+                                          "stderr": run.stderr, "job_dir": str(run.job_dir),
+                                          "cwd": str(cwd)}))
+        data = json.loads(record.read_text())
+    if "error" in data:
+        pytest.fail(f"shared run {key!r} failed in another test: {data['error']}"[:3000])
+    return Run(data["returncode"], data["stdout"], data["stderr"], Path(data["job_dir"]),
+               Path(data["cwd"]))
+
+
+def _ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("attempt_start")) == 1, run.stderr[-3000:]  # uninterrupted
+    return run
+
+
+def tiny_reference(factory: pytest.TempPathFactory, epochs: int = 4) -> tuple[Run, dict]:
+    """train_tiny.py, ``epochs`` epochs (23 steps each), --interval 10, uninterrupted: its Run
+    (``ITER_LOG`` at ``run.cwd / "ref.iters"``) and final state (model, optimizer, scheduler)."""
+    def make(cwd: Path) -> Run:
+        return _ok(run_cfrun(["--interval", "10", "--job-dir", "ref",
+                              str(SCRIPTS / "train_tiny.py"), "--epochs", str(epochs), "--out",
+                              "ref.pt"], cwd=cwd, env={"ITER_LOG": str(cwd / "ref.iters")}))
+
+    run = shared_run(factory, f"tiny{epochs}", make)
+    return run, torch.load(run.cwd / "ref.pt", weights_only=True)
+
+
+def ddp_reference(factory: pytest.TempPathFactory) -> tuple[Run, dict]:
+    """train_ddp.py on 2 ranks (gloo, DDP, DistributedSampler), --interval 10, --keep 3,
+    uninterrupted: its Run and rank 0's final model state."""
+    def make(cwd: Path) -> Run:
+        return _ok(run_cfrun(["--nproc-per-node", "2", "--interval", "10", "--keep", "3",
+                              "--job-dir", "ref", str(SCRIPTS / "train_ddp.py"), "ref.pt"],
+                             cwd=cwd))
+
+    run = shared_run(factory, "ddp2", make)
+    return run, torch.load(run.cwd / "ref.pt", weights_only=True)
+
+
+def slow_reference(factory: pytest.TempPathFactory) -> tuple[Run, dict]:
+    """slow_steps.py, 60 steps without sleeping, --interval 5, uninterrupted: its Run and
+    final model + optimizer state (the preemption tests' runs sleep; the state is the same)."""
+    def make(cwd: Path) -> Run:
+        return _ok(run_cfrun(["--interval", "5", "--job-dir", "ref",
+                              str(SCRIPTS / "slow_steps.py"), "60", "ref.pt", "0"], cwd=cwd))
+
+    run = shared_run(factory, "slow60", make)
+    return run, torch.load(run.cwd / "ref.pt", weights_only=True)
+
+
+# ---------------------------------------------------------------------- the CLI in-process
+
+
+def cfrun_in_process(args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> Run:
+    """``cfrun ARGS`` run by the console script's entry point (``cfrun.cli.app.main``) inside
+    this process, through typer's ``CliRunner`` isolation (its own stdout, stderr and
+    environment; ``CFRUN_*`` cleared as for :func:`run_cfrun`), in ``cwd``.
+
+    For what the command line decides before it starts any process: parsing, bad input, exit
+    codes. Anything that would launch a job must use :func:`run_cfrun` instead.
+    """
+    import logging
+
+    from typer.testing import CliRunner
+
+    from cfrun.cli.app import main
+
+    logger = logging.getLogger("cfrun")  # main() gives it a handler and stops propagation
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    overrides: dict[str, str | None] = {k: None for k in os.environ if k.startswith("CFRUN_")}
+    overrides.update(env or {})
+    old_cwd = os.getcwd()
+    code = 0
+    with CliRunner().isolation(env=overrides) as (out, err, _):
+        os.chdir(cwd)
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            os.chdir(old_cwd)
+            logger.handlers[:], logger.propagate = saved[0], saved[2]
+            logger.setLevel(saved[1])
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    job_dir = Path(cwd) / args[args.index("--job-dir") + 1] if "--job-dir" in args else Path(cwd)
+    return Run(code, stdout, stderr, job_dir)
+
+
+# ---------------------------------------------------------------------- parallel runs (xdist)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject addopts): two workers per core. Most of a test's time is spent
+    waiting for real processes (sleeping steps, persists, restarts), so a second worker per
+    core keeps the cores busy. ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` (xdist's own variable) or
+    ``-n N`` overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return 2 * len(os.sched_getaffinity(0))
+
+
+# Files whose tests run the longest jobs (two nodes, peers, restarts with sleeping steps, the
+# README demo), started first so that no long test is the run's tail (measured on 2 cores).
+LONG_FILES_FIRST = ["test_multinode.py", "test_peer.py", "test_readme.py", "test_supervision.py",
+                    "test_crash_resume.py", "test_policy_runs.py", "test_two_phase.py",
+                    "test_step_loops.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the run for xdist: tests marked ``timing`` (they assert a wall-clock bound) go into
+    one xdist group, so no two of them run at once, and to the front, so that group is not the
+    run's tail; then the files of LONG_FILES_FIRST; then the other tests of real processes; the
+    quick unit tests last, to fill the gaps at the end."""
+    for item in items:
+        if item.get_closest_marker("timing"):
+            item.add_marker(pytest.mark.xdist_group("timing"))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        if item.get_closest_marker("timing"):
+            return (0, 0)
+        name = Path(str(item.fspath)).name
+        if name in LONG_FILES_FIRST:
+            return (1, LONG_FILES_FIRST.index(name))
+        return (3, 0) if "unit" in Path(str(item.fspath)).parts else (2, 0)
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
+OTHER_TESTS_NICE = 10
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, a worker lowers its CPU priority (``nice``, inherited by the processes its
+    tests start) at its first test not marked ``timing``. The timing group is the first work
+    sent out, so its tests run at the normal priority while the other workers' jobs yield the
+    cores to them: a wall-clock bound then measures cfrun, not the other workers."""
+    if (os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("timing")
+            and os.nice(0) < OTHER_TESTS_NICE):
+        os.nice(OTHER_TESTS_NICE - os.nice(0))

@@ -1,4 +1,5 @@
-"""The command line with real processes: bad input, pass-through, env vars, lock, give-up."""
+"""The command line: bad input in-process (typer's CliRunner), pass-through, env vars, lock,
+give-up and kill -9 with real processes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, clean_env, run_cfrun
+from conftest import SCRIPTS, cfrun_in_process, clean_env, run_cfrun, slow_reference, \
+    tiny_reference
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,21 +24,13 @@ def _tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def _job_made_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A job dir with a committed checkpoint, made by a real run (once per module: ~10 s)."""
-    root = tmp_path_factory.mktemp("made")
-    run = run_cfrun(["--interval", "5", "--job-dir", "job", str(SCRIPTS / "train_steps_for.py"),
-                     "12", "out.pt"], cwd=root)
-    assert run.returncode == 0, run.stderr
-    assert list((root / "job" / "checkpoints").glob("step-*/manifest.json"))
-    return root / "job"
-
-
 @pytest.fixture
-def existing_job(_job_made_once: Path, tmp_path: Path) -> Path:
-    """A copy of that job dir, for this test alone."""
-    shutil.copytree(_job_made_once, tmp_path / "job", symlinks=True)
+def existing_job(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
+    """A copy, for this test alone, of a job dir with committed checkpoints made by a real run
+    (the session's shared train_tiny reference)."""
+    ref, _ = tiny_reference(tmp_path_factory)
+    assert list((ref.job_dir / "checkpoints").glob("step-*/manifest.json"))
+    shutil.copytree(ref.job_dir, tmp_path / "job", symlinks=True)
     return tmp_path / "job"
 
 
@@ -61,7 +55,7 @@ def test_bad_input_is_one_line_and_changes_nothing(existing_job, tmp_path, args,
     before = _tree_digest(existing_job)
     script = str(SCRIPTS / "print_argv.py")
     argv = [a.format(dir=str(SCRIPTS), script=script) for a in args]
-    run = run_cfrun(["--job-dir", str(existing_job), *argv], cwd=tmp_path)
+    run = cfrun_in_process(["--job-dir", str(existing_job), *argv], cwd=tmp_path)
     assert run.returncode == 2
     lines = [l for l in run.stderr.splitlines() if l.strip()]
     assert lines[0].startswith("cfrun: error:") and needle in lines[0], run.stderr
@@ -71,6 +65,7 @@ def test_bad_input_is_one_line_and_changes_nothing(existing_job, tmp_path, args,
 
 
 def test_bad_value_from_environment_is_named(tmp_path):
+    """A real process (the one bad-input case not run in-process): the real environment."""
     run = run_cfrun([str(SCRIPTS / "print_argv.py")], cwd=tmp_path,
                     env={"CFRUN_INTERVAL": "abc"})
     assert run.returncode == 2 and "--interval 'abc'" in run.stderr
@@ -81,7 +76,8 @@ def test_foreign_directory_is_not_used_as_job_dir(tmp_path):
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"meow")
-    run = run_cfrun(["--job-dir", "photos", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
+    run = cfrun_in_process(["--job-dir", "photos", str(SCRIPTS / "print_argv.py")],
+                           cwd=tmp_path)
     assert run.returncode == 2 and "not a cfrun job dir" in run.stderr
     assert sorted(p.name for p in foreign.iterdir()) == ["cat.jpg"]
 
@@ -148,7 +144,8 @@ def _alive(pids: set[int]) -> list[int]:
     return out
 
 
-def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path):
+def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path,
+                                                                        tmp_path_factory):
     """kill -9 of cfrun alone: its agent, torchrun and ranks die with it (they would go on
     training into the job dir and hold the agent socket); the same command then resumes."""
     import signal
@@ -159,10 +156,8 @@ def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path
     from conftest import assert_bit_identical
 
     slow = str(SCRIPTS / "slow_steps.py")
-    ref = run_cfrun(["--interval", "5", "--job-dir", "ref", slow, "30", "ref.pt", "0"],
-                    cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    args = ["--interval", "5", "--job-dir", "j", slow, "30", "out.pt", "0.1"]
+    _, ref_state = slow_reference(tmp_path_factory)  # the same 60 steps, uninterrupted
+    args = ["--interval", "5", "--job-dir", "j", slow, "60", "out.pt", "0.05"]
     proc = subprocess.Popen([sys.executable, "-m", "cfrun", *args], cwd=tmp_path,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -189,8 +184,7 @@ def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path
     again = run_cfrun(args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert len(again.events("resumed")) == 1
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         torch.load(tmp_path / "out.pt", weights_only=True))
+    assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
 def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_path):

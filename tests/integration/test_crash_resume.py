@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, ddp_reference, final_line, run_cfrun, \
+    tiny_reference
 
 K = 10
 EPOCHS = 4
@@ -35,9 +36,9 @@ def _train(cwd: Path, name: str, *extra: str, env: dict[str, str] | None = None,
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
-    cwd = tmp_path_factory.mktemp("ref")
-    run, state, iters = _train(cwd, "ref")
-    assert iters == TOTAL
+    """The uninterrupted run (``_train`` with --epochs 4, shared with other modules)."""
+    run, state = tiny_reference(tmp_path_factory)
+    assert len((run.cwd / "ref.iters").read_text().splitlines()) == TOTAL
     assert not run.events("attempt_end")[0]["returncode"]
     return run, state
 
@@ -145,12 +146,12 @@ def test_gan_two_optimizers_and_grad_scalers_resume_bit_identical(tmp_path):
     assert final_line(got.stdout) == final_line(ref.stdout)
 
 
-def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path):
+def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path,
+                                                                       tmp_path_factory):
     """--nproc-per-node 2, gloo, DDP, DistributedSampler.set_epoch: rank 0 SIGKILLed."""
     script = str(SCRIPTS / "train_ddp.py")
     common = ["--nproc-per-node", "2", "--interval", "10"]
-    ref = run_cfrun([*common, "--job-dir", "ref", script, "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref, ref_state = ddp_reference(tmp_path_factory)  # --keep 3; shared with other modules
     # the uninterrupted run must not restart (a CI run once printed its last epoch twice)
     assert len(ref.events("attempt_start")) == 1, (ref.events("attempt_end"), ref.stderr[-4000:])
     got = run_cfrun([*common, "--job-dir", "got", "--inject-crash", "35", script, "got.pt"],
@@ -158,8 +159,7 @@ def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path):
     assert got.returncode == 0, got.stderr[-3000:]
     [resumed] = {e["step"] for e in got.events("resumed")}  # both ranks, the same step
     assert 35 - 2 * 10 <= resumed <= 35
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert [l for l in got.stdout.splitlines() if l.startswith("epoch 2")] == \
         [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
     # DeepFreeze 1/N: each rank persisted half of the 98 KiB weight and of its momentum buffer

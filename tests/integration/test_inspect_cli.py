@@ -1,4 +1,8 @@
-"""cfrun status / ls / export on a real job dir, their JSON shapes, and their bad input."""
+"""cfrun status / ls / export on a real job dir, their JSON shapes, and their bad input.
+
+The job dir is made by a real run (a crash, a resume); the inspection commands themselves run
+in-process through typer's CliRunner (they only read files), except where another process is
+the point (an exported file loaded without cfrun, a lock held by another process, a terminal)."""
 
 from __future__ import annotations
 
@@ -9,23 +13,32 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, run_cfrun
+from conftest import SCRIPTS, cfrun_in_process, run_cfrun, shared_run
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("job")
-    run = run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash", "35",
-                     str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out", "final.pt"],
-                    cwd=cwd)
+    """The directory holding job dir ``j``: one crash and a resume, then done (made once per
+    session, whichever xdist worker asks first; read-only, tests copy it to change it). Its
+    progress interval is short, so it also shows that a piped cfrun logs no progress lines."""
+    return _piped_job(tmp_path_factory).cwd
+
+
+def _piped_job(tmp_path_factory):
+    def make(cwd):
+        return run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash",
+                          "35", str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out",
+                          "final.pt"], cwd=cwd, env={"CFRUN_PROGRESS_S": "0.5"})
+
+    run = shared_run(tmp_path_factory, "inspect-job", make)
     assert run.returncode == 0, run.stderr[-2000:]
-    return cwd
+    return run
 
 
 def test_status_json_shape(job):
-    run = run_cfrun(["status", "j", "--json"], cwd=job)
+    run = cfrun_in_process(["status", "j", "--json"], cwd=job)
     assert run.returncode == 0, run.stderr
     st = json.loads(run.stdout)
     assert st["state"] == "succeeded" and st["is_running"] is False
@@ -39,9 +52,9 @@ def test_status_json_shape(job):
 
 
 def test_status_table_and_ls(job):
-    table = run_cfrun(["status", "j"], cwd=job)
+    table = cfrun_in_process(["status", "j"], cwd=job)
     assert table.returncode == 0 and "last committed step" in table.stdout
-    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=job).stdout)
+    rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=job).stdout)
     assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True)
     assert len(rows) == 3 and all(r["verified"] == "ok" for r in rows)
     assert rows[0]["epoch"] == 1 and rows[0]["bytes"] > 0
@@ -56,14 +69,14 @@ def test_ls_reports_a_corrupt_checkpoint(job, tmp_path):
     data = bytearray(newest.read_bytes())
     data[10] ^= 0xFF
     newest.write_bytes(bytes(data))
-    rows = json.loads(run_cfrun(["ls", "j", "--json"], cwd=tmp_path).stdout)
+    rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=tmp_path).stdout)
     assert rows[0]["verified"].startswith("corrupt") and rows[1]["verified"] == "ok"
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_export_loads_without_cfrun(job, tmp_path, fmt):
     out = tmp_path / f"model.{fmt}"
-    run = run_cfrun(["export", "j", str(out), "--format", fmt], cwd=job)
+    run = cfrun_in_process(["export", "j", str(out), "--format", fmt], cwd=job)
     assert run.returncode == 0, run.stderr
     loader = ("import torch; sd = torch.load(p, weights_only=True)" if fmt == "torch" else
               "from safetensors.torch import load_file; sd = load_file(p)")
@@ -94,7 +107,7 @@ def test_export_loads_without_cfrun(job, tmp_path, fmt):
 ])
 def test_bad_input_to_commands(job, args, needle):
     argv = [a.format(scripts=str(SCRIPTS)) for a in args]
-    run = run_cfrun(argv, cwd=job)
+    run = cfrun_in_process(argv, cwd=job)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert needle in run.stderr and "Traceback" not in run.stderr
     assert not (job / "x.pt").exists()
@@ -103,12 +116,12 @@ def test_bad_input_to_commands(job, args, needle):
 def test_status_plot_writes_a_png(job, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "status.png"
-    run = run_cfrun(["status", "j", "--plot", str(out)], cwd=job)
+    run = cfrun_in_process(["status", "j", "--plot", str(out)], cwd=job)
     assert run.returncode == 0, run.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
-def test_progress_lines_on_a_terminal_only(tmp_path):
+def test_progress_lines_on_a_terminal_only(tmp_path, tmp_path_factory):
     """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
     budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
@@ -144,9 +157,9 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
     # the script's own lines come through whole and in order, none cut by a progress line
     script_lines = [l for l in lines if l.startswith("step ")]
     assert script_lines == [f"step {i}" for i in range(1, 41)], text
-    piped = run_cfrun(["--interval", "5", "--job-dir", "k", str(SCRIPTS / "slow_steps.py"),
-                       "40", "p.pt", "0.05"], cwd=tmp_path, env={"CFRUN_PROGRESS_S": "0.5"})
+    piped = _piped_job(tmp_path_factory)  # CFRUN_PROGRESS_S=0.5, two attempts of seconds each
     assert piped.returncode == 0 and "steps/s" not in piped.stderr + piped.stdout
+    assert max(e["duration_s"] for e in piped.events("attempt_end")) > 0.5
 
 
 def _digest(root) -> dict[str, str]:
@@ -181,7 +194,8 @@ def _matrix():
 @pytest.mark.parametrize("cmd, case, code, needle", list(_matrix()))
 def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
     """One line (plus a hint), the documented exit code (2 bad input, 3 locked), nothing
-    changed in the directory given."""
+    changed in the directory given. In-process (typer's CliRunner), except the lock case: its
+    holder must be another process."""
     import shutil
 
     from cfrun.contract.jobdir import JobDir
@@ -209,7 +223,10 @@ def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
     if case == "no such step":
         args += ["--step", "7"]
     try:
-        run = run_cfrun(args, cwd=tmp_path, timeout=60)
+        if holder is not None:
+            run = run_cfrun(args, cwd=tmp_path, timeout=60)
+        else:
+            run = cfrun_in_process(args, cwd=tmp_path)
     finally:
         if holder is not None:
             holder.unlock()

@@ -9,6 +9,7 @@ would.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, cfrun_in_process, clean_env, ddp_reference, \
+    run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 DDP = str(SCRIPTS / "train_ddp.py")
@@ -72,12 +74,11 @@ def two_node_run(tmp_path: Path, job: str, out: str) -> None:
         assert p.returncode == 0, err[-3000:]
 
 
-def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path):
+def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path,
+                                                                     tmp_path_factory):
     """Every checkpoint of a 2-node job holds both ranks' shards, committed once."""
     two_node_run(tmp_path, "job", "two")
-    ref = run_cfrun(["--nproc-per-node", "2", "--interval", "10", "--job-dir", "ref", DDP,
-                     "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    _, ref_state = ddp_reference(tmp_path_factory)  # one node, two ranks, --interval 10
     ev = events(tmp_path / "job")
     commits = [e["step"] for e in ev if e["event"] == "commit"]
     assert commits == sorted(set(commits)) and commits[:3] == [10, 20, 30]  # once per step
@@ -93,12 +94,12 @@ def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path):
     assert (tmp_path / "job" / "config-node1.json").exists()
     starts = [(e.get("node", 0), e["attempt"]) for e in ev if e["event"] == "attempt_start"]
     assert sorted(starts) == [(0, 0), (1, 0)]
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         saved(tmp_path, "two"))
+    assert_bit_identical(ref_state, saved(tmp_path, "two"))
 
 
-def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path):
-    two_node_run(tmp_path, "ref", "ref")
+def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_path_factory):
+    """Compared with one node of two ranks: the test above shows a 2-node run ends equal."""
+    _, ref_state = ddp_reference(tmp_path_factory)
     port = free_port()
     job = tmp_path / "job"
     node0 = start_node(tmp_path, 0, port, "got0.pt")
@@ -124,16 +125,19 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path):
     assert {r for _, r, _ in resumed} == {0, 1}
     assert killed_at - 2 * 10 <= step <= killed_at, (killed_at, step)
     assert step in [e["step"] for e in ev if e["event"] == "commit"]
-    assert_bit_identical(saved(tmp_path, "ref"), saved(tmp_path, "got"))
+    assert_bit_identical(ref_state, saved(tmp_path, "got"))
 
 
-def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path):
+def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path, tmp_path_factory):
     """Rank 1's shard of the newest checkpoint is lost: both ranks resume from the previous one
-    (neither loads the incomplete one), and the job still ends bit-identical."""
-    common = ["--nproc-per-node", "2", "--interval", "10", "--keep", "3"]
-    ref = run_cfrun([*common, "--job-dir", "ref", DDP, "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    first = torch.load(tmp_path / "ref.pt", weights_only=True)
+    (neither loads the incomplete one), and the job still ends bit-identical.
+
+    The finished job is a copy of the shared 2-rank reference (--keep 3), its recorded working
+    directory pointed here, so the resume writes ref.pt here."""
+    shared, first = ddp_reference(tmp_path_factory)
+    shutil.copytree(shared.job_dir, tmp_path / "ref", symlinks=True)
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({**config, "cwd": str(tmp_path)}))
     ckpts = tmp_path / "ref" / "checkpoints"
     newest, previous = sorted((int(p.name[5:]) for p in ckpts.glob("step-*")), reverse=True)[:2]
     (ckpts / f"step-{newest:06d}" / "rank-00001.bin").unlink()
@@ -170,17 +174,16 @@ def test_bad_multinode_options_are_one_line_errors(tmp_path):
         (["--nnodes", "0", script], "--nnodes"),
         (["--nnodes", "2", "--rdzv-endpoint", "nohost", script], "--rdzv-endpoint"),
     ]:
-        run = run_cfrun(["--job-dir", "j", *args], cwd=tmp_path)
+        run = cfrun_in_process(["--job-dir", "j", *args], cwd=tmp_path)
         assert run.returncode == 2, (args, run.stderr)
         lines = [l for l in run.stderr.splitlines() if l.startswith("cfrun: error:")]
         assert len(lines) == 1 and needle in lines[0], (args, run.stderr)
 
 
-def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path):
+def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path, tmp_path_factory):
     """2 ranks on one node, both SIGKILLed (not through cfrun) once past step 40."""
     common = ["--nproc-per-node", "2", "--interval", "10"]
-    ref = run_cfrun([*common, "--job-dir", "ref", DDP, "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    _, ref_state = ddp_reference(tmp_path_factory)
     argv = [sys.executable, "-m", "cfrun", *common, "--job-dir", "got", DDP, "got.pt"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -205,5 +208,4 @@ def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path):
     assert sorted(e["rank"] for e in resumed) == [0, 1]
     [step] = {e["step"] for e in resumed}
     assert killed_at - 2 * 10 <= step <= killed_at
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))

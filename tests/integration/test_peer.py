@@ -40,11 +40,12 @@ from cfrun.peer.protocol import (
     seal_tag,
 )
 from cfrun.storage.tiers import open_storage
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, final_line, run_cfrun
+from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, ddp_reference, final_line, \
+    run_cfrun, tiny_reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 K = 10
-TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "2"]
+TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4"]
 SLOW = str(SCRIPTS / "slow_steps.py")
 
 
@@ -123,10 +124,8 @@ def peers():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("ref")
-    run = run_cfrun(["--interval", str(K), "--job-dir", "ref", *TINY, "--out", "ref.pt"], cwd=cwd)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, torch.load(cwd / "ref.pt", weights_only=True)
+    """``--interval K`` with TINY, uninterrupted (shared with other modules)."""
+    return tiny_reference(tmp_path_factory)
 
 
 def wait_event(job_dir: Path, kind: str, pred=lambda e: True, timeout_s: float = 60.0,
@@ -181,14 +180,14 @@ def test_checkpoints_are_protected_in_peer_ram_then_durable_in_the_flush_dir(tmp
     assert final_line(run.stdout) == final_line(ref_run.stdout)
 
 
-def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_path, peers):
+def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_path, peers,
+                                                                             tmp_path_factory):
     """2 ranks in parallel to the peer; every rank killed, the job dir's checkpoints and the
     flush dir deleted (a lost spot VM, level 2 not reached yet): the resume installs the newest
     checkpoint from peer RAM and ends bit-identical to an uninterrupted run."""
     script = str(SCRIPTS / "train_ddp.py")
     common = ["--nproc-per-node", "2", "--interval", str(K)]
-    ref = run_cfrun([*common, "--job-dir", "ref", script, "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref, ref_state = ddp_reference(tmp_path_factory)  # shared with other modules
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "3"])
     first = run_cfrun([*common, "--job-dir", "j", "--max-restarts", "0", "--inject-crash", "55",
@@ -205,8 +204,7 @@ def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_
     [fetched] = run.events("fetched")
     assert (fetched["source"], fetched["step"]) == ("peer", newest)
     assert {e["step"] for e in run.events("resumed")} == {newest}
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert [l for l in run.stdout.splitlines() if l.startswith("epoch 2")] == \
         [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import SCRIPTS, assert_bit_identical, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3", "--out", "x.pt"]
@@ -49,10 +49,8 @@ def test_profile_command_table_strategy_and_cache(tmp_path):
     assert len(list((job / "profiles").glob("*.json"))) == 2
 
 
-def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path):
-    ref = run_cfrun(["--interval", "10", "--job-dir", "ref", str(SCRIPTS / "train_tiny.py"),
-                     "--epochs", "4", "--out", "ref.pt"], cwd=tmp_path)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path, tmp_path_factory):
+    _, ref_state = tiny_reference(tmp_path_factory)  # --epochs 4, --interval 10, uninterrupted
     # profiling takes the first ~20 steps (persists may be deferred); the crash comes after
     run = run_cfrun(["--overhead", "20%", "--inject-crash", "80", "--job-dir", "j",
                      str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "got.pt"],
@@ -62,8 +60,7 @@ def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path):
     sources = [e["source"] for e in run.events("decision")]
     assert sources == ["profile", "cache"]  # the restart skipped profiling
     assert len(run.events("resumed")) == 1
-    assert_bit_identical(torch.load(tmp_path / "ref.pt", weights_only=True),
-                         torch.load(tmp_path / "got.pt", weights_only=True))
+    assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
 
 
 def test_profile_of_a_script_too_short_to_profile_says_so(tmp_path):
@@ -75,15 +72,18 @@ def test_profile_of_a_script_too_short_to_profile_says_so(tmp_path):
     assert not (tmp_path / "p" / "strategy.json").exists()
 
 
-def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path):
-    run = run_cfrun(["--interval", "5", "--job-dir", "j", *TINY], cwd=tmp_path)
-    assert run.returncode == 0
+def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path, tmp_path_factory):
+    import shutil
+
+    ref, _ = tiny_reference(tmp_path_factory)  # a finished job of the same script
+    shutil.copytree(ref.job_dir, tmp_path / "j", symlinks=True)
     before = sorted(p.name for p in (tmp_path / "j" / "checkpoints").iterdir())
     prof = run_cfrun(["profile", "--job-dir", "j", *TINY], cwd=tmp_path)
     assert prof.returncode == 2 and "already has checkpoints" in prof.stderr
     assert sorted(p.name for p in (tmp_path / "j" / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.timing
 def test_adaptation_raises_k_under_pressure_and_lowers_it_after(tmp_path):
     """Checkpoints made 0.1 s dearer between steps 60 and 260 (CFRUN_TEST_CKPT_STALL, as a
     saturated disk would): the tuner must raise k while they are, and bring it down after."""

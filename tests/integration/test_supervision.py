@@ -15,7 +15,7 @@ import torch
 
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
+from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun, slow_reference
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = str(SCRIPTS / "slow_steps.py")
@@ -96,10 +96,8 @@ def _sigterm_run(cwd: Path, job: str, extra: list[str], at_step: int,
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("ref")
-    run = run_cfrun(["--interval", "5", "--job-dir", "ref", SLOW, "60", "ref.pt", "0"], cwd=cwd)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return torch.load(cwd / "ref.pt", weights_only=True)
+    """slow_steps.py, 60 steps, uninterrupted: the final state (shared with other modules)."""
+    return slow_reference(tmp_path_factory)[1]
 
 
 def _resume_and_compare(cwd: Path, job: str, reference, preempted_at: int | None,
@@ -133,6 +131,7 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
     _resume_and_compare(tmp_path, "j", reference, pre["step"])
 
 
+@pytest.mark.timing
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
                                 env=faults.arm({}, **{"agent.commit_delay_s": 1.0}),
@@ -156,6 +155,7 @@ def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
     _resume_and_compare(tmp_path, "j", reference, pre["step"])
 
 
+@pytest.mark.timing
 def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
     about a second after the grace, and the newest committed checkpoint stays the resume point."""
@@ -172,6 +172,7 @@ def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(referen
     _resume_and_compare(tmp_path, "j", reference, newest)
 
 
+@pytest.mark.timing
 def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=12,
                                         env=faults.arm({}, **{"agent.commit_delay_s": 3}),
@@ -187,6 +188,7 @@ def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
     _resume_and_compare(tmp_path, "j", reference, newest)
 
 
+@pytest.mark.timing
 def test_step_longer_than_the_grace_ranks_killed_and_it_says_so(reference, tmp_path):
     """The rank is inside a long step (it sleeps at step 12) when the grace runs out."""
     proc = _start(["--interval", "5", "--grace", "1", "--job-dir", "j", SLOW, "60", "j.pt",

@@ -15,7 +15,7 @@ import torch
 from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.contract import faults
 from cfrun.contract.jobdir import step_dir_name
-from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
 K = 10
@@ -24,10 +24,8 @@ ARGS = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("ref")
-    run = run_cfrun(["--interval", str(K), "--job-dir", "ref", *ARGS, "--out", "ref.pt"], cwd=cwd)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run, torch.load(cwd / "ref.pt", weights_only=True)
+    """``--interval K`` with ARGS, uninterrupted (once per session, whichever worker asks)."""
+    return tiny_reference(tmp_path_factory, epochs=3)
 
 
 def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
-from sklearn.datasets import load_digits
+from digits import load_digits  # sklearn.datasets.load_digits, without importing sklearn
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)

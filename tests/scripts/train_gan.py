@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+from digits import load_digits  # sklearn.datasets.load_digits, without importing sklearn
 from torch.utils.data import DataLoader, TensorDataset
 
 torch.manual_seed(0)

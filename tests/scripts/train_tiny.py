@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+from digits import load_digits  # sklearn.datasets.load_digits, without importing sklearn
 from torch.utils.data import DataLoader, TensorDataset
 
 best_acc = 0.0
