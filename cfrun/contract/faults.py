@@ -21,6 +21,19 @@ ENV = "CFRUN_FAULTS"
 
 #: name -> meaning of its value. The prefix names the process the point runs in.
 POINTS: dict[str, str] = {
+    "rank.raise_in_step": "STEP: the optimizer step hook raises an internal error right after "
+                          "this step (cfrun must turn itself off, the script go on)",
+    "rank.checkpoint_stall_s": "'SECONDS@FIRST-LAST': every checkpoint taken at a step in "
+                               "[FIRST, LAST) holds the training thread SECONDS more",
+    "rank.kill_after_snapshot": "STEP: in attempt 0, SIGKILL the rank right after it handed the "
+                                "first checkpoint at or after STEP to the agent",
+    "rank.kill_before_handoff": "STEP: in attempt 0, SIGKILL the rank mid-snapshot (copied, not "
+                                "yet handed off) of the first checkpoint at or after STEP",
+    "rank.snapshot_copy_delay_s": "SECONDS: the background copy sleeps this long before it starts",
+    "rank.sync_copy_max_bytes": "BYTES: tensors up to this size are copied on the training "
+                                "thread (0: every parameter goes through the background copy)",
+    "rank.snapshot_handoff_error": "STEP: in attempt 0, the hand-off of the first checkpoint at "
+                                   "or after STEP raises TypeError (later ones must still commit)",
 }
 
 _armed: dict[str, Any] | None = None

@@ -60,6 +60,7 @@ before the checkpoint commits (a crash in the middle of a checkpoint)."""
 
 # Set by the launcher for the ranks (the hook activates only where ACTIVE is set).
 RANK_ACTIVE = "CFRUN_RANK_ACTIVE"
+RANK_SETTINGS = "CFRUN_RANK_SETTINGS"
 RANK_JOB_DIR = "CFRUN_RANK_JOB_DIR"
 RANK_INTERVAL = "CFRUN_RANK_INTERVAL"
 RANK_KEEP = "CFRUN_RANK_KEEP"
