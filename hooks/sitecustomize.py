@@ -1,7 +1,8 @@
 """cfrun's hook, on the PYTHONPATH of rank processes only (see cfrun.supervisor.launcher).
 
-Activates cfrun's runtime in torchrun's worker processes and nowhere else: not in torchrun's own
-agent (no RANK), not in DataLoader workers or other subprocesses of a rank (they inherit
+Activates cfrun's runtime in torchrun's worker processes and nowhere else: only where the
+supervisor set CFRUN_RANK_SETTINGS (cfrun.rank.settings), not in torchrun's own agent (no RANK),
+not in DataLoader workers or other subprocesses of a rank (they inherit
 CFRUN_HOOK_OWNER_PID, which names their parent). Imports nothing heavy: the runtime installs
 itself only once the script imports torch. Then it runs the sitecustomize that this one shadows,
 if any. It never raises.
@@ -13,14 +14,14 @@ import sys
 
 def _cfrun_activate():
     env = os.environ
-    if env.get("CFRUN_RANK_ACTIVE") != "1" or "RANK" not in env or "LOCAL_RANK" not in env:
+    if "CFRUN_RANK_SETTINGS" not in env or "RANK" not in env or "LOCAL_RANK" not in env:
         return
     owner = env.get("CFRUN_HOOK_OWNER_PID")
     if owner and owner != str(os.getpid()):
         return
     env["CFRUN_HOOK_OWNER_PID"] = str(os.getpid())
     try:
-        from cfrun.rank import arm
+        from cfrun.rank.install import arm
 
         arm()
     except Exception as e:

@@ -44,7 +44,7 @@ POINTS: dict[str, str] = {
         "int STEP: cfrun's optimizer-step hook raises RuntimeError at this step (an internal "
         "error of cfrun: the Guard must keep the script running)",
     "rank.checkpoint_stall_s":
-        "[SECONDS, FIRST, LAST]: every checkpoint taken at a step in [FIRST, LAST) holds the "
+        "'SECONDS@FIRST-LAST': every checkpoint taken at a step in [FIRST, LAST) holds the "
         "training thread SECONDS more (a checkpoint made expensive by outside pressure, e.g. a "
         "saturated disk: what the adaptive tuner must react to)",
     "rank.kill_after_snapshot":

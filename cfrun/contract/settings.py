@@ -178,34 +178,7 @@ FAULTS = _declare("CFRUN_FAULTS", "json", None,
 RANK_SETTINGS = _declare("CFRUN_RANK_SETTINGS", "json", None,
                          "the rank runtime's settings as one JSON object, set by the supervisor",
                          set_by="launcher")
-RANK_ACTIVE = _declare("CFRUN_RANK_ACTIVE", "flag", "0",
-                       "1: the hook activates cfrun's runtime in this process (a torchrun worker)",
-                       set_by="launcher")
 RANK_JOB_DIR = _declare("CFRUN_RANK_JOB_DIR", "path", None, "the job dir", set_by="launcher")
-RANK_INTERVAL = _declare("CFRUN_RANK_INTERVAL", "int", None, "fixed interval, or empty: policy",
-                         set_by="launcher")
-RANK_KEEP = _declare("CFRUN_RANK_KEEP", "int", "2", "committed checkpoints kept",
-                     set_by="launcher")
-RANK_OVERHEAD = _declare("CFRUN_RANK_OVERHEAD", "float", "0.035",
-                         "overhead budget as a fraction", set_by="launcher")
-RANK_MTBF_S = _declare("CFRUN_RANK_MTBF_S", "float", None,
-                       "mean time between failures in seconds, or empty: learned",
-                       set_by="launcher")
-RANK_PROFILE_ONLY = _declare("CFRUN_RANK_PROFILE_ONLY", "flag", "0",
-                             "1: cfrun profile (measure, do not checkpoint)", set_by="launcher")
-RANK_SCRIPT = _declare("CFRUN_RANK_SCRIPT", "path", None, "the training script",
-                       set_by="launcher")
-RANK_ATTEMPT = _declare("CFRUN_RANK_ATTEMPT", "int", "0", "the attempt (0: the first start)",
-                        set_by="launcher")
-RANK_INJECT_CRASH = _declare("CFRUN_RANK_INJECT_CRASH", "steps", None,
-                             "the value of CFRUN_INJECT_CRASH",
-                             set_by="launcher")
-RANK_FF_EVAL = _declare("CFRUN_RANK_FF_EVAL", "choice", "one",
-                        "the value of CFRUN_FF_EVAL",
-                        set_by="launcher", choices=("one", "run"))
-RANK_AGENT = _declare("CFRUN_RANK_AGENT", "flag", "0",
-                      "1: the supervisor runs a persist agent for this job (two-phase "
-                      "checkpoints)", set_by="launcher")
 RANK_SUPERVISOR_PID = _declare(
     "CFRUN_RANK_SUPERVISOR_PID", "int", None,
     "pid of the supervisor that started this torchrun; marks every process of the job "
@@ -214,36 +187,6 @@ RANK_SUPERVISOR_PID = _declare(
 HOOK_OWNER_PID = _declare("CFRUN_HOOK_OWNER_PID", "int", None,
                           "pid of the rank process whose hook is live; children that inherit it "
                           "stay inert (hooks/sitecustomize.py)", set_by="hook")
-
-# ----------------------------------------------------------------- rank-side testing aids
-# To become points of cfrun.contract.faults (rank.*); declared until the rank runtime reads those.
-
-TEST_KILL_BEFORE_COMMIT = _declare(
-    "CFRUN_TEST_KILL_BEFORE_COMMIT", "int", None,
-    "testing aid (fault rank.kill_before_handoff): in attempt 0, SIGKILL the rank mid-checkpoint "
-    "at the first checkpoint step >= this one")
-TEST_CKPT_STALL = _declare(
-    "CFRUN_TEST_CKPT_STALL", "str", None,
-    "testing aid (fault rank.checkpoint_stall_s), SECONDS@FIRST-LAST: every checkpoint at a step "
-    "in [FIRST, LAST) holds the training thread SECONDS more")
-TEST_RAISE_IN_STEP = _declare(
-    "CFRUN_TEST_RAISE_IN_STEP", "int", None,
-    "testing aid (fault rank.raise_in_step): cfrun's optimizer-step hook raises at this step")
-TEST_KILL_AFTER_SNAPSHOT = _declare(
-    "CFRUN_TEST_KILL_AFTER_SNAPSHOT", "int", None,
-    "testing aid (fault rank.kill_after_snapshot): in attempt 0, SIGKILL the rank right after it "
-    "handed the first checkpoint at or after this step to the agent")
-TEST_SNAPSHOT_COPY_DELAY_S = _declare(
-    "CFRUN_TEST_SNAPSHOT_COPY_DELAY_S", "float", None,
-    "testing aid (fault rank.snapshot_copy_delay_s): the background copy sleeps this long first")
-TEST_SYNC_COPY_MAX_BYTES = _declare(
-    "CFRUN_TEST_SYNC_COPY_MAX_BYTES", "int", None,
-    "testing aid (fault rank.sync_copy_max_bytes): tensors up to this size are copied on the "
-    "training thread")
-TEST_SNAPSHOT_HANDOFF_ERROR = _declare(
-    "CFRUN_TEST_SNAPSHOT_HANDOFF_ERROR", "int", None,
-    "testing aid (fault rank.snapshot_handoff_error): in attempt 0, the hand-off of the first "
-    "checkpoint at or after this step raises TypeError")
 
 
 # ----------------------------------------------------------------- typed accessors

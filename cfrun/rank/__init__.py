@@ -1,225 +1,24 @@
-"""Code that runs inside the training (rank) processes.
+"""Code that runs inside the training (rank) processes, one module per phase.
 
-``hooks/sitecustomize.py`` calls :func:`arm` at interpreter start in rank processes only;
-:func:`arm` waits for the script to import torch and then calls :func:`install`. Nothing here
-may break the user's script: any failure leaves the job running unprotected, with a loud warning.
+Read in this order (a step meets them in this order too):
+
+1. :mod:`~cfrun.rank.install`: the hook (``hooks/sitecustomize.py`` calls ``arm()``); patches
+   torch once the script imports it; ``Guard`` keeps cfrun's failures out of the script.
+2. :mod:`~cfrun.rank.discovery`: the script's optimizers, schedulers, scalers, loaders, models.
+3. :mod:`~cfrun.rank.boundary`: step counting, the trigger, the boundary where a checkpoint is
+   taken (the training loader's ``next()`` or the head of the step loop).
+4. :mod:`~cfrun.rank.capture`: what a checkpoint holds (state dicts, RNG, frames, data position).
+5. :mod:`~cfrun.rank.snapshot`: the copy into a shared-memory slot and the hand-off to the node's
+   persist agent (:mod:`cfrun.agent`), which writes and commits; ``start()`` returns a handle.
+6. :mod:`~cfrun.rank.resume`: on a restart, load the newest checkpoint and fast-forward to it.
+7. :mod:`~cfrun.rank.preemption`: stop requests and decisions, heartbeats, end and error marks.
+8. :mod:`~cfrun.rank.tuner`: the checkpoint interval and the copy mode.
+
+Wiring: :mod:`~cfrun.rank.runtime` (one ``Runtime`` per rank holds the phase objects) and
+:mod:`~cfrun.rank.settings` (``RankSettings``: what the supervisor tells the rank). Helpers:
+:mod:`~cfrun.rank.data` (DataLoader hooks), :mod:`~cfrun.rank.frames` (script variables and
+loops), :mod:`~cfrun.rank.rng`, :mod:`~cfrun.rank.log`.
+
+This package's ``__init__`` imports nothing: the supervisor imports :mod:`cfrun.rank.settings`
+without torch.
 """
-
-from __future__ import annotations
-
-import importlib.abc
-import importlib.util
-import os
-import sys
-import traceback
-from typing import Any, Callable
-
-_runtime: Any = None
-loaded = False
-
-ENV_TEST_RAISE_IN_STEP = "CFRUN_TEST_RAISE_IN_STEP"
-"""Testing aid: the optimizer step hook raises an internal error right after this step."""
-
-
-class Guard:
-    """Keeps cfrun's own failures out of the user's script, after :func:`install` as well.
-
-    Every hook cfrun puts into the script's path (optimizer step hooks, DataLoader hooks,
-    ``__init__`` registration, the checkpoint boundary) runs through :meth:`wrap`. The first
-    ``Exception`` raised inside one turns cfrun off for the rest of this process: one loud
-    ``UNPROTECTED`` warning on stderr, an ``unprotected`` event, and from then on every hook
-    does what it would do without cfrun. ``SystemExit`` and ``KeyboardInterrupt`` (cfrun's
-    deliberate stops, the user's Ctrl-C) pass through unchanged. Training thread only.
-    """
-
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
-        self.disabled = False
-
-    def wrap(self, where: str, fn: Callable[..., Any],
-             fallback: Callable[..., Any] | None = None) -> Callable[..., Any]:
-        """``fn`` guarded: after a failure (or once disabled) ``fallback(*args)`` runs
-        instead, or nothing (``None``) when there is no fallback."""
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if not self.disabled:
-                try:
-                    return fn(*args, **kwargs)
-                except Exception as e:
-                    self.disable(where, e)
-            return fallback(*args, **kwargs) if fallback is not None else None
-
-        return guarded
-
-    def disable(self, where: str, error: BaseException) -> None:
-        """Turn cfrun off in this process and say so, loudly, once. Never raises."""
-        if self.disabled:
-            return
-        self.disabled = True
-        rt = self.rt
-        try:
-            tracer = sys.gettrace()
-            if getattr(tracer, "__module__", None) == "cfrun.rank.core":
-                sys.settrace(None)  # a boundary or resume tracer of cfrun's
-            rt._pending = None
-            rt._exit_fast_forward()  # give the script its stdout back
-            if rt.snap is not None:  # the step gate is off from now on: finish the copy first
-                rt.snap.copy_done.wait(60.0)
-        except Exception:
-            pass
-        step = getattr(rt, "step", None)
-        try:
-            sys.__stderr__.write(  # type: ignore[union-attr]
-                f"[cfrun rank {os.environ.get('RANK', '?')}] WARNING: cfrun failed inside "
-                f"{where} at step {step} ({error!r}); this job now runs UNPROTECTED: no more "
-                "checkpoints in this attempt, the script goes on without cfrun\n")
-            sys.__stderr__.flush()  # type: ignore[union-attr]
-        except Exception:
-            pass
-        try:
-            rt.jobdir.emit_event(
-                "unprotected", where=where, error=repr(error), step=step,
-                rank=rt.s.rank, attempt=rt.s.attempt,
-                traceback=traceback.format_exception(type(error), error,
-                                                     error.__traceback__)[-6:])
-        except Exception:
-            pass
-
-
-def install() -> None:
-    """Install every hook once (idempotent). Never raises."""
-    global _runtime, loaded
-    if _runtime is not None:
-        return
-    try:
-        _runtime = _install()
-        loaded = True
-    except Exception as e:  # the user's job must run even if cfrun cannot protect it
-        loaded = False
-        sys.stderr.write(f"[cfrun] WARNING: cfrun's runtime failed to start ({e!r}); "
-                         "this job runs UNPROTECTED: no checkpoints, no resume\n")
-
-
-def _install() -> Any:
-    import atexit
-
-    import torch
-    import torch.optim.lr_scheduler as lrs
-    from torch.optim.optimizer import (
-        Optimizer,
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    from cfrun.rank import data
-    from cfrun.rank.core import RankSettings, Runtime
-
-    rt: Any = Runtime(RankSettings.from_env())  # Any: hooks are set on the instance below
-    guard = Guard(rt)
-    rt.guard = guard
-    # the loop-boundary tracer calls rt._boundary: guard it on the instance
-    rt._boundary = guard.wrap("the checkpoint boundary", rt._boundary)
-
-    _wrap_init(Optimizer, guard.wrap("Optimizer.__init__", rt.register_optimizer))
-    _wrap_init(lrs.LRScheduler, guard.wrap("LRScheduler.__init__", rt.register_scheduler))
-    if not issubclass(lrs.ReduceLROnPlateau, lrs.LRScheduler):
-        _wrap_init(lrs.ReduceLROnPlateau,
-                   guard.wrap("ReduceLROnPlateau.__init__", rt.register_scheduler))
-    _wrap_init(torch.amp.GradScaler, guard.wrap("GradScaler.__init__", rt.register_scaler))
-    register_optimizer_step_pre_hook(guard.wrap("the optimizer step pre-hook",
-                                                rt.on_before_step))
-    raise_at = int(os.environ.get(ENV_TEST_RAISE_IN_STEP) or 0)
-    on_step: Callable[..., None] = rt.on_optimizer_step
-    if raise_at:  # the testing aid's extra layer only where it is asked for (every step pays it)
-
-        def on_step(opt: Any, args: Any, kwargs: Any) -> None:
-            rt.on_optimizer_step(opt, args, kwargs)
-            if rt.step == raise_at:
-                raise RuntimeError(f"injected internal error at step {raise_at} "
-                                   f"(${ENV_TEST_RAISE_IN_STEP})")
-
-    register_optimizer_step_post_hook(guard.wrap("the optimizer step hook", on_step))
-    data.install(rt, guard)
-
-    orig_save = torch.save
-
-    def save(*args: Any, **kwargs: Any) -> Any:
-        if rt.fast_forwarding:  # the script's own per-epoch checkpoint of a skipped epoch
-            return None
-        return orig_save(*args, **kwargs)
-
-    torch.save = save
-
-    orig_hook = sys.excepthook
-
-    def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            rt.on_uncaught(exc_type, exc, tb)
-        except Exception:
-            pass
-        finally:
-            orig_hook(exc_type, exc, tb)
-
-    sys.excepthook = excepthook
-    orig_exit = sys.exit
-
-    def exit(status: Any = None) -> Any:  # the script's exit code, for the end-of-script mark
-        try:
-            rt.note_exit(status)
-        except Exception:
-            pass
-        return orig_exit(status)
-
-    sys.exit = exit
-
-    def at_exit() -> None:  # runs when disabled too: the end mark, the last hand-off
-        try:
-            rt.at_exit()
-        except Exception as e:
-            sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
-
-    atexit.register(at_exit)
-    rt.connect_agent()
-    rt.load_plan()
-    return rt
-
-
-def _wrap_init(cls: type, register: Any) -> None:
-    orig = cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig(self, *args, **kwargs)
-        if "_cfrun_registered" not in self.__dict__:
-            self.__dict__["_cfrun_registered"] = True
-            register(self)
-
-    cls.__init__ = __init__  # type: ignore[misc]
-
-
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Calls :func:`install` right after ``import torch`` completes, and only then."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig_exec = loader.exec_module  # type: ignore[attr-defined]
-
-        def exec_module(module: Any) -> None:
-            orig_exec(module)
-            install()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def arm() -> None:
-    """Install now if torch is already imported, else as soon as the script imports it."""
-    if "torch" in sys.modules:
-        install()
-    elif not any(isinstance(f, _TorchWatcher) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchWatcher())

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -175,10 +175,17 @@ def epoch_seed_of(state: dict[str, Any]) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def install(rt: Any, guard: Any) -> None:
-    """Patch DataLoader so ``rt`` (the rank's Runtime) sees loaders, epochs and batches.
+def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
+            on_loader_iter: Callable[[DataLoader, int, Callable[[], Any]], Any],
+            on_loader_next: Callable[[Any, Any], None]) -> None:
+    """Patch DataLoader so the rank's phases see loaders, epochs and batches.
 
-    Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.rank.Guard`):
+    ``register_loader(loader)`` runs once per new loader and returns its creation ordinal
+    (:meth:`cfrun.rank.discovery.Discovery.register_loader`); ``on_loader_iter(loader, n, start)``
+    answers ``iter(loader)``, the ``n``-th call on it, where ``start()`` starts the epoch as
+    without cfrun (:meth:`cfrun.rank.resume.Resume.on_loader_iter`); ``on_loader_next(iterator,
+    caller_frame)`` runs before every ``next()`` (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`).
+    Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.rank.install.Guard`):
     after an internal error, and once ``guard.disabled``, the loaders behave as without cfrun.
     """
     orig_init = DataLoader.__init__
@@ -187,7 +194,7 @@ def install(rt: Any, guard: Any) -> None:
     orig_next = _dl._BaseDataLoaderIter.__next__
 
     def register(self: DataLoader) -> None:
-        object.__setattr__(self, "_cfrun_ordinal", rt.register_loader(self))
+        object.__setattr__(self, "_cfrun_ordinal", register_loader(self))
         object.__setattr__(self, "_cfrun_iter_calls", 0)
         if self.num_workers > 0:
             self.worker_init_fn = WorkerInit(self.worker_init_fn)
@@ -202,7 +209,7 @@ def install(rt: Any, guard: Any) -> None:
     def on_iter(self: DataLoader) -> Any:
         n = self.__dict__["_cfrun_iter_calls"]
         object.__setattr__(self, "_cfrun_iter_calls", n + 1)
-        return rt.on_loader_iter(self, n, lambda: _start_epoch(self, orig_iter))
+        return on_loader_iter(self, n, lambda: _start_epoch(self, orig_iter))
 
     guarded_iter = guard.wrap("iter(DataLoader)", on_iter, fallback=orig_iter)
 
@@ -224,9 +231,6 @@ def install(rt: Any, guard: Any) -> None:
         loader.__dict__.pop("_cfrun_skip_done", None)
         return it
 
-    rt._start_epoch = _start_epoch
-    rt._orig_loader_iter = orig_iter
-
     def _index_sampler(self: DataLoader) -> Any:
         inner = orig_index_sampler.fget(self)  # type: ignore[attr-defined]
         if "_cfrun_ordinal" not in self.__dict__ or self._dataset_kind != _dl._DatasetKind.Map \
@@ -234,7 +238,7 @@ def install(rt: Any, guard: Any) -> None:
             return inner
         return ResumableIndexSampler(self, inner)
 
-    guarded_next = guard.wrap("next(DataLoader iterator)", rt.on_loader_next)
+    guarded_next = guard.wrap("next(DataLoader iterator)", on_loader_next)
 
     def __next__(self: Any) -> Any:
         if "_cfrun_loader" in self.__dict__ and not guard.disabled:

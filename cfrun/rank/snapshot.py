@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from cfrun.contract import ipc, slots
+from cfrun.contract import faults, ipc, slots
+from cfrun.contract.settings import SNAPSHOT_MODE
 from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -58,24 +59,9 @@ SYNC_COPY_MAX_BYTES = 1 << 16
 STAGING_ALIGN_BYTES = 256
 """Offsets in the device-side staging buffer are multiples of this (any dtype can view them)."""
 ENV_SHM_DIR = slots.ENV_SHM_DIR
-ENV_SNAPSHOT_MODE = "CFRUN_SNAPSHOT_MODE"
+ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
 ``gpu``/``host`` force or forbid the device-side first copy on CUDA (default: when it fits)."""
-ENV_TEST_KILL_AFTER_SNAPSHOT = "CFRUN_TEST_KILL_AFTER_SNAPSHOT"
-"""Testing aid: in attempt 0, SIGKILL the rank right after it handed the first checkpoint at or
-after this step to the agent."""
-ENV_TEST_KILL_BEFORE_HANDOFF = "CFRUN_TEST_KILL_BEFORE_COMMIT"
-"""Testing aid: in attempt 0, SIGKILL the rank mid-snapshot (copied, not yet handed off) of
-the first checkpoint at or after this step."""
-ENV_TEST_COPY_DELAY_S = "CFRUN_TEST_SNAPSHOT_COPY_DELAY_S"
-"""Testing aid: the background copy sleeps this many seconds before it starts (a slow copy: the
-next ``optimizer.step()`` must wait for it at the gate)."""
-ENV_TEST_SYNC_COPY_MAX_BYTES = "CFRUN_TEST_SYNC_COPY_MAX_BYTES"
-"""Testing aid: replaces :data:`SYNC_COPY_MAX_BYTES` (``0``: every parameter and optimizer state
-tensor goes through the background copy, however small)."""
-ENV_TEST_HANDOFF_ERROR = "CFRUN_TEST_SNAPSHOT_HANDOFF_ERROR"
-"""Testing aid: in attempt 0, the background thread raises ``TypeError`` while handing off the
-first checkpoint at or after this step (a bug there must not stop later checkpoints)."""
 
 
 def shm_dir(job_dir: Path, nbytes: int) -> Path:
@@ -184,9 +170,51 @@ def staged_view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Ten
     return buf[offset:offset + nbytes].view(like.dtype).view(like.shape)
 
 
+class SnapshotHandle:
+    """One checkpoint given to :meth:`Snapshotter.start`, on its way: copied, handed off to the
+    agent, then persisted and committed there, all in the background (torchsnapshot's
+    ``PendingSnapshot``). Any thread may wait on it.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        """The step the checkpoint holds."""
+        self._finished = threading.Event()
+        self._committed = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the background work of this checkpoint has ended, however it ended."""
+        return self._finished.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds (None: no limit) for the background work to end.
+
+        Returns True when the agent committed the checkpoint; False when it is still in flight
+        after ``timeout_s`` or the agent refused it (its reason in
+        :attr:`Snapshotter.last_error`).
+
+        Raises:
+            Exception: what ended the copy or the hand-off in the background thread (e.g.
+                ``ConnectionError``/``OSError``: no persist agent), re-raised here.
+        """
+        if not self._finished.wait(timeout_s):
+            return False
+        if self._error is not None:
+            raise self._error
+        return self._committed
+
+    def _settle(self, committed: bool, error: BaseException | None) -> None:
+        """Background thread: the checkpoint's outcome (before the slot is free again)."""
+        self._committed = committed
+        self._error = error
+        self._finished.set()
+
+
 class Snapshotter:
-    """Rank-side two-phase checkpointing. Training-thread API: ``ready``, ``busy``, ``start``,
-    ``gate``; a background thread per checkpoint does the copy hand-off and awaits the persist.
+    """Rank-side two-phase checkpointing. Training-thread API: ``ready``, ``busy``, ``start``
+    (returns a :class:`SnapshotHandle`), ``gate``, ``wait_idle``; a background thread per
+    checkpoint does the copy and the hand-off and awaits the persist.
 
     Args:
         emit: called with a ``checkpoint`` event's fields when a checkpoint is committed and its
@@ -225,6 +253,13 @@ class Snapshotter:
         self._record_lock = threading.Lock()
         self._warned: set[str] = set()
         self._test_error_done = False
+        # fault points (cfrun.contract.faults), read once: None in every real run
+        self._kill_after_step = _armed_int("rank.kill_after_snapshot", attempt)
+        self._kill_before_step = _armed_int("rank.kill_before_handoff", attempt)
+        self._error_at_step = _armed_int("rank.snapshot_handoff_error", attempt)
+        self._copy_delay_s = float(faults.value("rank.snapshot_copy_delay_s") or 0)
+        sync_max = faults.value("rank.sync_copy_max_bytes")
+        self._sync_copy_max_bytes = SYNC_COPY_MAX_BYTES if sync_max is None else int(sync_max)
         self.last_error: str | None = None
         self.last_cost_s = 0.0
         """Seconds the last checkpoint took from snapshot start to commit (for the grace)."""
@@ -267,6 +302,23 @@ class Snapshotter:
         """True while the previous checkpoint is being copied or persisted."""
         return not self.persist_done.is_set()
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds (None: no limit) until no checkpoint is in flight,
+        however the last one ended (errors were reported through ``on_lost``). Returns True
+        when idle. Any thread."""
+        return self.persist_done.wait(timeout_s)
+
+    def wait_copied(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds until no host-thread copy reads the live tensors
+        (what :meth:`gate` waits for). Returns True when none does."""
+        return self.copy_done.wait(timeout_s)
+
+    def use_mode(self, mode: str) -> None:
+        """Copy the next checkpoints in ``mode`` (the tuner's choice), unless
+        ``CFRUN_SNAPSHOT_MODE`` forces one."""
+        if not self.mode_is_forced:
+            self.mode = mode
+
     @property
     def inflight_step(self) -> int | None:
         """Step of the checkpoint being copied or persisted, if any."""
@@ -291,13 +343,15 @@ class Snapshotter:
         return waited
 
     def start(self, step: int, tree: Any, tensors: list[torch.Tensor], async_ids: set[int],
-              meta: dict[str, Any], t_trigger: float, t_boundary: float) -> None:
+              meta: dict[str, Any], t_trigger: float, t_boundary: float) -> SnapshotHandle:
         """Copy ``tensors`` into the slot and hand the checkpoint to the agent.
 
         Training thread, every rank, only when :meth:`busy` is False. Small tensors and those
         not in ``async_ids`` are copied now (CUDA ones asynchronously on the current stream);
         the rest in the background. Returns without waiting for any of it, except in
-        ``inline`` mode. Raises OSError/RuntimeError on failure (the caller logs it).
+        ``inline`` mode: the handle's ``wait()`` waits for the commit and re-raises an error of
+        the background thread. Raises OSError/RuntimeError when the synchronous part fails
+        (the caller logs it).
         """
         entries, total = plan_layout(tensors)
         total = max(SLOT_ALIGN_BYTES, -(-total // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
@@ -307,7 +361,7 @@ class Snapshotter:
             self._warn_once("unpinned", "cfrun: the snapshot slot could not be page-locked; "
                             "CUDA snapshots will block the training thread")
         inline = self.mode == "inline"
-        sync_max_bytes = int(os.environ.get(ENV_TEST_SYNC_COPY_MAX_BYTES, SYNC_COPY_MAX_BYTES))
+        sync_max_bytes = self._sync_copy_max_bytes
         later_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         later_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e, t in zip(entries, tensors):
@@ -331,12 +385,14 @@ class Snapshotter:
             self.copy_done.clear()
         with self._record_lock:
             self._record = {"step": step, "t_trigger_unix_s": t_trigger}
+        handle = SnapshotHandle(step)
         self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
-                                       args=(later_cpu, later_cuda, done_events, msg),
+                                       args=(later_cpu, later_cuda, done_events, msg, handle),
                                        daemon=True)
         self.thread.start()
         with self._record_lock:  # after every wait above: all of it is stall
             self._record["boundary_s"] = time.perf_counter() - t_boundary
+        return handle
 
     def _side_stream(self, device: torch.device) -> Any:
         """This device's side stream, created on first use and reused by every checkpoint."""
@@ -410,16 +466,18 @@ class Snapshotter:
 
     def _background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                     cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]], done_events: list[Any],
-                    msg: dict[str, Any]) -> None:
+                    msg: dict[str, Any], handle: SnapshotHandle) -> None:
         """Copy, wait for the CUDA copies, hand off, await the persist. Never dies silently:
-        any error is reported once (``on_lost``) and the in-flight flags are always cleared."""
+        any error is reported once (``on_lost``) and kept for ``handle.wait()``, and the
+        in-flight flags are always cleared."""
         step = int(msg["step"])
         stage = "copy"
+        committed = False
+        error: BaseException | None = None
         try:
             t0 = time.perf_counter()
-            delay_s = float(os.environ.get(ENV_TEST_COPY_DELAY_S, "0") or 0)
-            if delay_s > 0:
-                time.sleep(delay_s)
+            if self._copy_delay_s > 0:
+                time.sleep(self._copy_delay_s)
             for dst, src in pairs:
                 dst.copy_(src.detach())
             self.copy_done.set()
@@ -428,8 +486,9 @@ class Snapshotter:
             cuda_pairs = []  # the side streams are done with the sources
             snapshot_s = time.perf_counter() - t0
             stage = "hand-off"
-            self._hand_off(step, msg, snapshot_s)
+            committed = self._hand_off(step, msg, snapshot_s)
         except Exception as e:
+            error = e
             if stage == "hand-off" and isinstance(e, OSError):
                 self.last_error = f"persist agent unavailable: {e!r}"
             else:
@@ -448,6 +507,7 @@ class Snapshotter:
                 except Exception:
                     pass
             del cuda_pairs
+            handle._settle(committed, error)
             self.persist_done.set()
 
     def _drop_connection(self) -> None:
@@ -458,31 +518,32 @@ class Snapshotter:
                 pass
         self.sock = None  # reconnect (to a restarted agent) next time
 
-    def _hand_off(self, step: int, msg: dict[str, Any], snapshot_s: float) -> None:
-        """Send the checkpoint to the agent and wait for its commit (background thread)."""
-        kill_at = os.environ.get(ENV_TEST_KILL_BEFORE_HANDOFF)
-        if self.attempt == 0 and kill_at and step >= int(kill_at):
+    def _hand_off(self, step: int, msg: dict[str, Any], snapshot_s: float) -> bool:
+        """Send the checkpoint to the agent and wait for its commit (background thread).
+        Returns True when the agent committed it, False when it refused it."""
+        if self._kill_before_step is not None and step >= self._kill_before_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.sock is None and not self.ready(timeout_s=30.0):
             raise ConnectionError("no persist agent")
         if self.sock is None:
             raise ConnectionError("the persist agent is not ready")
-        error_at = os.environ.get(ENV_TEST_HANDOFF_ERROR)
-        if self.attempt == 0 and error_at and step >= int(error_at) and not self._test_error_done:
+        if (self._error_at_step is not None and step >= self._error_at_step
+                and not self._test_error_done):
             self._test_error_done = True
-            raise TypeError(f"injected hand-off error at step {step} ({ENV_TEST_HANDOFF_ERROR})")
+            raise TypeError(f"injected hand-off error at step {step} "
+                            "(fault point rank.snapshot_handoff_error)")
         ipc.send(self.sock, msg)
-        kill_after = os.environ.get(ENV_TEST_KILL_AFTER_SNAPSHOT)
-        if self.attempt == 0 and kill_after and step >= int(kill_after):
+        if self._kill_after_step is not None and step >= self._kill_after_step:
             os.kill(os.getpid(), signal.SIGKILL)
         reply = ipc.recv(self.sock)
         if not reply.get("ok"):
             self.last_error = str(reply.get("error"))
-            return
+            return False
         self.last_cost_s = snapshot_s + float(reply["persist_s"])
         self.last_committed = step
         self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{
             k: reply[k] for k in ("bytes", "persist_s", "pgt_s", "bandwidth_bytes_per_s")})
+        return True
 
     def _finish(self, **fields: Any) -> None:
         """Merge measurements; emit the event once both the gate and the persist reported."""
@@ -506,6 +567,12 @@ class Snapshotter:
         self.gate()
         if not self.busy():
             self.slot.release()
+
+
+def _armed_int(point: str, attempt: int) -> int | None:
+    """A step-valued fault point (cfrun.contract.faults): its step in attempt 0, else None."""
+    value = faults.value(point)
+    return int(value) if value is not None and attempt == 0 else None
 
 
 def _view(buf: torch.Tensor, e: TensorEntry, t: torch.Tensor) -> torch.Tensor:

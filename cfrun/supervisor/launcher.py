@@ -61,28 +61,34 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list
 
 
 def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
-                     agent: bool = True, mtbf_s: float | None = None) -> dict[str, str]:
+                     mtbf_s: float | None = None) -> dict[str, str]:
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O).
 
-    ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched).
+    ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched). The
+    ranks' settings travel as one JSON value, ``CFRUN_RANK_SETTINGS``
+    (:class:`cfrun.rank.settings.RankSettings`), whose presence also arms the hook.
+    ``CFRUN_RANK_JOB_DIR``, ``CFRUN_RANK_SUPERVISOR_PID`` and ``CFRUN_NODE_RANK`` mark every
+    process of the job for :func:`job_processes` (the ranks do not read the first two).
+
+    Raises:
+        BadInputError: a setting the ranks would refuse (e.g. ``CFRUN_FF_EVAL``).
     """
+    from cfrun.contract.config import parse_inject_crash
+    from cfrun.rank.settings import RankSettings
+
     env = dict(os.environ if base is None else base)
     env.pop(E.HOOK_OWNER_PID, None)
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks_dir()), old) if p)
+    settings = RankSettings(
+        job_dir=Path(cfg.job_dir), script=cfg.script, attempt=attempt, interval=cfg.interval,
+        overhead=cfg.overhead, mtbf_s=mtbf_s or None, profile_only=cfg.profile_only,
+        inject_crash=tuple(parse_inject_crash(cfg.inject_crash)),
+        ff_eval=env.get(E.FF_EVAL, "one"), supervisor_pid=os.getpid(),
+        node_rank=cfg.node_rank)
     env.update({
-        E.RANK_ACTIVE: "1",
+        E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,
-        E.RANK_SCRIPT: cfg.script,
-        E.RANK_ATTEMPT: str(attempt),
-        E.RANK_INTERVAL: str(cfg.interval) if cfg.interval is not None else "",
-        E.RANK_OVERHEAD: repr(cfg.overhead),
-        E.RANK_MTBF_S: repr(mtbf_s) if mtbf_s else "",
-        E.RANK_PROFILE_ONLY: "1" if cfg.profile_only else "0",
-        E.RANK_KEEP: str(cfg.keep),
-        E.RANK_INJECT_CRASH: cfg.inject_crash,
-        E.RANK_FF_EVAL: env.get(E.FF_EVAL, "one"),
-        E.RANK_AGENT: "1" if agent else "0",
         E.RANK_SUPERVISOR_PID: str(os.getpid()),
         E.NODE_RANK: str(cfg.node_rank),
     })

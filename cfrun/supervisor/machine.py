@@ -138,7 +138,7 @@ HANG_CAUSE = "hang (no step for --hang-timeout)"
 @dataclass(frozen=True)
 class RankError:
     """One rank's uncaught exception, from ``errors/attempt-A-rank-R.json`` (written by the
-    rank's excepthook, cfrun.rank.core.Runtime.on_uncaught)."""
+    rank's excepthook, cfrun.rank.runtime.Runtime.on_uncaught)."""
 
     rank: int
     type: str | None

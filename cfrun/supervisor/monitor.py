@@ -301,7 +301,7 @@ class Monitor:
 
     def ended_marks(self, attempt: int) -> dict[int, dict[str, Any]]:
         """rank -> the end-of-script mark this node's rank wrote in ``attempt``
-        (cfrun.rank.core.Runtime._mark_end: ``clean``, ``preempted``, ``step``); an unreadable
+        (cfrun.rank.preemption.Marks: ``clean``, ``preempted``, ``step``); an unreadable
         mark reads as not clean."""
         out: dict[int, dict[str, Any]] = {}
         ended = self.jobdir.root / "ended"
@@ -335,7 +335,7 @@ class Monitor:
 
     def preempted_marks(self, attempt: int) -> list[int]:
         """The stop steps of this node's ranks' ``preempted`` marks of ``attempt``
-        (cfrun.rank.core.Runtime._mark_preempted)."""
+        (cfrun.rank.preemption.Marks)."""
         steps = []
         for p in (self.jobdir.root / "preempted").glob(
                 f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):

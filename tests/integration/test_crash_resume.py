@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cfrun.contract import faults
 from conftest import SCRIPTS, assert_bit_identical, ddp_reference, final_line, run_cfrun, \
     tiny_reference
 
@@ -77,7 +78,7 @@ def test_sigkill_right_after_a_checkpoint_resumes_from_it(reference, tmp_path, i
     committed anyway, the resume starts from it and no iteration is computed twice."""
     ref_run, ref_state = reference
     run, state, iters = _train(tmp_path, "after", interval=interval,
-                               env={"CFRUN_TEST_KILL_AFTER_SNAPSHOT": str(step)})
+                               env=faults.arm({}, **{"rank.kill_after_snapshot": step}))
     assert len(run.events("attempt_start")) == 2, why
     assert [e["step"] for e in run.events("resumed")] == [step], why
     assert iters - TOTAL <= 1, (why, iters)  # nothing before the checkpoint ran again
@@ -100,7 +101,8 @@ def test_sigkill_during_validation(reference, tmp_path):
 def test_sigkill_while_checkpoint_is_written(reference, tmp_path):
     """The rank dies mid-snapshot of the checkpoint due at step 30: it is never used."""
     ref_run, ref_state = reference
-    run, state, iters = _train(tmp_path, "mid", env={"CFRUN_TEST_KILL_BEFORE_COMMIT": "30"})
+    run, state, iters = _train(tmp_path, "mid",
+                               env=faults.arm({}, **{"rank.kill_before_handoff": 30}))
     [resumed] = [e["step"] for e in run.events("resumed")]
     commits_attempt0 = [e["step"] for e in run.events("commit")
                         if e["t_unix_s"] < run.events("attempt_end")[0]["t_unix_s"]]

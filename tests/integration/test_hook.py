@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from cfrun.contract import faults
 from conftest import ROOT, SCRIPTS, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,10 +37,10 @@ def test_chains_user_sitecustomize_and_still_checkpoints(tmp_path):
 
 def test_runtime_failure_leaves_job_running_unprotected(tmp_path):
     env = clean_env({
-        "PYTHONPATH": str(ROOT / "hooks"), "CFRUN_RANK_ACTIVE": "1", "RANK": "0",
-        "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CFRUN_RANK_JOB_DIR": str(tmp_path / "j"),
-        "CFRUN_RANK_SCRIPT": str(SCRIPTS / "train_steps_for.py"),
-        "CFRUN_RANK_INTERVAL": "not-a-number",
+        "PYTHONPATH": str(ROOT / "hooks"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+        "CFRUN_RANK_SETTINGS": json.dumps({"job_dir": str(tmp_path / "j"),
+                                           "script": str(SCRIPTS / "train_steps_for.py"),
+                                           "interval": "not-a-number"}),
     })
     p = subprocess.run([sys.executable, str(SCRIPTS / "train_steps_for.py"), "5",
                         str(tmp_path / "o.pt")], env=env, capture_output=True, text=True)
@@ -49,10 +51,11 @@ def test_runtime_failure_leaves_job_running_unprotected(tmp_path):
 
 
 def test_internal_error_in_step_hook_leaves_job_running_unprotected(tmp_path):
-    """cfrun's optimizer step hook raises at step 5 (test aid): the script is not broken, it
+    """cfrun's optimizer step hook raises at step 5 (fault point rank.raise_in_step): the script is not broken, it
     finishes in the same attempt with one loud warning, and cfrun takes no more checkpoints."""
     run = run_cfrun(["--interval", "3", "--job-dir", "j", str(SCRIPTS / "train_steps_for.py"),
-                     "12", "out.pt"], cwd=tmp_path, env={"CFRUN_TEST_RAISE_IN_STEP": "5"})
+                     "12", "out.pt"], cwd=tmp_path,
+                    env=faults.arm({}, **{"rank.raise_in_step": 5}))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "FINAL" in run.stdout and "it 11" in run.stdout
     assert (tmp_path / "out.pt").exists()

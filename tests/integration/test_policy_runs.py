@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from cfrun.contract import faults
 from conftest import SCRIPTS, assert_bit_identical, run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,11 +86,12 @@ def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path, tmp_path_factory):
 
 @pytest.mark.timing
 def test_adaptation_raises_k_under_pressure_and_lowers_it_after(tmp_path):
-    """Checkpoints made 0.1 s dearer between steps 60 and 260 (CFRUN_TEST_CKPT_STALL, as a
-    saturated disk would): the tuner must raise k while they are, and bring it down after."""
+    """Checkpoints made 0.1 s dearer between steps 60 and 260 (fault point
+    rank.checkpoint_stall_s, as a saturated disk would): the tuner must raise k while they are,
+    and bring it down after."""
     run = run_cfrun(["--overhead", "20%", "--job-dir", "j", str(SCRIPTS / "slow_steps.py"),
                      "640", "out.pt", "0.02"], cwd=tmp_path,
-                    env={"CFRUN_TEST_CKPT_STALL": "0.1@60-260"})
+                    env=faults.arm({}, **{"rank.checkpoint_stall_s": "0.1@60-260"}))
     assert run.returncode == 0, run.stderr[-3000:]
     [decision] = run.events("decision")
     adapts = run.events("adapt")

@@ -33,7 +33,7 @@ def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
     and the restarted rank resumes from it."""
     ref_run, ref_state = reference
     run = run_cfrun(["--interval", str(K), "--job-dir", "j", *ARGS, "--out", "got.pt"],
-                    cwd=tmp_path, env={"CFRUN_TEST_KILL_AFTER_SNAPSHOT": "30"})
+                    cwd=tmp_path, env=faults.arm({}, **{"rank.kill_after_snapshot": 30}))
     assert run.returncode == 0, run.stderr[-3000:]
     handed_off = min(e["step"] for e in run.events("commit") if e["step"] >= 30)
     assert [e["step"] for e in run.events("resumed")] == [handed_off]  # 30, or later if deferred
@@ -90,9 +90,9 @@ def test_batchnorm_snapshot_equals_state_right_after_its_step(tmp_path):
     run = run_cfrun(["--interval", "5", "--keep", "100", "--job-dir", "j",
                      str(SCRIPTS / "train_bn_probe.py"), "40", ",".join(map(str, probes)),
                      str(tmp_path)],
-                    cwd=tmp_path, env={"CFRUN_SNAPSHOT_MODE": "thread",
-                                       "CFRUN_TEST_SNAPSHOT_COPY_DELAY_S": "0.3",
-                                       "CFRUN_TEST_SYNC_COPY_MAX_BYTES": "0"})
+                    cwd=tmp_path, env=faults.arm({"CFRUN_SNAPSHOT_MODE": "thread"},
+                                                 **{"rank.snapshot_copy_delay_s": 0.3,
+                                                    "rank.sync_copy_max_bytes": 0}))
     assert run.returncode == 0, run.stderr[-3000:]
     ckpts = tmp_path / "j" / "checkpoints"
     checked = 0
@@ -157,7 +157,7 @@ def test_handoff_error_is_reported_and_training_keeps_checkpointing(reference, t
     ref_run, ref_state = reference
     run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", *ARGS,
                      "--out", "got.pt"], cwd=tmp_path,
-                    env={"CFRUN_TEST_SNAPSHOT_HANDOFF_ERROR": "30"})
+                    env=faults.arm({}, **{"rank.snapshot_handoff_error": 30}))
     assert run.returncode == 0, run.stderr[-3000:]
     [lost] = run.events("persist_lost")
     assert lost["step"] >= 30 and "TypeError" in lost["error"]

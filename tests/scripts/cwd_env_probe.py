@@ -7,7 +7,13 @@ import sys
 import torch
 import torch.nn as nn
 
-attempt = os.environ.get("CFRUN_RANK_ATTEMPT")
+
+def cfrun_attempt() -> str:
+    """cfrun's attempt number, read afresh (a module variable is restored on resume)."""
+    return str(json.loads(os.environ["CFRUN_RANK_SETTINGS"])["attempt"])
+
+
+attempt = cfrun_attempt()
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"cwd": os.getcwd(), "omp": os.environ.get("OMP_NUM_THREADS"),
                         "attempt": attempt}) + "\n")
@@ -16,6 +22,6 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for it in range(10):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    if it + 1 == 7 and os.environ.get("CFRUN_RANK_ATTEMPT") == "0":
+    if it + 1 == 7 and cfrun_attempt() == "0":
         raise ValueError("fails once")
 print("FINAL done")

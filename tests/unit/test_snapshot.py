@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from cfrun.contract import ipc
+from cfrun.contract import faults, ipc
 from cfrun.rank import snapshot as S
 from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.codec.format import encode
@@ -52,8 +52,9 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     job_dir = tmp_path / "job"
     (job_dir / "checkpoints").mkdir(parents=True)
     monkeypatch.setenv(S.ENV_SHM_DIR, str(tmp_path / "shm"))
-    for name in (S.ENV_SNAPSHOT_MODE, S.ENV_TEST_SYNC_COPY_MAX_BYTES, S.ENV_TEST_COPY_DELAY_S):
+    for name in (S.ENV_SNAPSHOT_MODE, faults.ENV):
         monkeypatch.delenv(name, raising=False)
+    faults.reset()
     agent = subprocess.Popen([sys.executable, "-m", "cfrun.agent", "--job-dir", str(job_dir),
                               "--keep", "100"])
     deadline = time.monotonic() + 30
@@ -79,6 +80,7 @@ class Rank:
         self.snap = S.Snapshotter(job_dir, 0, 1, 0, self.events.append,
                                   lambda step, error: self.lost.append((step, error)))
         assert self.snap.ready(timeout_s=30)
+        self.handle: S.SnapshotHandle | None = None
 
     def start(self, step: int, state: dict[str, torch.Tensor], async_names: set[str]) -> float:
         """Snapshot ``state`` as the state after step ``step``; returns seconds start() took."""
@@ -86,7 +88,8 @@ class Rank:
         tree = encode(state, tensors)
         async_ids = {id(state[k]) for k in async_names}
         t0 = time.perf_counter()
-        self.snap.start(step, tree, tensors, async_ids, {"step": step}, time.time(), t0)
+        self.handle = self.snap.start(step, tree, tensors, async_ids, {"step": step}, time.time(),
+                                      t0)
         return time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -101,7 +104,8 @@ class Rank:
 
 def test_handoff_error_is_reported_and_later_checkpoints_still_happen(job, monkeypatch):
     """An unexpected exception in the background thread (here from sending the hand-off) clears
-    the in-flight flags, is reported once, and the next checkpoint commits."""
+    the in-flight flags, is reported once, is re-raised by the handle's wait(), and the next
+    checkpoint commits."""
     rank = Rank(job)
     real_send = ipc.send
     calls = []
@@ -119,8 +123,13 @@ def test_handoff_error_is_reported_and_later_checkpoints_still_happen(job, monke
     rank.wait()
     assert [s for s, _ in rank.lost] == [1] and "TypeError" in rank.lost[0][1]
     assert rank.snap.last_error is not None and "TypeError" in rank.snap.last_error
+    assert rank.handle is not None and rank.handle.done()
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        rank.handle.wait(5)
     w.add_(1.0)
     rank.start(2, {"w": w}, {"w"})
+    assert rank.handle is not None and rank.handle.step == 2
+    assert rank.handle.wait(60) is True  # committed
     rank.snap.gate()
     rank.wait()
     assert committed_steps(job / "checkpoints") == [2]
@@ -135,9 +144,13 @@ def test_copy_error_is_reported_and_flags_cleared(job):
     rank.start(1, {"w": w}, {"w"})
     rank.wait()
     bad_src = torch.randn(10)
-    rank.snap._background([(torch.empty(20), bad_src)], [], [], {"step": 5})  # shape mismatch
+    handle = S.SnapshotHandle(5)
+    rank.snap._background([(torch.empty(20), bad_src)], [], [], {"step": 5},  # shape mismatch
+                          handle)
     assert [s for s, _ in rank.lost] == [5] and "copy" in rank.lost[0][1]
     assert rank.snap.copy_done.is_set() and not rank.snap.busy()
+    with pytest.raises(RuntimeError):
+        handle.wait(0)
 
 
 # ---------------------------------------------------------------- CUDA (GPU only)

@@ -1,0 +1,336 @@
+"""Phase 3: steps, the trigger, and the boundary where a checkpoint is taken.
+
+The optimizer step hooks (installed by :mod:`cfrun.rank.install`) count steps. Every
+``interval`` steps (the tuner decides), at a preemption's stop step, or at an injected crash,
+the step *triggers*; the checkpoint is then taken at the next *boundary*: the next ``next()`` on
+the training DataLoader (loader loops) or the next arrival at the head of the loop around
+``optimizer.step()`` (step loops, found with a line tracer). At the boundary the iteration's
+remaining code (``scheduler.step()``, ``running_loss += ...``) has run and the next forward has
+not, so model, optimizer, scheduler, RNG, data position and script variables all describe the
+same moment: right after step s (CheckFreq §4.3's consistency point, extended to the script's
+own state). There the boundary captures (:mod:`cfrun.rank.capture`) and starts the snapshot
+(:mod:`cfrun.rank.snapshot`), whose copy the next ``optimizer.step()`` waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cfrun.contract import faults
+from cfrun.contract import settings as E
+from cfrun.contract.jobdir import JobDir
+from cfrun.rank import frames as F
+from cfrun.rank.capture import Capture
+from cfrun.rank.data import loader_fingerprint
+from cfrun.rank.log import NotExact, say
+from cfrun.rank.preemption import Marks, Preemption
+from cfrun.rank.resume import Resume
+from cfrun.rank.settings import RankSettings
+from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
+from cfrun.rank.tuner import Tuner
+
+Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
+"""``Guard.wrap`` (:mod:`cfrun.rank.install`): a hook made safe for the user's script."""
+
+
+class Boundary:
+    """Counts steps, triggers checkpoints and takes them at the boundary. Training thread,
+    except :meth:`on_persisted` and :meth:`on_lost` (the snapshot's background thread).
+
+    Args:
+        wrap: guards the boundary (it also runs from a line tracer, outside every other hook).
+    """
+
+    def __init__(self, settings: RankSettings, jobdir: JobDir, capture: Capture,
+                 snap: Snapshotter, tuner: Tuner, resume: Resume, preemption: Preemption,
+                 marks: Marks, not_exact: NotExact, wrap: Wrap) -> None:
+        self.s = settings
+        self.jobdir = jobdir
+        self._capture = capture
+        self._snap = snap
+        self._tuner = tuner
+        self._resume = resume
+        self._preemption = preemption
+        self._marks = marks
+        self._not_exact = not_exact
+        self._flag = not_exact.flag
+        self.step = 0
+        """Optimizer steps completed (the checkpoint's name); restored on resume."""
+        self.mode: str | None = None
+        """``loader``: the boundary is the training loader's ``next()``; ``loop``: the head of
+        the loop around ``optimizer.step()``; None before the first step."""
+        self._last_next_iter: weakref.ref[Any] | None = None
+        self._next_since_step = False
+        self._train_iter: weakref.ref[Any] | None = None
+        self._pending: tuple[int, bool, bool] | None = None
+        """(step, due, kill) of the trigger waiting for its boundary."""
+        self._loop: F.LoopInfo | None = None
+        self._stopping = False
+        self._deferred_from: int | None = None
+        """Step whose due checkpoint was deferred (previous persist in flight), if any."""
+        self._done_records: list[dict[str, Any]] = []
+        self._step_t0 = 0.0
+        self._checked_bytes = False
+        self._boundary = wrap("the checkpoint boundary", self._at_boundary)
+        # fault points (cfrun.contract.faults), read once: None in every real run
+        kill_after = faults.value("rank.kill_after_snapshot")
+        self._hold_from = (int(kill_after) if kill_after is not None and settings.attempt == 0
+                           else None)
+        self._stall = _parse_stall(faults.value("rank.checkpoint_stall_s"))
+
+    # ---------------------------------------------------------------- steps
+
+    def on_before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
+        self._snap.gate()
+        self._step_t0 = time.perf_counter()
+
+    def on_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step post-hook (``register_optimizer_step_post_hook``)."""
+        if self._preemption.preempted:
+            self._preemption.end_now()
+        count = opt.__dict__.get("_cfrun_steps", 0) + 1
+        opt.__dict__["_cfrun_steps"] = count
+        tuner = self._tuner
+        if tuner.phase == "profiling" and self._step_t0:
+            tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
+        if count <= self.step:  # a second optimizer in the same iteration (GAN)
+            return
+        if self._resume.awaiting_loader:
+            # the epoch was jumped to, yet training goes on without the checkpoint's loader
+            self._resume.loader_missing()
+        self.step = count
+        if self._next_since_step and self._last_next_iter is not None:
+            self._train_iter = self._last_next_iter
+            self.mode = "loader"
+        elif self.mode is None:
+            self.mode = "loop"
+        self._next_since_step = False
+        self._marks.beat(self.step)
+        while self._done_records:  # checkpoint results from the snapshot thread
+            rec = self._done_records.pop(0)
+            tuner.on_checkpoint_done(int(rec["step"]), rec)
+        tuner.on_step(self.step, self._snap.inflight_step)
+        if self.s.profile_only and tuner.done_profiling:
+            say("profiling done; stopping the script (cfrun profile)")
+            raise SystemExit(0)
+        due = tuner.due(self.step) or (self._pending is not None and self._pending[1])
+        kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
+        stop = self._preemption.stop_due(self.step)
+        if not (due or kill or stop):
+            return
+        self._pending = (self.step, due, kill or (self._pending is not None and self._pending[2]))
+        self._stopping = stop
+        if self.mode == "loop":
+            self._arm_loop_boundary()
+
+    def restore(self, step: int, mode: str) -> None:
+        """Resume: the checkpoint of ``step``, taken in ``mode``, was restored; count on."""
+        self.step = step
+        self.mode = mode
+
+    def cancel(self) -> None:
+        """Forget a trigger waiting for its boundary (cfrun turned itself off)."""
+        self._pending = None
+
+    # ---------------------------------------------------------------- the loader boundary
+
+    def on_loader_next(self, it: Any, caller: types.FrameType) -> None:
+        """Called before every ``next()`` on a tracked DataLoader iterator."""
+        if self._preemption.preempted:
+            self._preemption.end_now()
+        if self._resume.fixing_enumerate:
+            self._resume.on_next(it)
+        self._last_next_iter = weakref.ref(it)
+        self._next_since_step = True
+        if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
+                and self._train_iter() is it):
+            loader = it._cfrun_loader
+            if not _is_for_header(caller):
+                self._flag("the training DataLoader is advanced with next() outside a for "
+                           "statement; its position resumes, the loop around it may not")
+            epoch_loop, epoch_value = self._epoch_loop(caller)
+            data = {
+                "loader": loader._cfrun_ordinal,
+                "fingerprint": loader_fingerprint(loader),
+                "iter_index": it._cfrun_iter_index,
+                "batches": it._cfrun_consumed,
+                "epoch_rng": loader._cfrun_epoch_rng,
+                "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
+                "epoch_value": epoch_value,
+            }
+            if loader._dataset_kind != 0:  # _DatasetKind.Iterable
+                self._flag("the training DataLoader reads an IterableDataset; cfrun cannot skip "
+                           "to the batch position inside an epoch")
+            self._boundary(caller, data)
+
+    def _epoch_loop(self, caller: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
+        """The loop around the training loader's ``for`` (the epoch loop) and its variable."""
+        frames = F.script_frames(caller, self.s.script)
+        loop, frame = None, None
+        if frames and frames[0] is caller:
+            loop, frame = F.find_loop(caller, outside=True), caller
+        if loop is None:
+            for f in frames[1:] if frames and frames[0] is caller else frames:
+                loop, frame = F.find_loop(f), f
+                if loop is not None:
+                    break
+        if loop is None or frame is None:
+            return None, None
+        value = frame.f_locals.get(loop.target) if loop.target else None
+        if loop.kind == "for_range" and type(value) is not int:
+            return F.LoopInfo(loop.code, loop.header_line, loop.body_line, "for_other",
+                              loop.target), None
+        return loop, value
+
+    # ---------------------------------------------------------------- the loop boundary
+
+    def _arm_loop_boundary(self) -> None:
+        frames = F.script_frames(sys._getframe(2), self.s.script)
+        loop_frame, loop = None, None
+        for f in frames:
+            loop = F.find_loop(f)
+            if loop is not None:
+                loop_frame = f
+                break
+        if loop_frame is None or loop is None or sys.gettrace() is not None:
+            self._flag("no loop around optimizer.step() was found in the script (or a tracer "
+                       "is active); script variables are captured at the step")
+            self._loop = None
+            self._boundary(frames[0] if frames else sys._getframe(2), None)
+            return
+        self._loop = loop
+        targets = (loop.header_line, loop.body_line)
+
+        def tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno in targets:
+                sys.settrace(None)
+                frame.f_trace = None
+                self._boundary(frame, None)
+                return None
+            return tracer
+
+        sys.settrace(_ignore_calls)
+        loop_frame.f_trace = tracer
+        loop_frame.f_trace_lines = True
+
+    # ---------------------------------------------------------------- at the boundary
+
+    def _at_boundary(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
+        if self._pending is None:
+            return
+        step, due, kill = self._pending
+        self._pending = None
+        if due and not self._stopping:
+            try:
+                # one rank defers a due checkpoint by one boundary at most (then waits for the
+                # previous persist), so no more than K+1 iterations separate two checkpoints
+                may_defer = self._deferred_from is None or self._tuner.phase == "profiling"
+                if self.checkpoint(self.step, frame, data, may_defer=may_defer) is None:
+                    self._pending = (step, True, False)  # previous one in flight: next boundary
+                    if self._deferred_from is None:
+                        self._deferred_from = step
+                else:
+                    self._deferred_from = None
+            except Exception as e:  # never break the user's job
+                say(f"WARNING: checkpoint at step {step} failed: {e!r}")
+                self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
+                                       rank=self.s.rank)
+        if self._stopping:
+            self._pending = None
+            self._preemption.stop_now(self.step, lambda: self.checkpoint(self.step, frame, data))
+        if kill:
+            say(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None,
+                   *, may_defer: bool = True) -> SnapshotHandle | None:
+        """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
+
+        Capture, snapshot into shared memory, hand off to the node's persist agent (two-phase;
+        :mod:`cfrun.rank.snapshot`). With one rank and ``may_defer``, returns None, taking
+        nothing, while the previous checkpoint is still in flight (the caller retries at the
+        next boundary); otherwise waits for it (several ranks must checkpoint the same steps).
+        Returns the snapshot's handle. Raises what capture or the snapshot's start raise.
+        """
+        t0 = time.perf_counter()
+        hold = self._hold_from is not None and step >= self._hold_from
+        if self._snap.busy():
+            if self.s.world_size == 1 and may_defer and not hold:
+                return None
+            self._snap.wait_idle()
+        t_trigger = time.time()
+        tree, tensors, async_ids = self._capture.capture(frame, data)
+        meta = {
+            "step": step,
+            "mode": self.mode,
+            "loop": self._loop.to_json() if self._loop else None,
+            "epoch": data["iter_index"] if data else None,
+            "batches": data["batches"] if data else None,
+            "not_exact": list(self._not_exact.reasons),
+            "world_size": self.s.world_size,
+        }
+        if not self._checked_bytes:
+            self._checked_bytes = True
+            self._tuner.check_state_bytes(int(tree["model_bytes"]))
+        self._snap.use_mode(self._tuner.mode_for(step))  # also records the step for the tuner
+        handle = self._snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
+        if self._stall is not None and self._stall[1] <= step < self._stall[2]:
+            time.sleep(self._stall[0])
+        if hold:  # the snapshot thread SIGKILLs the rank right after the hand-off
+            self._snap.wait_idle()
+        return handle
+
+    # ---------------------------------------------------------------- results (snapshot thread)
+
+    def on_persisted(self, fields: dict[str, Any]) -> None:
+        """A checkpoint committed: its figures go to the tuner (at the next step, on the
+        training thread) and, from rank 0, to a ``checkpoint`` event."""
+        self._done_records.append(fields)  # for the tuner, on the training thread
+        if self.s.rank == 0:
+            self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
+                                   persist="agent", **fields)
+        elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
+            self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
+                                   **fields)
+
+    def on_lost(self, step: int, error: str) -> None:
+        """A checkpoint's copy or hand-off failed (the agent was unreachable or died)."""
+        say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")
+        self.jobdir.emit_event("persist_lost", step=step, rank=self.s.rank, error=error)
+
+
+def _parse_stall(spec: Any) -> tuple[float, int, int] | None:
+    """Fault point ``rank.checkpoint_stall_s``: ``"SECONDS@FIRST-LAST"`` -> its three numbers."""
+    if not spec:
+        return None
+    seconds, _, span = str(spec).partition("@")
+    first, _, last = span.partition("-")
+    return float(seconds), int(first), int(last)
+
+
+def _ignore_calls(frame: types.FrameType, event: str, arg: Any) -> None:
+    return None
+
+
+def _is_for_header(frame: types.FrameType) -> bool:
+    import ast
+
+    tree = F._parse(os.path.realpath(frame.f_code.co_filename))
+    if tree is None:
+        return True
+    return any(isinstance(n, ast.For) and n.lineno == frame.f_lineno for n in ast.walk(tree))

@@ -1,0 +1,98 @@
+"""Phase 4: what a checkpoint holds, taken at the boundary after step s.
+
+One JSON tree per rank (``modules``, ``optimizers``, ``opt_steps``, ``schedulers``, ``scalers``,
+``rng``, ``data``: the training loader's position, ``script``: the script's own variables, and
+with DDP the ``sharded`` layout), its tensors in a flat list (live, not copied: the snapshot
+copies them), and which of those only ``optimizer.step()`` mutates (they may be copied after the
+boundary, in the background). The codec (:mod:`cfrun.codec.format`) turns values into the tree;
+:mod:`cfrun.rank.frames` reads the script's frames; :mod:`cfrun.rank.rng` the global RNGs.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cfrun.codec.format import UnsupportedValueError, encode
+from cfrun.codec.sharding import shard_replicated
+from cfrun.contract import settings as E
+from cfrun.rank import frames as F
+from cfrun.rank.discovery import Discovery
+from cfrun.rank.rng import get_global_rng
+from cfrun.rank.settings import RankSettings
+
+
+class Capture:
+    """Turns the rank's live state into a checkpoint tree. Training thread only."""
+
+    def __init__(self, settings: RankSettings, found: Discovery,
+                 flag: Callable[[str], None]) -> None:
+        self.s = settings
+        self.found = found
+        self._flag = flag
+
+    def capture(self, frame: types.FrameType, data: dict[str, Any] | None
+                ) -> tuple[dict[str, Any], list[torch.Tensor], set[int]]:
+        """The rank's state right after the current step: a JSON tree, its tensors (live, not
+        copied), and the ids of those only ``optimizer.step()`` mutates (parameters, optimizer
+        state). ``frame`` is the innermost frame at the boundary (the script's frames are found
+        from it outwards); ``data`` the training loader's position, or None in a step loop."""
+        roots = self.found.model_roots()
+        opts = self.found.optimizers()
+        tensors: list[torch.Tensor] = []
+        # only optimizer.step() changes these: they may be copied after the boundary
+        async_ids = {id(p) for m in roots for p in m.parameters()}
+        async_ids |= {id(v) for o in opts for st in o.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor)}
+        tree: dict[str, Any] = {
+            "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
+            "optimizers": encode([o.state_dict() for o in opts], tensors),
+            "model_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self.found.optimizers()],
+            "rng": encode(get_global_rng(), tensors),
+            "data": encode(data, tensors),
+        }
+        for kind, objs in (("schedulers", self.found.schedulers()),
+                           ("scalers", self.found.scalers())):
+            items = []
+            for obj in objs:
+                try:
+                    items.append(encode(obj.state_dict(), tensors))
+                except UnsupportedValueError as e:
+                    self._flag(f"{type(obj).__name__} state cannot be stored ({e})")
+                    items.append(None)
+            tree[kind] = items
+        frames = F.script_frames(frame, self.s.script)
+        saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
+        saved |= self.found.wrappers  # the script's `model = DDP(net)` is saved
+        cap = F.capture_frames(frames, tensors, saved)
+        for name in cap.skipped:
+            self._flag(f"script variable {name} cannot be stored")
+        tree["script"] = cap.records
+        layout = self._shard(tensors, async_ids)
+        if layout:
+            tree["sharded"] = layout
+        return tree, tensors, async_ids
+
+    def _shard(self, tensors: list[torch.Tensor], async_ids: set[int]) -> list[dict[str, Any]]:
+        """DeepFreeze 1/N (cfrun.codec.sharding): with DDP, keep only this rank's slice of each
+        large parameter and of its optimizer state. ``CFRUN_SHARD=0`` turns it off (every rank
+        then persists everything; ``rank0``: rank 0 persists the replicated tensors alone; both
+        for bench/sharded_persist.py)."""
+        replicated = self.found.replicated_params
+        how = os.environ.get(E.SHARD, "1")
+        if self.s.world_size < 2 or not replicated or how == "0":
+            return []
+        ids = set(replicated)
+        for o in self.found.optimizers():
+            for p, st in o.state.items():
+                if id(p) in replicated:
+                    ids |= {id(v) for v in st.values() if isinstance(v, torch.Tensor)}
+        layout, views = shard_replicated(tensors, ids, self.s.rank, self.s.world_size,
+                                         rank0_only=how == "rank0")
+        async_ids |= {v for v, orig in views.items() if orig in async_ids}
+        return layout

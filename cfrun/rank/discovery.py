@@ -1,0 +1,129 @@
+"""Phase 2 (after install): what the script built, found without its help.
+
+The install phase wraps the ``__init__`` of torch's ``Optimizer``, ``LRScheduler``,
+``ReduceLROnPlateau`` and ``GradScaler`` and of ``DataLoader`` (:mod:`cfrun.rank.data`); each new
+object registers here, in creation order (the same in every run of the same script). The models
+are not registered: they are found when a checkpoint needs them, as the outermost modules that
+own the optimizers' parameters (:meth:`Discovery.model_roots`).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Discovery:
+    """The script's optimizers, schedulers, AMP scalers, DataLoaders and models, weakly held.
+
+    Training thread only. ``flag`` reports a reason the resume may not be exact
+    (:meth:`cfrun.rank.log.NotExact.flag`).
+    """
+
+    def __init__(self, flag: Callable[[str], None]) -> None:
+        self._flag = flag
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._schedulers: list[weakref.ref[Any]] = []
+        self._scalers: list[weakref.ref[Any]] = []
+        self._loaders: list[weakref.ref[Any]] = []
+        self._roots: list[torch.nn.Module] = []
+        self._roots_key: int = -1
+        self.replicated_params: set[int] = set()
+        """ids of the parameters of DistributedDataParallel models (every rank holds them
+        identically: DeepFreeze 1/N sharding applies). Set by :meth:`model_roots`."""
+        self.wrappers: set[int] = set()
+        """ids of the outermost modules, DDP and ``torch.compile`` wrappers included (a script's
+        ``model = DDP(net)`` counts as saved). Set by :meth:`model_roots`."""
+
+    # ---------------------------------------------------------------- registration (__init__)
+
+    def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self._optimizers.append(weakref.ref(opt))
+
+    def register_scheduler(self, sched: Any) -> None:
+        self._schedulers.append(weakref.ref(sched))
+
+    def register_scaler(self, scaler: Any) -> None:
+        self._scalers.append(weakref.ref(scaler))
+
+    def register_loader(self, loader: Any) -> int:
+        """Returns the loader's creation ordinal (its name in checkpoints)."""
+        self._loaders.append(weakref.ref(loader))
+        return len(self._loaders) - 1
+
+    # ---------------------------------------------------------------- the live objects
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The live optimizers, in creation order."""
+        return _alive(self._optimizers)
+
+    def schedulers(self) -> list[Any]:
+        """The live LR schedulers, in creation order."""
+        return _alive(self._schedulers)
+
+    def scalers(self) -> list[Any]:
+        """The live AMP GradScalers, in creation order."""
+        return _alive(self._scalers)
+
+    def model_roots(self) -> list[torch.nn.Module]:
+        """Modules that own the optimizers' parameters, outermost only, unwrapped from DDP.
+
+        Ordered by the position of their first parameter in the optimizers' param groups, which
+        is the same in every run of the same script. Found once by a scan of live objects
+        (``gc.get_objects``) and cached until the optimizers' parameters change.
+        """
+        order: dict[int, int] = {}
+        for opt in self.optimizers():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    order.setdefault(id(p), len(order))
+        key = hash(tuple(order))
+        if key == self._roots_key:
+            return self._roots
+        with warnings.catch_warnings():  # isinstance() on deprecated torch proxies warns
+            warnings.simplefilter("ignore")
+            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        children = {id(c) for m in mods for c in m._modules.values() if c is not None}
+        ranked = []
+        for m in mods:
+            if id(m) in children:
+                continue
+            first = min((order[id(p)] for p in m.parameters() if id(p) in order), default=None)
+            if first is not None:
+                ranked.append((first, m))
+        ranked.sort(key=lambda x: x[0])
+        # data-parallel replicas: every rank holds these parameters identically (DeepFreeze 1/N)
+        self.replicated_params = {id(p) for _, m in ranked
+                                  if type(m).__name__ == "DistributedDataParallel"
+                                  for p in m.parameters()}
+        for _, m in ranked:
+            if type(m).__name__ == "FullyShardedDataParallel" or any(
+                    type(p).__name__ == "DTensor" for p in m.parameters()):
+                self._flag("FSDP / DTensor parameters: each rank's state_dict() is saved as it "
+                           "is; a resume needs the same world size and sharding (README)")
+        self.wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
+        self._roots = [_unwrap(m) for _, m in ranked]
+        self._roots_key = key
+        return self._roots
+
+
+def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
+    return [o for o in (r() for r in refs) if o is not None]
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    while True:
+        inner = getattr(m, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, torch.nn.Module):
+            m = inner
+            continue
+        if type(m).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+                getattr(m, "module", None), torch.nn.Module):
+            m = m.module  # type: ignore[assignment]
+            continue
+        return m

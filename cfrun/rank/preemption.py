@@ -1,0 +1,258 @@
+"""Phase 7: the rank's side of supervision: heartbeats, marks, and stopping for a preemption.
+
+Files a rank writes into the job dir for its supervisor (:class:`Marks`):
+
+* ``heartbeat-rank-R``: the step count, rewritten every step (hang detection);
+* ``errors/attempt-A-rank-R.json``: an uncaught exception (crash-loop detection, the report);
+* ``ended/node-N-attempt-A-rank-R.json``: the script's end (``clean`` or not) before teardown;
+* ``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption;
+* ``fatal.json``: resuming would be wrong; the job must stop (exit code 5).
+
+A preemption (SIGTERM to cfrun) is agreed on by the ranks through three files
+(:class:`Preemption`): the supervisor writes ``stop_request.json`` with the grace deadline,
+rank 0 picks the stop step (``stop_step.json``) and decides whether a final checkpoint fits
+(``stop_decision.json``); every rank follows, so either all ranks hand their shard to the agent
+or none does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.rank.log import say
+from cfrun.rank.settings import RankSettings
+from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+class Marks:
+    """Writes the files the supervisor reads about this rank (training thread, excepthook and
+    atexit of the rank process). Never raises for a failed write, except :meth:`fatal`, which
+    ends the process."""
+
+    def __init__(self, settings: RankSettings, jobdir: JobDir) -> None:
+        self.s = settings
+        self.jobdir = jobdir
+        self._hb_fd: int | None = None
+        self._uncaught = False
+        self._exit_code: int = 0
+
+    def beat(self, step: int) -> None:
+        """Heartbeat for the supervisor's hang detection: the step count, rewritten each step."""
+        try:
+            if self._hb_fd is None:
+                path = self.jobdir.root / f"heartbeat-rank-{self.s.rank:05d}"
+                self._hb_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._hb_fd, f"{step:>14}\n".encode(), 0)
+        except OSError:
+            pass
+
+    def record_error(self, exc_type: Any, exc: Any, tb: Any, step: int) -> None:
+        """sys.excepthook: record the uncaught error for the supervisor (crash-loop detection,
+        the report). ``SystemExit`` is not an error."""
+        if exc_type is SystemExit:
+            return
+        self._uncaught = True
+        errors = self.jobdir.root / "errors"
+        try:
+            errors.mkdir(exist_ok=True)
+            atomic_write_json(errors / f"attempt-{self.s.attempt}-rank-{self.s.rank}.json", {
+                "type": exc_type.__name__, "message": str(exc)[:2000], "step": step,
+                "t_unix_s": time.time(),  # the supervisor reports the earliest failure
+                "traceback": traceback.format_exception(exc_type, exc, tb)[-12:]})
+        except OSError:
+            pass
+
+    def note_exit(self, status: Any) -> None:
+        """``sys.exit(status)`` was called: remember the exit code for :meth:`mark_end`."""
+        self._exit_code = 0 if status is None else status if isinstance(status, int) else 1
+
+    def mark_end(self, step: int, preempted: bool) -> None:
+        """The script's end on this rank, written before interpreter teardown: ``clean`` when
+        it returned (or called ``sys.exit(0)``) with no uncaught exception. The supervisor
+        counts an attempt whose ranks all ended clean as a success even if a rank then died
+        in teardown: torch 2.13 with gloo aborts in C++ destructors at exit now and then
+        ("terminate called without an active exception", SIGABRT), and restarting a finished
+        job would only run its tail again."""
+        clean = not self._uncaught and self._exit_code == 0 and not preempted
+        try:
+            ended = self.jobdir.root / "ended"
+            ended.mkdir(exist_ok=True)
+            atomic_write_json(ended / f"node-{self.s.node_rank}-attempt-{self.s.attempt}-rank-"
+                                      f"{self.s.rank}.json", {"clean": clean, "step": step,
+                                       "preempted": preempted})
+        except OSError:
+            pass
+
+    def mark_preempted(self, step: int, committed: int | None) -> None:
+        """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption
+        (the supervisor's evidence that exit code 0 means "preempted", not "done")."""
+        try:
+            marks = self.jobdir.root / "preempted"
+            marks.mkdir(exist_ok=True)
+            atomic_write_json(marks / f"node-{self.s.node_rank}-attempt-{self.s.attempt}-rank-"
+                                      f"{self.s.rank}.json",
+                              {"step": step, "final_checkpoint": committed})
+        except OSError:
+            pass
+        _flush_std_streams()
+
+    def fatal(self, message: str) -> NoReturn:
+        """Stop the job: the resume would be wrong. The supervisor exits with code 5."""
+        say(f"FATAL: {message}")
+        try:
+            atomic_write_json(self.jobdir.root / "fatal.json",
+                              {"message": message, "attempt": self.s.attempt, "rank": self.s.rank})
+        finally:
+            os._exit(1)
+
+
+class Preemption:
+    """The ranks' agreement on where to stop after a SIGTERM, and the stop itself.
+
+    Training thread: :meth:`stop_due` once per step, :meth:`stop_now` at the stop step's
+    boundary, :attr:`preempted` checked by every hook afterwards (:meth:`end_now`).
+    """
+
+    def __init__(self, settings: RankSettings, jobdir: JobDir, snap: Snapshotter,
+                 marks: Marks) -> None:
+        self.s = settings
+        self.jobdir = jobdir
+        self.snap = snap
+        self.marks = marks
+        self._stop_step: int | None = None
+        self._deadline_unix_s: float | None = None
+        self.preempted = False
+        """True once this rank stopped for a preemption (its hooks then end the process)."""
+
+    @property
+    def deadline_unix_s(self) -> float | None:
+        """The grace deadline of a requested stop (unix seconds), None when none was seen."""
+        return self._deadline_unix_s
+
+    def stop_due(self, step: int) -> bool:
+        """True at the step where every rank stops for a preemption (SIGTERM to cfrun).
+
+        The supervisor writes ``stop_request.json`` (with the grace deadline). Rank 0 picks the
+        stop step, a little ahead so that ranks one step behind reach it too, and writes it to
+        ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``).
+        """
+        if self._stop_step is None:
+            req_path = self.jobdir.root / "stop_request.json"
+            if not req_path.exists():
+                return False
+            if self._deadline_unix_s is None:
+                try:
+                    self._deadline_unix_s = float(
+                        json.loads(req_path.read_text())["deadline_unix_s"])
+                except (OSError, ValueError, KeyError):
+                    return False
+            step_path = self.jobdir.root / "stop_step.json"
+            if self.s.world_size == 1:
+                self._stop_step = step
+            elif self.s.rank == 0:
+                self._stop_step = step + 2
+                atomic_write_json(step_path, {"step": self._stop_step})
+            else:
+                try:
+                    self._stop_step = int(json.loads(step_path.read_text())["step"])
+                except (OSError, ValueError, KeyError):
+                    return False
+            say(f"preemption: stopping at step {self._stop_step}")
+        return step >= self._stop_step
+
+    def stop_now(self, step: int, take: Callable[[], SnapshotHandle | None]) -> NoReturn:
+        """Every rank, at the stop step's boundary: the final checkpoint (all ranks or none,
+        ``take()`` starts it), a ``preempted`` mark, then the end of the script with exit code 0.
+
+        Rank 0 decides once whether a final checkpoint can be durable before the grace
+        deadline (:meth:`_decision`, shared through ``stop_decision.json``); every rank
+        follows it, so either all ranks hand their shard to the agent or none does (the agent
+        commits a step only with every rank's shard). Exit code 0, not 75: torchrun SIGTERMs
+        the remaining ranks as soon as one rank exits non-zero, which would kill a rank still
+        waiting for the final commit. The supervisor turns the marks into exit code 75 and the
+        one ``preempted`` event. ``SystemExit`` unwinds the script, so its code after the
+        training loop does not run (its ``finally`` blocks do); a script that swallows it is
+        ended at its next optimizer step or batch (:meth:`end_now`).
+        """
+        deadline = self._deadline_unix_s or time.time()
+        # an in-flight persist first: it may be the stop step's
+        self.snap.wait_idle(max(0.0, deadline - time.time() - 0.5))
+        decision = self._decision(step, deadline)
+        committed = step if decision == "have" else None
+        if decision == "take":
+            try:
+                if self.snap.busy():
+                    self.snap.wait_idle(max(0.0, deadline - time.time() - 0.2))
+                if not self.snap.busy():
+                    handle = take()
+                    if handle is not None and handle.wait(max(0.0, deadline - time.time() - 0.2)):
+                        committed = step
+            except Exception as e:
+                say(f"WARNING: final checkpoint failed: {e!r}")
+        last = self._last_committed_step()
+        if committed is not None:
+            say(f"preempted: final checkpoint at step {committed} is durable")
+        else:
+            say(f"preempted: no time for a final checkpoint within the grace period "
+                f"(needs ~{self._need_s():.1f}s); the newest committed checkpoint is step {last}")
+        self.preempted = True
+        self.marks.mark_preempted(step, committed)
+        self.marks.note_exit(0)
+        raise SystemExit(0)
+
+    def end_now(self) -> NoReturn:
+        """The script swallowed the stop's ``SystemExit`` and trains on: end it now."""
+        _flush_std_streams()
+        os._exit(0)
+
+    def _need_s(self) -> float:
+        """Seconds a final checkpoint needs to be durable (margin over the last one's cost)."""
+        return 1.5 * self.snap.last_cost_s + 0.5
+
+    def _decision(self, step: int, deadline: float) -> str:
+        """``"have"`` (the stop step is already committed), ``"take"`` (a final checkpoint
+        fits before ``deadline``, unix seconds) or ``"none"``. Rank 0 decides and writes
+        ``stop_decision.json``; the other ranks wait for it until the deadline (``"none"``
+        then: rank 0's checkpoint alone can never commit)."""
+        path = self.jobdir.root / "stop_decision.json"
+        if self.s.rank == 0:
+            if self._last_committed_step() == step:
+                decision = "have"
+            elif time.time() + self._need_s() < deadline and not self.snap.busy():
+                decision = "take"
+            else:
+                decision = "none"
+            atomic_write_json(path, {"step": step, "decision": decision,
+                                     "need_s": round(self._need_s(), 3)})
+            return decision
+        while True:
+            try:
+                doc = json.loads(path.read_text())
+                if int(doc["step"]) == step:
+                    return str(doc["decision"])
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.time() >= deadline:
+                return "none"
+            time.sleep(0.01)
+
+    def _last_committed_step(self) -> int | None:
+        from cfrun.codec.checkpoint import committed_steps
+
+        steps = committed_steps(self.jobdir.checkpoints)
+        return steps[0] if steps else None

@@ -1,0 +1,388 @@
+"""Phase 6: resume. Bring a restarted script to the moment right after the checkpoint's step.
+
+At install the rank loads the newest verified checkpoint (:meth:`Resume.load_plan`); the script
+then runs from its first line, and cfrun fast-forwards it to the checkpoint's boundary
+(README, "Resume semantics"):
+
+* **step loops** (the checkpoint was taken at the head of the loop around
+  ``optimizer.step()``): a tracer waits for the script to reach that loop head, restores
+  everything there and cuts the loop's ``range()`` to the remaining iterations;
+* **loader loops, jump** (the epoch loop is a ``for ... in range()`` or a ``while``): the epoch
+  loop's head is reached the same way and jumps to the checkpoint's epoch; the training
+  loader's next ``iter()`` restores the state and skips the consumed batches without loading
+  them;
+* **loader loops, replay** (any other epoch loop): completed epochs run without loading data and
+  with the script's output suppressed, until the training loader's ``iter()`` of the
+  checkpoint's epoch.
+
+Restoring (:meth:`Resume._apply`) loads models, optimizers, schedulers, scalers, RNG and the
+script's variables into the live objects and frames, then hands the step count back to the
+boundary phase.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import sys
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from cfrun.codec.checkpoint import WorldSizeChangedError, load_newest
+from cfrun.contract.jobdir import JobDir
+from cfrun.rank import frames as F
+from cfrun.rank.data import loader_fingerprint, set_epoch_rng
+from cfrun.rank.discovery import Discovery
+from cfrun.rank.log import say
+from cfrun.rank.rng import set_global_rng
+from cfrun.rank.settings import RankSettings
+
+
+@dataclass
+class ResumePlan:
+    """The newest verified checkpoint and where the script must arrive to restore it."""
+
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def mode(self) -> str:
+        return str(self.meta.get("mode", "loader"))
+
+
+class _NullWriter(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+class Resume:
+    """Loads the plan at install and restores it when the script arrives. Training thread.
+
+    Args:
+        flag: reports a reason the resume may not be exact (:meth:`cfrun.rank.log.NotExact.flag`).
+        fatal: stops the job for good (:meth:`cfrun.rank.preemption.Marks.fatal`).
+        restored: called with the checkpoint's step and mode once the state is restored (the
+            boundary phase counts on from there).
+    """
+
+    def __init__(self, settings: RankSettings, jobdir: JobDir, found: Discovery,
+                 flag: Callable[[str], None], fatal: Callable[[str], NoReturn],
+                 restored: Callable[[int, str], None]) -> None:
+        self.s = settings
+        self.jobdir = jobdir
+        self.found = found
+        self._flag = flag
+        self._fatal = fatal
+        self._restored = restored
+        self.plan: ResumePlan | None = None
+        self.resumed = False
+        """True once the plan was restored into the live objects."""
+        self.fast_forwarding = False
+        """True while completed epochs run without data (output suppressed)."""
+        self.awaiting_loader = False
+        """True between the jump to the checkpoint's epoch and the restore at its loader: an
+        optimizer step then means the training loader is gone (:meth:`loader_missing`)."""
+        self.fixing_enumerate = False
+        """True until the first ``next()`` on the restored loader iterator (:meth:`on_next`)."""
+        self._enum_fix: tuple[weakref.ref[Any], int] | None = None
+        self._kind = "replay"
+        self._jumped = False
+        self._saved_stdout: Any = None
+        self._warn_filters: Any = None
+        self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
+        self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
+
+    # ---------------------------------------------------------------- at install
+
+    def load_plan(self) -> None:
+        """Find the newest verified checkpoint and prepare to fast-forward to it."""
+        def skipped(step: int, error: Exception) -> None:
+            say(f"checkpoint step {step} failed verification ({error}); "
+                "falling back to the previous one")
+            if self.s.rank == 0:
+                self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
+
+        try:
+            got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
+                              world_size=self.s.world_size)
+        except WorldSizeChangedError as e:
+            self._fatal(f"{e}; run with the same --nnodes x --nproc-per-node ({e.saved} ranks), "
+                        "or start a new --job-dir (the checkpoints are kept)")
+        if got is None:
+            return
+        step, state, meta = got
+        self.plan = ResumePlan(step, state, meta)
+        say(f"resuming from checkpoint step {step}")
+        if self.plan.mode == "loop":
+            loop = F.LoopInfo.from_json(meta["loop"]) if meta.get("loop") else None
+            if loop is None or sys.gettrace() is not None:
+                self._flag("the checkpoint has no loop position (or a tracer is active); "
+                           "the step loop restarts")
+                return
+            self._arm_loop_resume(loop, self._arrive_step_loop)
+            return
+        data = state["data"]
+        epoch_loop = F.LoopInfo.from_json(data["epoch_loop"]) if data.get("epoch_loop") else None
+        if epoch_loop is not None and epoch_loop.kind in ("for_range", "while") \
+                and sys.gettrace() is None:
+            self._kind = "jump"
+            self._arm_loop_resume(epoch_loop, self._arrive_epoch_loop)
+        else:
+            self._kind = "replay"
+
+    # ---------------------------------------------------------------- DataLoader hooks
+
+    def on_loader_iter(self, loader: Any, n: int, start: Callable[[], Any]) -> Any:
+        """Called for ``iter(loader)``; ``n`` counts earlier ``iter()`` calls on this loader;
+        ``start()`` starts the epoch as without cfrun (:mod:`cfrun.rank.data`)."""
+        plan = self.plan
+        if plan is not None and not self.resumed and plan.mode == "loader" \
+                and self._kind == "jump":
+            saved = plan.state["data"]["fingerprint"]
+            got = loader_fingerprint(loader)
+            if self._jumped and got == saved:
+                return self._resume_at_loader(loader, n, sys._getframe(2), start)
+            if self._jumped and loader._cfrun_ordinal == plan.state["data"]["loader"] and (
+                    got["dataset_len"] == saved["dataset_len"]
+                    or got["batch_size"] == saved["batch_size"]):
+                self._loader_changed(saved, got)
+        elif plan is not None and not self.resumed and plan.mode == "loader":
+            data = plan.state["data"]
+            if loader._cfrun_ordinal == data["loader"]:
+                if loader_fingerprint(loader) != data["fingerprint"]:
+                    self._loader_changed(data["fingerprint"], loader_fingerprint(loader))
+                if n < data["iter_index"]:
+                    self.enter_fast_forward(data["iter_index"])
+                    return iter(())
+                if n == data["iter_index"]:
+                    return self._resume_at_loader(loader, n, sys._getframe(2), start)
+            elif self.fast_forwarding and self.ff_eval == "one":
+                it = start()  # one batch: cheap, and no division by an empty count
+                it._cfrun_iter_index = n
+                return itertools.islice(it, 1)
+        it = start()
+        it._cfrun_iter_index = n
+        return it
+
+    def on_next(self, it: Any) -> None:
+        """Before a ``next()`` while :attr:`fixing_enumerate`: the first one on the restored
+        iterator moves the script's ``enumerate()`` counter to the batches already consumed."""
+        if self._enum_fix is not None and self._enum_fix[0]() is it:
+            consumed = self._enum_fix[1]
+            self._enum_fix = None
+            self.fixing_enumerate = False
+            if consumed:  # False when no enumerate() wraps the loader: nothing to fix
+                F.fix_enumerate(it, consumed)
+
+    def loader_missing(self) -> NoReturn:
+        """An optimizer step after the jump to the checkpoint's epoch, before the training
+        loader's ``iter()``: the checkpoint's loader is not in this run. Stops the job."""
+        assert self.plan is not None
+        self._loader_changed(self.plan.state["data"]["fingerprint"], None)
+
+    def _loader_changed(self, saved: dict[str, Any] | None,
+                        got: dict[str, Any] | None) -> NoReturn:
+        """Stop (exit 5): the checkpoint's training DataLoader is not in this run."""
+        if got is None:
+            what = "was not iterated in the checkpoint's epoch before an optimizer step"
+        else:
+            what = "changed: " + ", ".join(
+                f"{k} {saved.get(k)} -> {v}" for k, v in got.items()
+                if saved is not None and saved.get(k) != v)
+        step = self.plan.step if self.plan is not None else "?"
+        self._fatal(f"the training DataLoader of checkpoint step {step} {what}; resume with the "
+                    "same script and arguments, or a new --job-dir")
+
+    def _resume_at_loader(self, loader: Any, n: int, caller: types.FrameType,
+                          start: Callable[[], Any]) -> Any:
+        plan = self.plan
+        assert plan is not None
+        data = plan.state["data"]
+        set_epoch_rng(loader, data["epoch_rng"])
+        n = data["iter_index"]  # epochs keep their numbers after a jump
+        object.__setattr__(loader, "_cfrun_iter_calls", n + 1)
+        loader.__dict__["_cfrun_skip"] = data["batches"]
+        loader.__dict__["_cfrun_skip_done"] = data["batches"]
+        it = start()
+        it._cfrun_iter_index = n
+        self._apply(plan, caller, in_tracer=False)
+        self._enum_fix = (weakref.ref(it), data["batches"])
+        self.fixing_enumerate = True
+        return it
+
+    # ---------------------------------------------------------------- arrival at a loop head
+
+    def _arm_loop_resume(self, loop: F.LoopInfo,
+                         arrive: Callable[[types.FrameType, F.LoopInfo], None]) -> None:
+        """Call ``arrive(frame, loop)`` when the script first reaches the head of ``loop``.
+
+        Uses ``sys.settrace`` until then: the global tracer only looks at the code object of
+        new frames and hands line events of the one matching function to a local tracer.
+        """
+        key = tuple(loop.code)
+        targets = (loop.header_line, loop.body_line)
+
+        def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno in targets:
+                sys.settrace(None)
+                frame.f_trace = None
+                try:
+                    arrive(frame, loop)
+                except Exception as e:
+                    say(f"WARNING: resume failed at the loop head: {e!r}")
+                return None
+            return local
+
+        def global_tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+            code = frame.f_code
+            if event == "call" and code.co_name == key[1] and code.co_firstlineno == key[2] \
+                    and os.path.realpath(code.co_filename) == key[0]:
+                return local
+            return None
+
+        sys.settrace(global_tracer)
+        f: types.FrameType | None = sys._getframe()
+        while f is not None:  # a loop at module level: its frame is already running
+            code = f.f_code
+            if code.co_name == key[1] and code.co_firstlineno == key[2] \
+                    and os.path.realpath(code.co_filename) == key[0]:
+                f.f_trace = local
+                f.f_trace_lines = True
+            f = f.f_back
+
+    def _arrive_step_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
+        assert self.plan is not None
+        self._apply(self.plan, frame, in_tracer=True)
+        if loop.kind == "for_range":
+            done = self._saved_value(loop)
+            self._install_range_shim(frame, lambda r: r[r.index(done) + 1:]
+                                     if done in r else None)
+        elif loop.kind == "for_other":
+            self._flag("the loop around optimizer.step() is a for loop over something "
+                       "other than range(); its position restarts")
+
+    def _arrive_epoch_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
+        """Jump the epoch loop to the checkpoint's epoch; skipped epochs never run."""
+        assert self.plan is not None
+        data = self.plan.state["data"]
+        records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
+        F.restore_frames(records, records, [frame], in_tracer=True)
+        if loop.kind == "for_range":
+            epoch = data["epoch_value"]
+            self._install_range_shim(frame, lambda r: r[r.index(epoch):] if epoch in r else None)
+        self._jumped = True
+        self.awaiting_loader = not self.resumed
+        say(f"jumped to epoch index {data.get('epoch_value')} of the epoch loop "
+            f"(line {loop.header_line}); completed epochs are not run again")
+
+    def _saved_value(self, loop: F.LoopInfo) -> Any:
+        assert self.plan is not None
+        for rec in self.plan.state["script"]:
+            if rec["code"] == loop.code and loop.target in rec["values"]:
+                return rec["values"][loop.target]["v"]
+        return None
+
+    def _install_range_shim(self, frame: types.FrameType,
+                            cut: Callable[[range], range | None]) -> None:
+        """Make the next ``range(...)`` call in ``frame``'s module return ``cut(range(...))``.
+
+        Installed at the loop head before its ``range(...)`` is evaluated; removes itself on
+        first use. If ``cut`` returns ``None`` (the saved value is not in the range), the loop
+        runs unchanged and the resume is flagged.
+        """
+        import builtins
+
+        g = frame.f_globals
+        if "range" in g:
+            self._flag("the script defines its own range(); the loop position restarts")
+            return
+
+        def range_shim(*args: int) -> range:
+            g.pop("range", None)
+            r = builtins.range(*args)
+            got = cut(r)
+            if got is None:
+                self._flag("the loop's range() changed since the checkpoint")
+                return r
+            return got
+
+        g["range"] = range_shim
+
+    # ---------------------------------------------------------------- restore
+
+    def _apply(self, plan: ResumePlan, frame: types.FrameType, *, in_tracer: bool) -> None:
+        """Load the checkpoint into the live objects, RNG and script frames."""
+        st = plan.state
+        roots = self.found.model_roots()
+        opts = self.found.optimizers()
+        if len(roots) != len(st["modules"]) or len(opts) != len(st["optimizers"]):
+            self._fatal(f"the script built {len(roots)} models / {len(opts)} optimizers, the "
+                        f"checkpoint holds {len(st['modules'])} / {len(st['optimizers'])}; resume "
+                        "with the same script and arguments, or a new --job-dir")
+        with torch.no_grad():
+            for m, sd in zip(roots, st["modules"]):
+                m.load_state_dict(sd)
+        for o, sd, count in zip(opts, st["optimizers"], st["opt_steps"]):
+            o.load_state_dict(sd)
+            o.__dict__["_cfrun_steps"] = count
+        for kind, objs in (("schedulers", self.found.schedulers()),
+                           ("scalers", self.found.scalers())):
+            for obj, sd in zip(objs, st[kind]):
+                if sd is not None:
+                    obj.load_state_dict(sd)
+        set_global_rng(st["rng"])
+        restored = F.restore_frames(st["script"], st["script"],
+                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+        self._restored(plan.step, plan.mode)
+        self.resumed = True
+        self.awaiting_loader = False
+        self.exit_fast_forward()
+        say(f"resumed at step {plan.step} ({len(restored)} script variables restored)")
+        self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
+                               rank=self.s.rank, variables=sorted(restored))
+
+    # ---------------------------------------------------------------- fast-forward
+
+    def enter_fast_forward(self, epochs: int) -> None:
+        """Suppress the script's output while ``epochs`` completed epochs run without data."""
+        if self.fast_forwarding:
+            return
+        self.fast_forwarding = True
+        say(f"fast-forwarding {epochs} completed epoch(s) without loading data "
+            "(script output suppressed until the resume point)")
+        self._saved_stdout = sys.stdout
+        sys.stdout = _NullWriter()
+        self._warn_filters = warnings.filters[:]
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+
+    def exit_fast_forward(self) -> None:
+        """Give the script its stdout and warnings back (idempotent)."""
+        if self.fast_forwarding:
+            self.fast_forwarding = False
+            if self._saved_stdout is not None:
+                sys.stdout = self._saved_stdout
+                self._saved_stdout = None
+                warnings.filters[:] = self._warn_filters
+
+    def on_script_failed(self) -> None:
+        """The excepthook: a script that breaks while fast-forwarding with evaluation loaders cut
+        to one batch gets them in full in the next attempt (the ``ff_eval_run`` file)."""
+        if self.fast_forwarding and self.ff_eval == "one":
+            self.exit_fast_forward()
+            say("the script failed while fast-forwarding with evaluation loaders cut to one "
+                "batch; the next attempt runs them in full (fallback)")
+            self._ff_fallback_path.touch()
+
+    def warn_if_not_restored(self) -> None:
+        """At exit: say so if the script ended before it reached the checkpoint."""
+        if self.plan is not None and not self.resumed:
+            say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
+                "it was not restored")

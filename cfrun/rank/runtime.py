@@ -1,0 +1,117 @@
+"""The Runtime: what cfrun does inside each rank process, as one object holding the phases.
+
+One ``Runtime`` per rank, created by :func:`cfrun.rank.install.install` when the script imports
+torch. It builds the phase objects and wires them together; the hooks call the phases directly.
+In the order a step meets them:
+
+* :class:`~cfrun.rank.discovery.Discovery`: the script's optimizers, schedulers, scalers,
+  loaders and models;
+* :class:`~cfrun.rank.boundary.Boundary`: step counting, the trigger, the boundary;
+* :class:`~cfrun.rank.capture.Capture`: what a checkpoint holds;
+* :class:`~cfrun.rank.snapshot.Snapshotter`: the copy into shared memory and the hand-off to
+  the node's persist agent, which commits;
+* :class:`~cfrun.rank.resume.Resume`: on a restart, back to the checkpoint's moment;
+* :class:`~cfrun.rank.preemption.Preemption` and :class:`~cfrun.rank.preemption.Marks`: the
+  supervisor's side: stop requests, heartbeats, end and error marks;
+* :class:`~cfrun.rank.tuner.Tuner`: the interval and the copy mode.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from cfrun.contract.jobdir import JobDir
+from cfrun.rank.boundary import Boundary, Wrap
+from cfrun.rank.capture import Capture
+from cfrun.rank.discovery import Discovery
+from cfrun.rank.log import NotExact, say
+from cfrun.rank.preemption import Marks, Preemption
+from cfrun.rank.resume import Resume
+from cfrun.rank.settings import RankSettings
+from cfrun.rank.snapshot import Snapshotter
+from cfrun.rank.tuner import Tuner, fingerprint
+
+
+class Runtime:
+    """Per-rank checkpoint/resume machinery: the phases of one rank, wired together.
+
+    Lives on the training thread; not thread-safe (the snapshot's background thread only
+    reaches :meth:`Boundary.on_persisted` and :meth:`Boundary.on_lost`).
+
+    Args:
+        wrap: ``Guard.wrap`` of :mod:`cfrun.rank.install` (guards the boundary's tracer calls).
+    """
+
+    def __init__(self, settings: RankSettings, wrap: Wrap) -> None:
+        self.s = settings
+        self.jobdir = JobDir(settings.job_dir)
+        self.not_exact = NotExact(self.jobdir, settings.rank, lambda: self.boundary.step)
+        self.found = Discovery(self.not_exact.flag)
+        self.capture = Capture(settings, self.found, self.not_exact.flag)
+        self.snap = Snapshotter(settings.job_dir, settings.rank, settings.world_size,
+                                settings.attempt,
+                                lambda fields: self.boundary.on_persisted(fields),
+                                lambda step, error: self.boundary.on_lost(step, error))
+        self.marks = Marks(settings, self.jobdir)
+        self.preemption = Preemption(settings, self.jobdir, self.snap, self.marks)
+        self.resume = Resume(settings, self.jobdir, self.found, self.not_exact.flag,
+                             self.marks.fatal,
+                             lambda step, mode: self.boundary.restore(step, mode))
+        self.tuner = Tuner(self.jobdir, rank=settings.rank, world_size=settings.world_size,
+                           budget=settings.overhead, fixed_interval=settings.interval,
+                           mtbf_s=settings.mtbf_s, profile_only=settings.profile_only,
+                           key=fingerprint(settings.script, sys.argv[1:], settings.world_size))
+        self.boundary = Boundary(settings, self.jobdir, self.capture, self.snap, self.tuner,
+                                 self.resume, self.preemption, self.marks, self.not_exact, wrap)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.boundary.step
+
+    # ---------------------------------------------------------------- at install
+
+    def connect_agent(self) -> None:
+        """Connect to the node's persist agent (the supervisor started it) and wait until it has
+        committed what an earlier attempt of this rank handed it. If it does not answer, each
+        checkpoint tries again (and is reported lost if it still cannot)."""
+        if not self.snap.ready():
+            say("WARNING: the persist agent does not answer; each checkpoint tries again")
+
+    def load_plan(self) -> None:
+        """Find the newest verified checkpoint and prepare to fast-forward to it."""
+        self.resume.load_plan()
+
+    # ---------------------------------------------------------------- the process's end
+
+    def on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """sys.excepthook: record the error for the supervisor (crash-loop detection, report);
+        a script that breaks while fast-forwarding gets a fallback."""
+        self.marks.record_error(exc_type, exc, tb, self.boundary.step)
+        self.resume.on_script_failed()
+
+    def at_exit(self) -> None:
+        """atexit: the end mark, the script's stdout back, the last hand-off and persist."""
+        self.marks.mark_end(self.boundary.step, self.preemption.preempted)
+        self.resume.exit_fast_forward()
+        timeout_s = 60.0
+        deadline = self.preemption.deadline_unix_s
+        if self.preemption.preempted and deadline:  # the supervisor kills us then anyway
+            timeout_s = max(0.0, deadline - time.time())
+        self.snap.close(timeout_s)
+        if self.snap.last_error:
+            say(f"WARNING: last checkpoint problem: {self.snap.last_error}")
+        self.resume.warn_if_not_restored()
+
+    def on_disabled(self) -> None:
+        """cfrun failed inside a hook and turns itself off (``Guard.disable``): stop cfrun's
+        tracers, drop a pending trigger, give the script its stdout back, and let a copy in
+        flight finish (the step gate is off from now on)."""
+        tracer = sys.gettrace()
+        if getattr(tracer, "__module__", None) in ("cfrun.rank.boundary", "cfrun.rank.resume"):
+            sys.settrace(None)  # a boundary or resume tracer of cfrun's
+        self.boundary.cancel()
+        self.resume.exit_fast_forward()
+        self.snap.wait_copied(60.0)
