@@ -35,7 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from cfrun.codec.checkpoint import WorldSizeChangedError, load_newest
+from cfrun.codec.checkpoint import WorldSizeChangedError, check_like, load_newest
+from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank import frames as F
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
@@ -327,6 +328,14 @@ class Resume:
             self._fatal(f"the script built {len(roots)} models / {len(opts)} optimizers, the "
                         f"checkpoint holds {len(st['modules'])} / {len(st['optimizers'])}; resume "
                         "with the same script and arguments, or a new --job-dir")
+        try:  # the checksum cannot tell int32 from float32 bytes, nor a changed layer width
+            for i, (m, sd) in enumerate(zip(roots, st["modules"])):
+                check_like(sd, m.state_dict(), f"model {i}")
+            for i, (o, sd) in enumerate(zip(opts, st["optimizers"])):
+                check_like(sd, o.state_dict(), f"optimizer {i}")
+        except CheckpointCorruptError as e:
+            self._fatal(f"checkpoint step {plan.step} does not fit the script's objects: {e}; "
+                        "resume with the same script and model, or start a new --job-dir")
         with torch.no_grad():
             for m, sd in zip(roots, st["modules"]):
                 m.load_state_dict(sd)

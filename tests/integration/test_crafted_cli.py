@@ -193,3 +193,35 @@ def test_export_refuses_crafted_checkpoints(pristine: Path, tmp_path: Path, case
     _one_line(export.stderr, f"checkpoint step {CRAFTED} failed verification")
     assert needle in export.stderr and not (tmp_path / "out.pt").exists()
     assert _snapshot(jd) == before
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_a_dtype_lie_the_checksum_cannot_see(tmp_path: Path) -> None:
+    """int32 written over float32 bytes has the right size and a valid (re-sealed) manifest;
+    the rank compares every tensor with the live object before ``load_state_dict`` (which would
+    convert it silently) and refuses the resume in one line, exit 5, the checkpoints untouched."""
+    from conftest import SCRIPTS
+
+    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--max-restarts", "0",
+                     str(SCRIPTS / "train_tiny.py"), "--epochs", "1", "--workers", "0",
+                     "--out", "first.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ckpts = tmp_path / "j" / "checkpoints"
+    newest = max(p for p in ckpts.iterdir() if p.name.startswith("step-"))
+    doc = json.loads((newest / "rank-00000.json").read_bytes())
+    lied = next(e for e in doc["tensors"] if e["dtype"] == "float32")
+    lied["dtype"] = "int32"
+    (newest / "rank-00000.json").write_bytes(json.dumps(doc).encode())
+    _reseal(newest)
+    before = _tree_digest(ckpts)
+
+    again = run_cfrun(["resume", "j"], cwd=tmp_path)
+    assert again.returncode == 5, again.stderr[-2000:]
+    refusal = [ln for ln in again.stderr.splitlines()
+               if ln.startswith("cfrun: error:") and "does not fit" in ln]
+    assert len(refusal) == 1 and "int32" in refusal[0] and "float32" in refusal[0], again.stderr
+    assert _tree_digest(ckpts) == before
