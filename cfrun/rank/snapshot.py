@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from cfrun.contract import ipc, slots
+from cfrun.contract import ipc, messages, slots
 from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -322,9 +322,8 @@ class Snapshotter:
                 event.synchronize()
         doc = {"format_version": FORMAT_VERSION, "rank": self.rank, "tree": tree,
                "tensors": [e.to_json() for e in entries], "meta": meta}
-        msg = {"op": "persist", "step": step, "rank": self.rank, "world_size": self.world_size,
-               "slot": str(self.slot.path), "nbytes": total, "doc": doc,
-               "t_trigger_unix_s": t_trigger}
+        msg = messages.PersistRequest(step, self.rank, self.world_size, str(self.slot.path),
+                                      total, doc, t_trigger).to_json()
         self._inflight = step
         self.persist_done.clear()
         if later_cpu:
