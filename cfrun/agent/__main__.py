@@ -1,3 +1,3 @@
-from cfrun.agent.server import main
+from cfrun.agent.main import main
 
 main()

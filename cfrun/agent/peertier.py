@@ -1,6 +1,6 @@
 """The persist agent's side of the peer tier: parallel shard transfer, reconnects, fetch.
 
-Runs inside the persist agent (``cfrun.agent.server``), never in a rank. For each rank's checkpoint the
+Runs inside the persist agent (``cfrun.agent.peerpath``), never in a rank. For each rank's checkpoint the
 agent hands this module the rank's shared-memory snapshot slot; the slot's bytes are split into
 ``streams`` contiguous byte ranges and sent concurrently, each over its own authenticated
 connection, straight from the ``mmap`` (no copy, no re-serialization: ACUTE §IV-B Check-Trans and
@@ -37,6 +37,7 @@ import xxhash
 from cfrun.contract.checkpoints import write_file
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.manifest import FileEntry, Manifest, shard_names
+from cfrun.contract.retry import backoff_delay_s
 from cfrun.peer.protocol import (
     MAX_FETCH_BYTES,
     MAX_MANIFEST_BYTES,
@@ -51,6 +52,8 @@ from cfrun.storage.tiers import MANIFEST
 
 logger = logging.getLogger("cfrun.agent")
 
+PEER_BACKOFF_S = 0.5
+"""The wait after the first failure of an outage; doubled per failure, at most 30 s."""
 PART_ALIGN_BYTES = 4096
 MIN_PART_BYTES = 1 << 20
 """Shards smaller than streams x this are sent in fewer parts (tiny parts cost more than
@@ -134,7 +137,7 @@ class PeerTier:
         self.close()
         with self.lock:
             self.failures += 1
-            self.next_try = time.monotonic() + min(30.0, 0.5 * 2 ** (self.failures - 1))
+            self.next_try = time.monotonic() + backoff_delay_s(PEER_BACKOFF_S, self.failures)
             first = not self.is_down
             self.is_down = True
         if first:

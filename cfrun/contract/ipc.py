@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cfrun.contract.wire import recv_exact
+
 MAX_FRAME_BYTES = 256 << 20
 _HEADER = struct.Struct("!I")
 AGENT_RECORD_MAX_BYTES = 4096
@@ -158,16 +160,6 @@ def send(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def recv(sock: socket.socket) -> dict[str, Any]:
     """Receive one JSON message.
 
@@ -175,11 +167,11 @@ def recv(sock: socket.socket) -> dict[str, Any]:
         ConnectionError: the peer closed the connection.
         ProtocolError: oversized or malformed frame.
     """
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    (n,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
     if n > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        msg = json.loads(_recv_exact(sock, n))
+        msg = json.loads(recv_exact(sock, n))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"malformed frame: {e}") from None
     if not isinstance(msg, dict):

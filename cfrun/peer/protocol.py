@@ -80,6 +80,7 @@ from typing import Any, TypeGuard
 
 import xxhash
 
+from cfrun.contract import wire
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
 from cfrun.storage.tiers import FILE_RE, MANIFEST
 
@@ -368,30 +369,19 @@ def number(h: dict[str, Any], key: str, lo: float, hi: float, default: float) ->
 
 
 def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill ``view`` from ``sock``; with ``deadline`` (monotonic) the whole read must end by then.
+    """Fill ``view`` from ``sock``; with ``deadline`` (monotonic) the whole read must end by then
+    (:func:`cfrun.contract.wire.recv_into`).
 
     Raises:
         PeerError: the connection closed first.
         TimeoutError: the socket's timeout or the deadline passed.
     """
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            sock.settimeout(left)
-        r = sock.recv_into(view[got:], min(len(view) - got, IO_CHUNK_BYTES))
-        if not r:
-            raise PeerError("connection closed")
-        got += r
+    wire.recv_into(sock, view, deadline, closed=PeerError, chunk_bytes=IO_CHUNK_BYTES)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """Exactly ``n`` bytes (see :func:`recv_into`)."""
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf), deadline)
-    return bytes(buf)
+    return wire.recv_exact(sock, n, deadline, closed=PeerError, chunk_bytes=IO_CHUNK_BYTES)
 
 
 class Channel:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from cfrun.contract import faults, ipc, slots
+from cfrun.contract import faults, ipc, messages, slots
 from cfrun.contract.settings import SNAPSHOT_MODE
 from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
@@ -376,9 +376,8 @@ class Snapshotter:
                 event.synchronize()
         doc = {"format_version": FORMAT_VERSION, "rank": self.rank, "tree": tree,
                "tensors": [e.to_json() for e in entries], "meta": meta}
-        msg = {"op": "persist", "step": step, "rank": self.rank, "world_size": self.world_size,
-               "slot": str(self.slot.path), "nbytes": total, "doc": doc,
-               "t_trigger_unix_s": t_trigger}
+        msg = messages.PersistRequest(step, self.rank, self.world_size, str(self.slot.path),
+                                      total, doc, t_trigger).to_json()
         self._inflight = step
         self.persist_done.clear()
         if later_cpu:

@@ -51,6 +51,7 @@ from cfrun.contract.errors import (
     FatalJobError,
     JobFailedError,
 )
+from cfrun.contract.retry import MAX_BACKOFF_S, backoff_delay_s
 
 if TYPE_CHECKING:
     from cfrun.contract.config import RunConfig
@@ -85,16 +86,6 @@ class OutcomeKind(str, enum.Enum):
     HUNG = "hung"
     FAILED = "failed"
     KILLED = "killed"
-
-
-MAX_BACKOFF_S = 30.0
-"""The longest wait before a restart."""
-
-
-def backoff_delay_s(base_s: float, restart: int, max_s: float = MAX_BACKOFF_S) -> float:
-    """Seconds to wait before restart number ``restart`` (1, 2, ...): ``base_s`` doubled per
-    restart, at most ``max_s`` (30 s)."""
-    return float(min(base_s * 2.0 ** (restart - 1), max_s))
 
 
 _VOLATILE = [

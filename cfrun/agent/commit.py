@@ -1,0 +1,238 @@
+"""The agent's commit: a step counts once every rank's shard is durable and its manifest is in.
+
+Runs in the persist agent (``cfrun.agent.server``). :meth:`Committer.add` collects the durable
+shards of a step (:mod:`cfrun.agent.local`); on one node, the last rank's shard commits the step
+(manifest last, atomic rename, directory fsync: :func:`cfrun.contract.checkpoints.commit`),
+every rank gets its ``persisted`` reply, and retention runs after the reply (deleting is not
+part of the persist gap time). With several nodes sharing the job dir each node's agent
+publishes a *mark* (its files with their checksums) in the staging directory once its own ranks'
+shards are durable, and whichever agent sees every node's mark first commits, under one file lock
+for all of them (:meth:`Committer._try_commit`). When this node's ranks restart, the steps still
+waiting for other nodes are abandoned (:meth:`Committer.abandon_waiting`), so every node's ranks
+see the same committed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from cfrun.contract import faults
+from cfrun.contract.checkpoints import (
+    FileEntry,
+    apply_retention,
+    commit,
+    read_manifest,
+    staging_dir,
+)
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
+
+Reply = Callable[[socket.socket, "Persisted | PersistFailed"], None]
+"""``reply(conn, record)`` sends a record to a rank (errors ignored: the rank may be gone)."""
+
+
+def _manifest_bytes(step_dir: Path) -> int:
+    try:
+        return read_manifest(step_dir).nbytes
+    except (CheckpointCorruptError, IncompatibleFormatError):
+        return 0
+
+
+class Committer:
+    """Collects durable shards per step and commits complete steps; replies to the ranks.
+
+    Args:
+        jobdir: the job dir (its ``checkpoints/``).
+        keep: committed checkpoints to keep (retention).
+        nnodes, node_rank, local_world_size: several agents share the job dir when nnodes > 1.
+        reply: sends a ``persisted`` record to a rank's connection.
+    """
+
+    def __init__(self, jobdir: JobDir, *, keep: int, nnodes: int, node_rank: int,
+                 local_world_size: int | None, reply: Reply) -> None:
+        self.jobdir = jobdir
+        self.keep = keep
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.local_world_size = local_world_size
+        self.reply = reply
+        self.pending: dict[int, dict[int, tuple[list[FileEntry], socket.socket,
+                                                PersistRequest]]] = {}
+        """step -> rank -> (its durable files, its connection, its request)."""
+        self.waiting: dict[int, threading.Event] = {}
+        """Multi-node: steps whose local shards are durable, waiting for the other nodes;
+        setting the event abandons the wait."""
+        self.last_committed = -1
+
+    def committed(self, step: int) -> None:
+        """Record that ``step`` counts (committed here, or protected in peer RAM)."""
+        self.last_committed = max(self.last_committed, step)
+
+    def world_sizes(self, step: int) -> set[int]:
+        """The world sizes of the shards of ``step`` collected so far."""
+        return {req.world_size for _, _, req in self.pending.get(step, {}).values()}
+
+    # ------------------------------------------------------------------ one node
+
+    def add(self, conn: socket.socket, req: PersistRequest, files: list[FileEntry],
+            t0: float) -> None:
+        """``req``'s shard is durable (``files``; its persist started at ``t0``, wall clock):
+        commit the step if it was the last one (writer thread)."""
+        step, rank, world_size = req.step, req.rank, req.world_size
+        shard = self.pending.setdefault(step, {})
+        shard[rank] = (files, conn, req)
+        if self.nnodes > 1:
+            if len(shard) >= (self.local_world_size or world_size):
+                self._node_done(step, world_size)
+            return
+        if len(shard) < world_size:
+            return
+        delay_s = faults.value("agent.commit_delay_s")
+        if delay_s:
+            time.sleep(float(delay_s))
+        files = [f for r in sorted(shard) for f in shard[r][0]]
+        commit(self.jobdir.checkpoints, step, files, world_size=world_size,
+               meta=req.commit_meta(),
+               keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
+        t1 = time.time()
+        self.committed(step)
+        del self.pending[step]
+        for old in [s for s in self.pending if s < step]:  # a rank died before its snapshot
+            del self.pending[old]
+            remove_dir = staging_dir(self.jobdir.checkpoints, old)
+            shutil.rmtree(remove_dir, ignore_errors=True)
+        nbytes = sum(f.nbytes for f in files)
+        t_trigger = min(r.trigger_or(t0) for _, _, r in shard.values())
+        reply = Persisted(step, nbytes, "local", round(t1 - t0, 6), round(t1 - t_trigger, 6),
+                          round(nbytes / max(t1 - t0, 1e-9)))
+        self.jobdir.emit_event("commit", step=step, bytes=nbytes, persist_s=reply.persist_s,
+                               pgt_s=reply.pgt_s, tier="local")
+        for _, c, _ in shard.values():
+            self.reply(c, reply)
+        apply_retention(self.jobdir.checkpoints, self.keep)
+
+    # ------------------------------------------------------------------ several nodes
+
+    def _mark_path(self, step: int, node_rank: int | None = None) -> Path:
+        node = self.node_rank if node_rank is None else node_rank
+        return staging_dir(self.jobdir.checkpoints, step) / f"node-{node:05d}.json"
+
+    def _commit_lock(self) -> filelock.FileLock:
+        """One lock for every commit and abandon in the shared job dir (all nodes' agents)."""
+        return filelock.FileLock(str(self.jobdir.checkpoints / ".commit.lock"))
+
+    def _node_done(self, step: int, world_size: int) -> None:
+        """Every local rank's shard of ``step`` is durable: publish this node's mark (its files
+        with their checksums), then commit if every node's mark is there, else wait for them on
+        a thread of its own (the ranks get their reply once the step is committed)."""
+        shard = self.pending.pop(step)
+        files = [f for r in sorted(shard) for f in shard[r][0]]
+        t_trigger = min(r.trigger_or(time.time()) for _, _, r in shard.values())
+        atomic_write_json(self._mark_path(step), {
+            "node_rank": self.node_rank, "ranks": sorted(shard),
+            "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
+        meta = next(iter(shard.values()))[2].commit_meta()
+        conns = [c for _, c, _ in shard.values()]
+        abandon = threading.Event()
+        self.waiting[step] = abandon
+        threading.Thread(target=self._await_nodes, name=f"cfrun-await-{step}", daemon=True,
+                         args=(step, world_size, meta, conns, t_trigger, abandon)).start()
+
+    def _await_nodes(self, step: int, world_size: int, meta: dict[str, Any],
+                     conns: list[socket.socket], t_trigger: float, abandon: threading.Event
+                     ) -> None:
+        t0 = time.time()
+        while True:
+            outcome = self._try_commit(step, world_size, meta, abandon)
+            if outcome is not None:
+                break
+            if abandon.wait(0.02):
+                continue  # the next _try_commit takes the abandon path under the lock
+        self.waiting.pop(step, None)
+        committed, nbytes, by_me = outcome
+        t1 = time.time()
+        reply: Persisted | PersistFailed
+        if not committed:
+            reply = PersistFailed(step, "abandoned: the ranks restarted before every node's "
+                                  "shard arrived")
+        else:
+            self.committed(step)
+            reply = Persisted(step, nbytes, "local", round(t1 - t0, 6), round(t1 - t_trigger, 6),
+                              round(nbytes / max(t1 - t0, 1e-9)))
+            if by_me:
+                self.jobdir.emit_event("commit", step=step, bytes=nbytes, nodes=self.nnodes,
+                                       persist_s=reply.persist_s, pgt_s=reply.pgt_s,
+                                       tier="local")
+        for c in conns:
+            self.reply(c, reply)
+
+    def _try_commit(self, step: int, world_size: int, meta: dict[str, Any],
+                    abandon: threading.Event) -> tuple[bool, int, bool] | None:
+        """Under the commit lock: ``(True, bytes, by_me)`` once ``step`` is committed (by any
+        node), ``(False, 0, False)`` when abandoned (this node's mark removed, so the step can
+        never commit), ``None`` while other nodes' marks are missing."""
+        checkpoints = self.jobdir.checkpoints
+        final = checkpoints / step_dir_name(step)
+        staging = staging_dir(checkpoints, step)
+        with self._commit_lock():
+            if (final / "manifest.json").is_file():
+                return True, _manifest_bytes(final), False
+            if abandon.is_set():
+                self._mark_path(step).unlink(missing_ok=True)
+                return False, 0, False
+            marks = []
+            for node in range(self.nnodes):
+                try:
+                    marks.append(json.loads(self._mark_path(step, node).read_text()))
+                except (OSError, ValueError):
+                    return None
+            files = [FileEntry.from_json(f, f"step {step} node mark") for m in marks
+                     for f in m["files"]]
+            ranks = sorted(r for m in marks for r in m["ranks"])
+            if ranks != list(range(world_size)):
+                raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
+                                   f"0..{world_size - 1}")
+            commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep)
+            for p in checkpoints.iterdir():  # older steps can no longer complete
+                if p.name.startswith(STAGING_PREFIX) and p != staging:
+                    try:
+                        if int(p.name[len(STAGING_PREFIX):]) < step:
+                            shutil.rmtree(p, ignore_errors=True)
+                    except ValueError:
+                        continue
+            return True, sum(f.nbytes for f in files), True
+
+    def abandon_waiting(self) -> None:
+        """A rank said hello: this node's ranks restarted, so every step still waiting for
+        other nodes belongs to the old run. Abandon them (under the commit lock, so a step is
+        either committed by then, and counts, or can never commit) before the ranks look for
+        the newest checkpoint: every node's ranks then see the same committed steps."""
+        for step in list(self.pending):  # local shards of a step that never completed here
+            del self.pending[step]
+        events = list(self.waiting.items())
+        for _, ev in events:
+            ev.set()
+        deadline = time.monotonic() + 30.0
+        while any(s in self.waiting for s, _ in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def drop_own_marks(self) -> None:
+        """At start (several nodes): remove this node's marks of steps not committed; they
+        belong to an agent of this node that died."""
+        checkpoints = self.jobdir.checkpoints
+        if not checkpoints.is_dir():
+            return
+        with self._commit_lock():
+            for p in checkpoints.iterdir():
+                if p.name.startswith(STAGING_PREFIX):
+                    (p / f"node-{self.node_rank:05d}.json").unlink(missing_ok=True)

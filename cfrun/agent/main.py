@@ -1,0 +1,98 @@
+"""``python -m cfrun.agent``: the persist agent's command line (the supervisor starts it).
+
+Parses the flags, lowers the process's CPU and I/O priority, builds the peer tier and level-2
+store when asked, creates the job's private slot directory when none is given, and serves
+(:class:`cfrun.agent.server.PersistAgent`) until SIGTERM, which drains the queue. Exit codes:
+0 after SIGTERM, 3 when another process holds the address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from cfrun.agent.server import PersistAgent
+from cfrun.contract import slots
+from cfrun.contract.jobdir import JobDir
+
+logger = logging.getLogger("cfrun.agent")
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except Exception:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m cfrun.agent --job-dir DIR --keep N``; SIGTERM drains the queue and exits."""
+    p = argparse.ArgumentParser(prog="cfrun.agent")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--no-odirect", action="store_true")
+    p.add_argument("--peer", default=None, help="HOST:PORT of a `cfrun peer`")
+    p.add_argument("--peer-token-file", default=None)
+    p.add_argument("--peer-streams", type=int, default=4)
+    p.add_argument("--peer-job", default=None)
+    p.add_argument("--persist-to", default=None, help="level-2 directory or URL to resume from")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--local-world-size", type=int, default=None)
+    p.add_argument("--address", default=None, help="abstract socket name (default: random)")
+    p.add_argument("--slot-dir", default=None, help="the job's private slot directory "
+                   "(default: a new one, removed at exit)")
+    p.add_argument("--world-size", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[cfrun agent] %(message)s")
+    _lower_priority()
+    jd = JobDir(Path(args.job_dir))
+    job = args.peer_job or jd.root.name
+    peer = None
+    if args.peer:
+        from cfrun.agent.peertier import PeerTier
+        from cfrun.peer.protocol import parse_address, read_token
+
+        peer = PeerTier(parse_address(args.peer, option="--peer"),
+                        read_token(args.peer_token_file, option="--peer-token-file"), job,
+                        streams=args.peer_streams, emit=jd.emit_event)
+    level2 = None
+    if args.persist_to:
+        from cfrun.storage.tiers import open_storage
+
+        level2 = open_storage(args.persist_to)
+    own_slot_dir = None if args.slot_dir else slots.create_dir(jd.root)
+    agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,
+                         peer=peer, level2=level2, job=job, nnodes=args.nnodes,
+                         node_rank=args.node_rank, local_world_size=args.local_world_size,
+                         address=args.address, world_size=args.world_size,
+                         slot_dir=Path(args.slot_dir) if args.slot_dir else own_slot_dir)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to cfrun, which stops us
+    try:
+        agent.serve()
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        logger.warning("cfrun agent: another process holds the address %s; not serving",
+                       agent.address)
+        sys.exit(3)
+    finally:
+        if own_slot_dir is not None:
+            slots.remove_dir(own_slot_dir)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The agent's peer-tier path: persists that go to a peer's RAM, and installs from it at resume.
+
+Runs in the persist agent (``cfrun.agent.server``) started with ``--peer`` (ACUTE's remote-memory
+tier, :mod:`cfrun.peer.server`) or ``--persist-to``. :meth:`PeerPath.submit` sends each rank's
+shard on a thread of its own, in parallel parts straight from the slot
+(:class:`cfrun.agent.peertier.PeerTier`); once every rank's shard of a step is in peer RAM,
+:meth:`PeerPath._finish` replies to the ranks (the checkpoint is *protected*, event
+``protected``; ``pgt_s`` ends there) and watches for the peer's flush to level 2 (``durable``).
+If the peer cannot take the step (down, wrong token, full), the step's shards go to the job dir
+instead (the agent's local path) and the peer is retried after a backoff.
+:meth:`PeerPath.install_newest` (on every rank's ``hello``) installs the newest complete
+checkpoint found in peer RAM or at level 2 into the job dir, if it is newer than the job dir's
+own, after checking every file against its sealed manifest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cfrun.contract import faults
+from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
+from cfrun.contract.jobdir import JobDir
+from cfrun.contract.manifest import dumps_json
+from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
+
+if TYPE_CHECKING:
+    from cfrun.agent.peertier import PeerTier
+    from cfrun.storage.tiers import Storage
+
+logger = logging.getLogger("cfrun.agent")
+
+
+@dataclass
+class _PeerStep:
+    """One step on its way to the peer: the ranks' requests and their transfers' outcomes."""
+
+    world_size: int
+    msgs: dict[int, tuple[socket.socket, PersistRequest]] = field(default_factory=dict)
+    errors: dict[int, BaseException | None] = field(default_factory=dict)
+    complete: bool = False
+    t0: float = field(default_factory=time.time)
+
+
+class PeerPath:
+    """Persists to the peer tier and installs from it. Thread-safe.
+
+    Args:
+        jobdir, job, keep: the job dir, the job's name at the peer and level 2, retention.
+        peer: the peer tier (level 1 in a peer's RAM), or None.
+        level2: the level-2 store that a resume also searches (``--persist-to``), or None.
+        reply: sends a ``persisted`` record to a rank's connection.
+        persist_local: the fallback, ``persist_local(conn, request)`` into the job dir.
+        committed: ``committed(step)`` records a protected step as the newest that counts.
+    """
+
+    def __init__(self, jobdir: JobDir, *, job: str, keep: int, peer: PeerTier | None,
+                 level2: Storage | None,
+                 reply: Callable[[socket.socket, Persisted | PersistFailed], None],
+                 persist_local: Callable[[socket.socket, PersistRequest], None],
+                 committed: Callable[[int], None]) -> None:
+        self.jobdir = jobdir
+        self.job = job
+        self.keep = keep
+        self.peer = peer
+        self.level2 = level2
+        self.reply = reply
+        self.persist_local = persist_local
+        self.committed = committed
+        self.peer_steps: dict[int, _PeerStep] = {}
+        self.peer_futures: set[cf.Future[None]] = set()
+        self.step_lock = threading.Lock()
+        self.rank_pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="cfrun-rank")
+
+    def takes(self, step: int) -> bool:
+        """True if a persist of ``step`` goes to the peer: it is up (or its backoff is over),
+        or other ranks of the step already went there."""
+        return self.peer is not None and (self.peer.available() or step in self.peer_steps)
+
+    def drain(self) -> None:
+        """Wait until every transfer to the peer (and its fallback) has finished."""
+        while True:
+            with self.step_lock:
+                futures = list(self.peer_futures)
+            if not futures:
+                return
+            cf.wait(futures)
+            with self.step_lock:
+                self.peer_futures.difference_update(futures)
+
+    def submit(self, conn: socket.socket, req: PersistRequest) -> None:
+        """Start sending one rank's shard to the peer on a thread of its own (Check-Trans)."""
+        step, rank = req.step, req.rank
+        with self.step_lock:
+            st = self.peer_steps.setdefault(step, _PeerStep(req.world_size))
+            st.msgs[rank] = (conn, req)
+            fut = self.rank_pool.submit(self._send_rank, step, rank)
+            self.peer_futures.add(fut)
+
+    def _send_rank(self, step: int, rank: int) -> None:
+        assert self.peer is not None
+        with self.step_lock:
+            st = self.peer_steps[step]
+            _, req = st.msgs[rank]
+        error: BaseException | None = None
+        complete = False
+        try:
+            complete = self.peer.send_shard(
+                step=step, world_size=st.world_size, rank=rank, slot=Path(req.slot),
+                nbytes=req.nbytes, doc=dumps_json(req.doc), meta=req.commit_meta(),
+                die_mid_transfer=self._test_kill_mid_transfer(step))
+        except Exception as e:
+            error = e
+        with self.step_lock:
+            st.errors[rank] = error
+            st.complete = st.complete or complete
+            if len(st.errors) < st.world_size:
+                return
+            del self.peer_steps[step]
+        self._finish(step, st)
+
+    def _test_kill_mid_transfer(self, step: int) -> Any:
+        kill_at = faults.value("agent.kill_at_step")
+        marker = self.jobdir.root / ".agent-kill-done"
+        if kill_at is None or step < int(kill_at) or marker.exists():
+            return None
+
+        def die() -> None:
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return die
+
+    def _finish(self, step: int, st: _PeerStep) -> None:
+        """All local ranks' shards were sent: protected -> reply; else persist in the job dir."""
+        assert self.peer is not None
+        error = next((e for e in st.errors.values() if e is not None), None)
+        if error is None and not st.complete:  # other nodes' ranks still sending
+            try:
+                state = self.peer.await_state(step, "protected", 120.0).get("state")
+                if state not in ("protected", "flushing", "durable"):
+                    error = RuntimeError(f"step {step} is {state} at the peer")
+            except Exception as e:
+                error = e
+        if error is not None:
+            self.peer.mark_down(error)
+            for rank in sorted(st.msgs):
+                self.persist_local(*st.msgs[rank])
+            return
+        self.peer.mark_up()
+        t1 = time.time()
+        nbytes = sum(r.nbytes + len(dumps_json(r.doc)) for _, r in st.msgs.values())
+        t_trigger = min(r.trigger_or(st.t0) for _, r in st.msgs.values())
+        reply = Persisted(step, nbytes, "peer", round(t1 - st.t0, 6), round(t1 - t_trigger, 6),
+                          round(nbytes / max(t1 - st.t0, 1e-9)))
+        self.jobdir.emit_event("protected", step=step, bytes=nbytes, tier="peer",
+                               persist_s=reply.persist_s, pgt_s=reply.pgt_s,
+                               streams=self.peer.streams)
+        self.committed(step)
+        for c, _ in st.msgs.values():
+            self.reply(c, reply)
+        self.peer.watch_durable(step, t_trigger)
+
+    def install_newest(self) -> None:
+        """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours."""
+        from cfrun.agent.peertier import manifest_files_to
+
+        local = committed_steps(self.jobdir.checkpoints)
+        newest_local = local[0] if local else -1
+        candidates: list[tuple[int, int, str]] = []
+        if self.peer is not None and self.peer.available():
+            try:
+                listing = self.peer.list()
+                candidates += [(int(c["step"]), 1, "peer") for c in listing["checkpoints"]
+                               if c["state"] != "filling" and int(c["step"]) > newest_local]
+                self.peer.mark_up()
+            except Exception as e:
+                self.peer.mark_down(e)
+        if self.level2 is not None:
+            try:
+                candidates += [(s, 0, "level2") for s in self.level2.list_steps(self.job)
+                               if s > newest_local]
+            except Exception as e:
+                logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
+        for step, _, source in sorted(candidates, reverse=True):
+            t0 = time.monotonic()
+            staging = staging_dir(self.jobdir.checkpoints, step)
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                if source == "peer":
+                    assert self.peer is not None
+                    files, manifest = self.peer.fetch(step, staging)
+                else:
+                    assert self.level2 is not None
+                    store = self.level2
+                    manifest = store.read_manifest(self.job, step)
+                    if self.peer is not None:  # the peer's flush: sealed by this job's agents
+                        self.peer.verify_manifest(manifest, step)
+                    files = manifest_files_to(
+                        staging, manifest, lambda name, n: store.read_file(self.job, step, name))
+                commit(self.jobdir.checkpoints, step, files,
+                       world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
+                       keep=self.keep)
+            except Exception as e:
+                shutil.rmtree(staging, ignore_errors=True)
+                logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %r", step,
+                               source, e)
+                self.jobdir.emit_event("fetch_failed", step=step, source=source, error=repr(e))
+                continue
+            nbytes = sum(f.nbytes for f in files)
+            logger.warning("cfrun agent: installed checkpoint step %d from %s (%d bytes, newer "
+                           "than the job dir's step %d)", step, source, nbytes, newest_local)
+            self.jobdir.emit_event("fetched", step=step, source=source, bytes=nbytes,
+                                   fetch_s=round(time.monotonic() - t0, 6))
+            return
