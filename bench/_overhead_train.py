@@ -109,8 +109,8 @@ class Checkpointer:
                 os.environ.setdefault("MASTER_PORT", str(_free_port()))
                 dist.init_process_group("gloo", rank=0, world_size=1)
             if kind == "dcp_process":
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
                 self.process_type = AsyncCheckpointerType.PROCESS
                 # pinned memory and non-blocking copies need an accelerator; CPU-only here
                 self.stager = DefaultStager(StagingOptions(

@@ -21,7 +21,7 @@ model = nn.parallel.DistributedDataParallel(
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 g = torch.Generator().manual_seed(dist.get_rank())
 stamps = []
-for step in range(args.steps):
+for _step in range(args.steps):
     stamps.append(time.perf_counter())
     x = torch.randn(32, 256, generator=g)
     y = torch.randint(0, 10, (32,), generator=g)

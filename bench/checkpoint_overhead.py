@@ -113,8 +113,8 @@ def child_env():
 def dcp_process_available():
     """(available, note): whether DCP's process executor and a shared-memory stager exist."""
     try:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     except ImportError as e:
         return False, f"dcp_process skipped: {e}"
     if not hasattr(AsyncCheckpointerType, "PROCESS"):
@@ -389,7 +389,7 @@ def summarize(runs, limits, ks):
                     xa, xb = a["iter_ms"][lo:], b["iter_ms"][lo:len(a["iter_ms"])]
                     if xa and xb:
                         steady.append(statistics.fmean(xa) / statistics.fmean(xb) - 1.0)
-        pooled = lambda key: [x for r in ok for x in r.get(key, []) if x is not None]  # noqa: E731
+        pooled = lambda key: [x for r in ok for x in r.get(key, []) if x is not None]  # noqa: E731, B023
         rows.append({
             "contender": c, "k": k, "runs": len(mine), "failed": len(mine) - len(ok),
             "ms_per_iter": median([r["ms_per_iter"] for r in ok]),

@@ -12,7 +12,8 @@ CheckFreq §4.3.2 and §4.4, done as DESIGN.md §4 asks:
   often than the Young/Daly optimum ``sqrt(2 * C * MTBF)`` needs. CheckFreq's prototype
   ignores the budget in its first choice; this does not.
 * **Adaptation** (:func:`adapt_interval`): per window, the measured overhead against a fresh
-  baseline; over budget → ``k`` grows in proportion (to ``AIM_FRACTION`` of it), well under (below half the budget) → ``k``
+  baseline; over budget → ``k`` grows in proportion (to ``AIM_FRACTION`` of it), well under
+  (below half the budget) → ``k``
   shrinks towards the smallest allowed, at most halving per window. CheckFreq only ever raises
   the interval.
 
@@ -150,7 +151,8 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int,
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
         target = math.ceil(k * max(measured, 1e-9) / (AIM_FRACTION * budget))
         new = max(k_min, math.ceil(k / ADAPT_MAX_SHRINK), min(k - 1, target))
-        return new, f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of {budget:.2%})"
+        return new, (f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of "
+                     f"{budget:.2%})")
     return k, "within budget"
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import yaml
+from conftest import ROOT
 
 from cfrun.contract import errors
-from conftest import ROOT
 
 
 def test_job_manifest_uses_cfrun_exit_codes_and_fits_the_grace_period():

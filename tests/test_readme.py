@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, clean_env
 
 
@@ -22,6 +21,7 @@ def test_ci_runs_exactly_the_readme_commands():
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].endswith("bash examples/quickstart.sh")
     assert out[1].endswith("python -m pytest")
+    assert ".venv/bin/ruff check && .venv/bin/mypy && " in out[1]  # lint and types gate the tests
 
 
 @pytest.mark.timeout(300)

@@ -1,1 +1,2 @@
-"""The persist agent process: one per node, long-lived; persists snapshot slots and commits checkpoints."""
+"""The persist agent process: one per node, long-lived; persists snapshot slots and commits
+checkpoints."""

@@ -80,6 +80,7 @@ class LocalWriter:
         with os.fdopen(slots.open_slot(str(slot), self.slot_dirs, nbytes), "rb") as f, \
                 mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ) as mm:
             view = memoryview(mm)
+            piece: memoryview | None = None
             try:
                 digest = xxhash.xxh3_64_hexdigest(view)
                 fd, direct = self._open(path)

@@ -206,7 +206,8 @@ class PeerPath:
                     if self.peer is not None:  # the peer's flush: sealed by this job's agents
                         self.peer.verify_manifest(manifest, step)
                     files = manifest_files_to(
-                        staging, manifest, lambda name, n: store.read_file(self.job, step, name))
+                        staging, manifest,
+                        lambda name, n: store.read_file(self.job, step, name))  # noqa: B023 (called here)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
                        keep=self.keep)

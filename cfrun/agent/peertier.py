@@ -1,6 +1,7 @@
 """The persist agent's side of the peer tier: parallel shard transfer, reconnects, fetch.
 
-Runs inside the persist agent (``cfrun.agent.peerpath``), never in a rank. For each rank's checkpoint the
+Runs inside the persist agent (``cfrun.agent.peerpath``), never in a rank. For each rank's
+checkpoint the
 agent hands this module the rank's shared-memory snapshot slot; the slot's bytes are split into
 ``streams`` contiguous byte ranges and sent concurrently, each over its own authenticated
 connection, straight from the ``mmap`` (no copy, no re-serialization: ACUTE §IV-B Check-Trans and
@@ -23,7 +24,9 @@ a checkpoint that this job installs.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures as cf
+import functools
 import logging
 import mmap
 import threading
@@ -178,11 +181,10 @@ class PeerTier:
                 for i, (off, length) in enumerate(parts):
                     piece = view[off:off + length]
                     slices.append(piece)
-                    futures.append(self.pool.submit(
-                        self._call, lambda c, i=i, off=off, piece=piece: c.put(
-                            job=self.job, step=step, world_size=world_size, name=bin_name,
-                            part=i, nparts=len(parts), offset=off, file_bytes=nbytes,
-                            data=piece, wait_s=wait_s)))
+                    futures.append(self.pool.submit(self._call, functools.partial(
+                        PeerClient.put, job=self.job, step=step, world_size=world_size,
+                        name=bin_name, part=i, nparts=len(parts), offset=off,
+                        file_bytes=nbytes, data=piece, wait_s=wait_s)))
                 futures.append(self.pool.submit(self._call, lambda c: c.put(
                     job=self.job, step=step, world_size=world_size, name=json_name, part=0,
                     nparts=1, offset=0, file_bytes=len(doc), data=doc, wait_s=wait_s)))
@@ -260,7 +262,7 @@ class PeerTier:
         """
         verify_manifest(self.manifest_key, manifest, step, job=self.job)
 
-    def fetch(self, step: int, staging: Path) -> tuple[list[FileEntry], dict[str, Any]]:
+    def fetch(self, step: int, staging: Path) -> tuple[builtins.list[FileEntry], dict[str, Any]]:
         """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
 
         The manifest's seals are checked before its checksums are trusted; each file is fetched

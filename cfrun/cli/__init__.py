@@ -1,4 +1,4 @@
-"""The ``cfrun`` command: argument parsing, the run/resume/profile front end, inspection commands."""
+"""The ``cfrun`` command: argument parsing, the run/resume/profile front end, inspection."""
 
 from cfrun.cli.app import main
 

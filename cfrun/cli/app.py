@@ -18,12 +18,28 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
+from cfrun import __version__
+from cfrun.contract import faults
+from cfrun.contract import settings as E
+from cfrun.contract.config import (
+    RunConfig,
+    default_job_dir,
+    parse_bytes,
+    parse_inject_crash,
+    parse_interval,
+    parse_overhead,
+    parse_positive_int,
+)
+from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
+from cfrun.policy import parse_duration
+
 # typer < 0.22 raises click's exceptions; newer typer vendors click (typer._click) and raises its
-# own, even when a standalone click is installed too (moto[server] and flask pull it in): catch both.
+# own, even when a standalone click is installed too (moto[server] and flask pull it in):
+# catch both.
 _EXIT_L: list[type[BaseException]] = [typer.Exit]
 _USAGE_L: list[type[BaseException]] = [typer.TyperException] if hasattr(typer, "TyperException") \
     else []
@@ -46,20 +62,6 @@ _EXIT: tuple[type[BaseException], ...] = tuple(_EXIT_L)
 _USAGE: tuple[type[BaseException], ...] = tuple(_USAGE_L)
 _ABORT: tuple[type[BaseException], ...] = tuple(_ABORT_L)
 
-from cfrun import __version__
-from cfrun.contract import faults
-from cfrun.contract import settings as E
-from cfrun.contract.config import (
-    RunConfig,
-    default_job_dir,
-    parse_bytes,
-    parse_inject_crash,
-    parse_interval,
-    parse_overhead,
-    parse_positive_int,
-)
-from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
-from cfrun.policy import parse_duration
 
 app = typer.Typer(
     name="cfrun",
@@ -159,13 +161,13 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
 )
 def run_cmd(
     script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
-    script_args: Annotated[Optional[list[str]], typer.Argument(
+    script_args: Annotated[list[str] | None, typer.Argument(
         help="Arguments for the script, passed through untouched.")] = None,
-    job_dir: Annotated[Optional[str], typer.Option(
+    job_dir: Annotated[str | None, typer.Option(
         "--job-dir", envvar=E.JOB_DIR,
         help="Job directory (checkpoints, events, config). Default: ./cfrun-jobs/<script name>."
     )] = None,
-    interval: Annotated[Optional[str], typer.Option(
+    interval: Annotated[str | None, typer.Option(
         "--interval", envvar=E.INTERVAL,
         help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
     overhead: Annotated[str, typer.Option(
@@ -181,7 +183,7 @@ def run_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", envvar=E.GRACE,
         help="Seconds the ranks get after SIGTERM before SIGKILL.")] = "25",
-    mtbf: Annotated[Optional[str], typer.Option(
+    mtbf: Annotated[str | None, typer.Option(
         "--mtbf", envvar=E.MTBF,
         help="Mean time between failures (e.g. 6h): never checkpoint more often than the "
              "Young/Daly optimum needs. Default: learned from this job's restarts.")] = None,
@@ -196,17 +198,17 @@ def run_cmd(
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
-    peer: Annotated[Optional[str], typer.Option(
+    peer: Annotated[str | None, typer.Option(
         "--peer", envvar=E.PEER,
         help="HOST:PORT of a `cfrun peer`: checkpoints go to its RAM (protected), which "
              "flushes them to durable storage; the job dir takes them while it is down.")] = None,
-    peer_token_file: Annotated[Optional[str], typer.Option(
+    peer_token_file: Annotated[str | None, typer.Option(
         "--peer-token-file", envvar=E.PEER_TOKEN_FILE,
         help="File with the peer's shared secret (mode 600).")] = None,
     peer_streams: Annotated[str, typer.Option(
         "--peer-streams", envvar=E.PEER_STREAMS,
         help="Parallel connections per rank to the peer (1..64).")] = "4",
-    persist_to: Annotated[Optional[str], typer.Option(
+    persist_to: Annotated[str | None, typer.Option(
         "--persist-to", envvar=E.PERSIST_TO,
         help="Level-2 store (directory or URL such as s3://bucket/prefix) that a resume also "
              "searches: give the peer's --flush-to.")] = None,
@@ -216,10 +218,10 @@ def run_cmd(
              "file system (torchrun c10d rendezvous).")] = "1",
     node_rank: Annotated[str, typer.Option(
         "--node-rank", envvar=E.NODE_RANK, help="This node's index, 0..nnodes-1.")] = "0",
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(
+    rdzv_endpoint: Annotated[str | None, typer.Option(
         "--rdzv-endpoint", envvar=E.RDZV_ENDPOINT,
         help="HOST:PORT of the rendezvous (required with --nnodes > 1).")] = None,
-    rdzv_id: Annotated[Optional[str], typer.Option(
+    rdzv_id: Annotated[str | None, typer.Option(
         "--rdzv-id", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
 ) -> None:
@@ -314,9 +316,9 @@ def _parse_seconds(name: str, text: str, example: str) -> float:
 @app.command("profile", context_settings={"allow_interspersed_args": False})
 def profile_cmd(
     script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
-    script_args: Annotated[Optional[list[str]], typer.Argument(
+    script_args: Annotated[list[str] | None, typer.Argument(
         help="Arguments for the script, passed through untouched.")] = None,
-    job_dir: Annotated[Optional[str], typer.Option(
+    job_dir: Annotated[str | None, typer.Option(
         "--job-dir", envvar=E.JOB_DIR,
         help="Job dir to profile into (default ./cfrun-jobs/<script name>); a later run with "
              "the same script and arguments reuses the profile.")] = None,
@@ -324,7 +326,7 @@ def profile_cmd(
         "--overhead", envvar=E.OVERHEAD, help="Overhead budget: 3.5%, 3.5 or 0.035.")] = "3.5%",
     nproc_per_node: Annotated[str, typer.Option(
         "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node.")] = "1",
-    mtbf: Annotated[Optional[str], typer.Option(
+    mtbf: Annotated[str | None, typer.Option(
         "--mtbf", envvar=E.MTBF, help="Mean time between failures, e.g. 6h.")] = None,
 ) -> None:
     """Profile SCRIPT: measure checkpoint costs, choose snapshot mode and interval, stop."""
@@ -461,7 +463,7 @@ def _fmt_s(value: float | None) -> str:
 def status_cmd(
     job_dir: Annotated[str, typer.Argument(help="The job dir.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
-    plot: Annotated[Optional[str], typer.Option(
+    plot: Annotated[str | None, typer.Option(
         "--plot", help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
 ) -> None:
     """State of a job: steps, checkpoints, interval, overhead, stall and PGT, restarts."""
@@ -487,7 +489,8 @@ def status_cmd(
         ("overhead", f"budget {st['overhead']['budget_pct']}%, stall "
                      f"{st['overhead']['stall_pct']}% of wall time"),
         ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
-                                 f"{_fmt_s(st['stall_s']['p95'])}, max {_fmt_s(st['stall_s']['max'])}"),
+                                 f"{_fmt_s(st['stall_s']['p95'])}, "
+                                 f"max {_fmt_s(st['stall_s']['max'])}"),
         ("PGT", f"median {_fmt_s(st['pgt_s']['median'])}, p95 {_fmt_s(st['pgt_s']['p95'])}"),
         ("checkpoints taken", str(st["checkpoints_taken"])),
         ("attempts", str(st["attempts"])),
@@ -559,7 +562,7 @@ def ls_cmd(
 def export_cmd(
     job_dir: Annotated[str, typer.Argument(help="The job dir.")],
     out: Annotated[str, typer.Argument(help="Output file.")],
-    step: Annotated[Optional[str], typer.Option("--step", help="Step (default: newest).")] = None,
+    step: Annotated[str | None, typer.Option("--step", help="Step (default: newest).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "torch",
 ) -> None:
     """Write a checkpoint's model weights as a plain torch or safetensors file."""
@@ -628,7 +631,8 @@ def peer_cmd(
 def _run(cfg: RunConfig) -> None:
     from cfrun.supervisor.core import Supervisor
 
-    # the node's identity names its config, lock, agent socket and slots (cfrun.contract.settings.node_suffix)
+    # the node's identity names its config, lock, agent socket and slots
+    # (cfrun.contract.settings.node_suffix)
     os.environ[E.NODE_RANK] = str(cfg.node_rank)
     os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,

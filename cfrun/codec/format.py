@@ -82,7 +82,9 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
             raise UnsupportedValueError(f"numpy {obj.dtype} values are not supported")
         return {"__np__": obj.dtype.str, "v": obj.item()}
     if isinstance(obj, (int, float)):
-        return obj if type(obj) in (int, float) else (int(obj) if isinstance(obj, int) else float(obj))
+        if type(obj) in (int, float):
+            return obj
+        return int(obj) if isinstance(obj, int) else float(obj)
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in "biuf":
             raise UnsupportedValueError(f"numpy {obj.dtype} arrays are not supported")

@@ -1,1 +1,2 @@
-"""The contract between cfrun's processes (torch-free): job-dir layout, settings, messages, records, errors."""
+"""The contract between cfrun's processes (torch-free): job-dir layout, settings, messages,
+records, errors."""

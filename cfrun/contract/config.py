@@ -1,6 +1,7 @@
 """Resolved run configuration: parsers for user values and the frozen ``RunConfig``.
 
-Every parser raises :class:`cfrun.contract.errors.BadInputError` with a message that names the value and
+Every parser raises :class:`cfrun.contract.errors.BadInputError` with a message that names the
+value and
 the fix, so the CLI can print it as one line.
 """
 
@@ -55,7 +56,8 @@ def parse_interval(text: str) -> int:
         ) from None
     if value < 1:
         raise BadInputError(
-            f"--interval {text!r} must be at least 1 (steps between checkpoints), e.g. --interval 50"
+            f"--interval {text!r} must be at least 1 (steps between checkpoints), "
+            "e.g. --interval 50"
         )
     return value
 
@@ -91,7 +93,8 @@ def parse_inject_crash(text: str) -> list[tuple[int, int]]:
             pairs.append((int(step_s), int(attempt_s or 0)))
         except ValueError:
             raise BadInputError(
-                f"--inject-crash {text!r} is malformed; give STEP or STEP@ATTEMPT, e.g. 150 or 150@0"
+                f"--inject-crash {text!r} is malformed; give STEP or STEP@ATTEMPT, "
+                "e.g. 150 or 150@0"
             ) from None
     return pairs
 

@@ -4,7 +4,7 @@ Layout::
 
     <job_dir>/
       job.lock                  filelock held by the live supervisor (released by the OS on death)
-      agent.json                the persist agent's pid, socket name and slot dir (cfrun.contract.ipc)
+      agent.json                the persist agent's pid, socket name, slot dir (contract.ipc)
       config.json               resolved RunConfig, cfrun version, format version
       events.jsonl              one JSON object per line: attempts, checkpoints, resumes, warnings
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
@@ -102,8 +102,8 @@ class JobDir:
             )
         if self.root.is_dir() and any(self.root.iterdir()) and not self._looks_like_job_dir():
             raise BadInputError(
-                f"--job-dir {str(self.root)!r} is a non-empty directory that is not a cfrun job dir;"
-                " give a new or empty directory"
+                f"--job-dir {str(self.root)!r} is a non-empty directory that is not a cfrun job "
+                "dir; give a new or empty directory"
             )
 
     def _looks_like_job_dir(self) -> bool:
@@ -159,7 +159,8 @@ class JobDir:
         try:
             lock.acquire()
         except filelock.Timeout:
-            raise JobDirLockedError(f"job dir {str(self.root)!r} is in use by another cfrun") from None
+            raise JobDirLockedError(
+                f"job dir {str(self.root)!r} is in use by another cfrun") from None
         self._lock = lock
 
     def unlock(self) -> None:

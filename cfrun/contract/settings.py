@@ -173,7 +173,7 @@ FAULTS = _declare("CFRUN_FAULTS", "json", None,
                   "testing aid: armed fault points, a JSON object of point -> value "
                   "(cfrun.contract.faults.POINTS)")
 
-# ----------------------------------------------------------------- set by the launcher for the ranks
+# ---------------------------------------------------------------- set by the launcher for ranks
 
 RANK_SETTINGS = _declare("CFRUN_RANK_SETTINGS", "json", None,
                          "the rank runtime's settings as one JSON object, set by the supervisor",

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cfrun.contract.settings import SHM_DIR as ENV_SHM_DIR
+
 FALLBACK = ".slots"
 """The slot directory inside the job dir, used when the shared-memory one has no room."""
 SUFFIX = ".slot"

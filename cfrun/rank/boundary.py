@@ -70,7 +70,7 @@ class Boundary:
         the loop around ``optimizer.step()``; None before the first step."""
         self._last_next_iter: weakref.ref[Any] | None = None
         self._next_since_step = False
-        self._train_iter: weakref.ref[Any] | None = None
+        self._train_iter: Callable[[], Any] | None = None  # a weakref.ref
         self._pending: tuple[int, bool, bool] | None = None
         """(step, due, kill) of the trigger waiting for its boundary."""
         self._loop: F.LoopInfo | None = None

@@ -34,7 +34,7 @@ from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils import fetch as _fetch
 
 
-class TaggedBatch(list):  # type: ignore[type-arg]
+class TaggedBatch(list):
     """A batch of dataset indices that carries the seed its worker must use."""
 
     cfrun_seed: int
@@ -184,7 +184,8 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
     (:meth:`cfrun.rank.discovery.Discovery.register_loader`); ``on_loader_iter(loader, n, start)``
     answers ``iter(loader)``, the ``n``-th call on it, where ``start()`` starts the epoch as
     without cfrun (:meth:`cfrun.rank.resume.Resume.on_loader_iter`); ``on_loader_next(iterator,
-    caller_frame)`` runs before every ``next()`` (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`).
+    caller_frame)`` runs before every ``next()``
+    (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`).
     Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.rank.install.Guard`):
     after an internal error, and once ``guard.disabled``, the loaders behave as without cfrun.
     """

@@ -265,7 +265,8 @@ def fix_enumerate(iterator: Any, consumed: int) -> bool:
 
     for ref in gc.get_referrers(iterator):
         if type(ref) is enumerate:
-            _, (sit, index) = ref.__reduce__()
+            reduced: Any = ref.__reduce__()
+            sit, index = reduced[1]
             if sit is not iterator:
                 continue
             cell = ctypes.c_ssize_t.from_address(id(ref) + object.__basicsize__)
@@ -341,7 +342,7 @@ def find_loop(frame: types.FrameType, *, outside: bool = False) -> LoopInfo | No
         is_range = (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
                     and it.func.id == "range" and target is not None)
         kind = "for_range" if is_range else "for_other"
-    return LoopInfo(code_key(frame.f_code), best.lineno, body_line, kind, target)  # type: ignore[attr-defined]
+    return LoopInfo(code_key(frame.f_code), best.lineno, body_line, kind, target)
 
 
 def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: str) -> bool:

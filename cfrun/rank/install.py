@@ -17,7 +17,8 @@ import importlib.util
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _runtime: Any = None
 loaded = False
@@ -187,7 +188,7 @@ def _install() -> Any:
 
 
 def _wrap_init(cls: type, register: Any) -> None:
-    orig = cls.__init__
+    orig = cls.__init__  # type: ignore[misc]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
@@ -209,7 +210,7 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
-        orig_exec = loader.exec_module  # type: ignore[attr-defined]
+        orig_exec = loader.exec_module
 
         def exec_module(module: Any) -> None:
             orig_exec(module)

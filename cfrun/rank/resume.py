@@ -379,7 +379,7 @@ class Resume:
             if self._saved_stdout is not None:
                 sys.stdout = self._saved_stdout
                 self._saved_stdout = None
-                warnings.filters[:] = self._warn_filters
+                warnings.filters[:] = self._warn_filters  # type: ignore[index]
 
     def on_script_failed(self) -> None:
         """The excepthook: a script that breaks while fast-forwarding with evaluation loaders cut

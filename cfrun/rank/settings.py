@@ -53,7 +53,8 @@ class RankSettings:
     profile_only: bool = False
     """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: tuple[tuple[int, int], ...] = ()
-    """``(step, attempt)`` pairs: rank 0 SIGKILLs itself right after that step (``--inject-crash``)."""
+    """``(step, attempt)`` pairs: rank 0 SIGKILLs itself right after that step
+    (``--inject-crash``)."""
     ff_eval: str = "one"
     """``one``: other loaders yield one batch while fast-forwarding; ``run``: all of them."""
     supervisor_pid: int = 0

@@ -4,7 +4,8 @@ CheckFreq §4.3.1 (snapshot overlapped with compute; the next weight update wait
 ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 
 * **Slot.** A file in the job's private slot directory in shared memory (``/dev/shm``, or
-  ``CFRUN_SHM_DIR``; 0700, a random name, mode 0600: :mod:`cfrun.contract.slots`), mapped into the rank as
+  ``CFRUN_SHM_DIR``; 0700, a random name, mode 0600: :mod:`cfrun.contract.slots`), mapped into
+  the rank as
   a ``uint8`` tensor (``torch.from_file(shared=True)``) and read by the persist agent through
   ``mmap`` without any copy or unpickling. Allocated once, grown only if the state grows (never
   while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``) so device to
@@ -46,9 +47,9 @@ from typing import Any
 
 import torch
 
+from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 from cfrun.contract import faults, ipc, messages, slots
 from cfrun.contract.settings import SNAPSHOT_MODE
-from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,7 @@ from typing import Any
 
 from cfrun import __version__
 from cfrun.contract.jobdir import JobDir, atomic_write_json
-from cfrun.policy import (NEAR_STEPS, Costs, adapt_interval, choose_interval,
-                          measure_overhead)
+from cfrun.policy import NEAR_STEPS, Costs, adapt_interval, choose_interval, measure_overhead
 
 WARMUP_STEPS = 3
 QUIET_STEPS = 10
@@ -315,6 +314,8 @@ class Tuner:
         """The window ``[lo, lo + period)`` is complete (with the ``NEAR_STEPS`` iterations
         after it): measure its overhead against its own clean iterations and adapt ``k``."""
         lo = self._window_lo
+        if lo is None:  # no window open (the caller opens one first)
+            return
         hi = lo + self._period()
         window = measure_overhead(self._iters, self._ckpts, lo, hi,
                                   radius_steps=max(2 * self.interval, 20))

@@ -1,1 +1,2 @@
-"""The supervisor process: one per node; launches torchrun and the persist agent, restarts, signals."""
+"""The supervisor process, one per node: launches torchrun and the persist agent, restarts,
+signals."""

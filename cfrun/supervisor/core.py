@@ -24,7 +24,8 @@ event says which step the job stopped at and whether the final checkpoint was co
 
 SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT) are passed on to the ranks
 (:func:`forwarded_signals`). A supervisor killed by SIGKILL leaves nothing running either
-(``cfrun.supervisor.launcher``: a parent-death signal for torchrun and the agent, a reaper for the rest).
+(``cfrun.supervisor.launcher``: a parent-death signal for torchrun and the agent, a reaper for
+the rest).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
-from cfrun.contract.manifest import FORMAT_VERSION
 from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.contract.manifest import FORMAT_VERSION
 from cfrun.supervisor.launcher import (
     die_with_parent,
     kill_job_processes,
@@ -148,7 +149,8 @@ class Supervisor:
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        old_handlers = {s: signal.signal(s, self._on_signal)
+                        for s in (signal.SIGTERM, signal.SIGINT)}
         old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
             self._start_agent()
@@ -179,8 +181,8 @@ class Supervisor:
         """With the lock held: kill what a dead supervisor of this job dir (this node) left.
 
         A persist agent still answering on the job's socket, and torchrun, ranks and workers
-        marked with this job dir (cfrun.supervisor.launcher.job_processes), would go on writing into the
-        job dir and keep the new agent from binding its socket. Logged and recorded as a
+        marked with this job dir (cfrun.supervisor.launcher.job_processes), would go on writing
+        into the job dir and keep the new agent from binding its socket. Logged and recorded as a
         ``leftovers_killed`` event."""
         import psutil
 

@@ -46,8 +46,8 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list
     fixed node count, so the world size cannot change between restarts.
     """
     if cfg.nnodes > 1:
-        launch = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}",
-                  f"--rdzv-id={cfg.rdzv_id}"]
+        launch = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}"]
     else:
         launch = ["--standalone"]
     return [

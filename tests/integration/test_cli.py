@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import SCRIPTS, cfrun_in_process, clean_env, run_cfrun, slow_reference, \
-    tiny_reference
+from conftest import SCRIPTS, cfrun_in_process, clean_env, run_cfrun, slow_reference, tiny_reference
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,7 +150,6 @@ def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path
 
     import psutil
     import torch
-
     from conftest import assert_bit_identical
 
     slow = str(SCRIPTS / "slow_steps.py")

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    SCRIPTS,
+    assert_bit_identical,
+    ddp_reference,
+    final_line,
+    run_cfrun,
+    tiny_reference,
+)
 
 from cfrun.contract import faults
-from conftest import SCRIPTS, assert_bit_identical, ddp_reference, final_line, run_cfrun, \
-    tiny_reference
 
 K = 10
 EPOCHS = 4

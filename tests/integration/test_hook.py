@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT, SCRIPTS, clean_env, run_cfrun
 
 from cfrun.contract import faults
-from conftest import ROOT, SCRIPTS, clean_env, run_cfrun
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +51,8 @@ def test_runtime_failure_leaves_job_running_unprotected(tmp_path):
 
 
 def test_internal_error_in_step_hook_leaves_job_running_unprotected(tmp_path):
-    """cfrun's optimizer step hook raises at step 5 (fault point rank.raise_in_step): the script is not broken, it
+    """cfrun's optimizer step hook raises at step 5 (fault point rank.raise_in_step): the script
+    is not broken, it
     finishes in the same attempt with one loud warning, and cfrun takes no more checkpoints."""
     run = run_cfrun(["--interval", "3", "--job-dir", "j", str(SCRIPTS / "train_steps_for.py"),
                      "12", "out.pt"], cwd=tmp_path,

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import SCRIPTS, cfrun_in_process, run_cfrun, shared_run
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,8 +124,8 @@ def test_progress_lines_on_a_terminal_only(tmp_path, tmp_path_factory):
     """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
     budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
-    import re
     import pty
+    import re
     import sys
 
     args = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",

@@ -20,9 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
-from conftest import SCRIPTS, assert_bit_identical, cfrun_in_process, clean_env, ddp_reference, \
-    run_cfrun
+from conftest import (
+    SCRIPTS,
+    assert_bit_identical,
+    cfrun_in_process,
+    clean_env,
+    ddp_reference,
+    run_cfrun,
+)
 
 pytestmark = pytest.mark.timeout(300)
 DDP = str(SCRIPTS / "train_ddp.py")

@@ -23,6 +23,16 @@ import psutil
 import pytest
 import torch
 import xxhash
+from conftest import (
+    SCRIPTS,
+    Run,
+    assert_bit_identical,
+    clean_env,
+    ddp_reference,
+    final_line,
+    run_cfrun,
+    tiny_reference,
+)
 
 from cfrun.codec.checkpoint import committed_steps, verify
 from cfrun.contract import faults
@@ -40,8 +50,6 @@ from cfrun.peer.protocol import (
     seal_tag,
 )
 from cfrun.storage.tiers import open_storage
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, ddp_reference, final_line, \
-    run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
 K = 10

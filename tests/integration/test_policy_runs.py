@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from conftest import SCRIPTS, assert_bit_identical, run_cfrun, tiny_reference
 
 from cfrun.contract import faults
-from conftest import SCRIPTS, assert_bit_identical, run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3", "--out", "x.pt"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import EXAMPLES, SCRIPTS, assert_bit_identical, final_line, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)

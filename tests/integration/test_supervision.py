@@ -12,10 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun, slow_reference
 
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun, slow_reference
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = str(SCRIPTS / "slow_steps.py")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun, tiny_reference
 
 from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.contract import faults
 from cfrun.contract.jobdir import step_dir_name
-from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun, tiny_reference
 
 pytestmark = pytest.mark.timeout(300)
 K = 10

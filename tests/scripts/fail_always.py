@@ -1,3 +1,4 @@
 import sys
+
 print("about to fail", flush=True)
 sys.exit(7)

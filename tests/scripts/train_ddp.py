@@ -1,11 +1,13 @@
 """An unmodified 2-rank DDP trainer with a DistributedSampler (set_epoch each epoch)."""
 import sys
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset, DistributedSampler
 from digits import load_digits  # sklearn.datasets.load_digits, without importing sklearn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)

@@ -25,8 +25,8 @@ from cfrun.codec.checkpoint import (
     verify,
     write_shard,
 )
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.codec.format import FORMAT_VERSION, encode
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 
 
 def _state(step: int) -> dict[str, Any]:

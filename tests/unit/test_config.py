@@ -14,7 +14,6 @@ from cfrun.contract.config import (
 )
 from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError
 
-
 # ---------------------------------------------------------------- parse_overhead
 
 

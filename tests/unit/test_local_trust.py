@@ -55,7 +55,8 @@ def test_resumable_env_refuses_interpreter_and_loader_variables() -> None:
         "OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "PYTHONSTARTUP": "/e.py",
         "LD_PRELOAD": "/e.so", "LD_LIBRARY_PATH": "/e", "DYLD_INSERT_LIBRARIES": "/e",
         "NCCL_NET_PLUGIN": "/e.so", "CFRUN_PREV_PYTHONPATH": "/e", "BASH_ENV": "/e.sh",
-        "CFRUN_RANK_SETTINGS": "{}", "CUDA_VISIBLE_DEVICES": 0, "CFRUN_PEER_TOKEN_FILE": A.WITHHELD})
+        "CFRUN_RANK_SETTINGS": "{}", "CUDA_VISIBLE_DEVICES": 0,
+        "CFRUN_PEER_TOKEN_FILE": A.WITHHELD})
     assert keep == {"OMP_NUM_THREADS": "3"}
     assert refused == sorted(["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH",
                               "DYLD_INSERT_LIBRARIES", "NCCL_NET_PLUGIN", "CFRUN_PREV_PYTHONPATH",

@@ -12,6 +12,7 @@ import time
 import pytest
 import xxhash
 
+from cfrun.agent.peertier import PeerTier, split_parts
 from cfrun.contract.config import parse_bytes
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
 from cfrun.contract.manifest import FileEntry, Manifest
@@ -38,7 +39,6 @@ from cfrun.peer.protocol import (
     verify_manifest,
 )
 from cfrun.peer.server import PeerServer
-from cfrun.agent.peertier import PeerTier, split_parts
 from cfrun.storage.tiers import open_storage
 
 TOKEN = b"t" * 32

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import ROOT
 
 from cfrun.policy import Costs, choose_interval
-from conftest import ROOT
 
 PROFILES = sorted((ROOT / "profiles").glob("*.json"))
 

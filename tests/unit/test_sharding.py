@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cfrun.codec.checkpoint import commit, load_newest, load_shard, staging_dir, write_shard
-from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.codec.format import encode
 from cfrun.codec.sharding import SHARD_MIN_BYTES, shard_replicated, split_ranges
+from cfrun.contract.errors import CheckpointCorruptError
 
 
 def test_split_ranges_match_torch_tensor_split():

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_bit_identical
 
-from cfrun.contract import faults, ipc
-from cfrun.rank import snapshot as S
 from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.codec.format import encode
+from cfrun.contract import faults, ipc
 from cfrun.contract.jobdir import step_dir_name
-from conftest import assert_bit_identical
+from cfrun.rank import snapshot as S
 
 pytestmark = pytest.mark.timeout(120)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

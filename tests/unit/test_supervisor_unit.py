@@ -39,7 +39,8 @@ def _child(code: str, env: dict[str, str] | None = None) -> subprocess.Popen:
 def test_lock_of_a_sigkilled_holder_is_taken_by_the_next(tmp_path: Path) -> None:
     jd = JobDir(tmp_path / "job")
     jd.create()
-    holder = _child(f"from cfrun.contract.jobdir import JobDir\njd = JobDir({str(jd.root)!r})\njd.lock()")
+    holder = _child("from cfrun.contract.jobdir import JobDir\n"
+                    f"jd = JobDir({str(jd.root)!r})\njd.lock()")
     try:
         assert jd.is_locked()
         holder.send_signal(signal.SIGKILL)
