@@ -129,7 +129,7 @@ class Committer:
 
     def _commit_lock(self) -> filelock.FileLock:
         """One lock for every commit and abandon in the shared job dir (all nodes' agents)."""
-        return filelock.FileLock(str(self.jobdir.checkpoints / ".commit.lock"))
+        return filelock.FileLock(str(self.jobdir.commit_lock_path))
 
     def _node_done(self, step: int, world_size: int) -> None:
         """Every local rank's shard of ``step`` is durable: publish this node's mark (its files

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from cfrun import __version__
-from cfrun.contract import faults
+from cfrun.contract import coordination, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
     RunConfig,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import UnsafeFileError, read_regular
@@ -138,12 +139,8 @@ def status(jd: JobDir) -> dict[str, Any]:
     states = [e for e in events if e.get("event") == "state"]
     running = jd.is_locked()
     state = "running" if running else (states[-1]["state"] if states else "unknown")
-    beats = []
-    for p in jd.root.glob("heartbeat-rank-*"):
-        try:
-            beats.append(int(read_regular(p, max_bytes=64).strip() or 0))
-        except (OSError, ValueError):
-            continue
+    beats = [b.step for b in map(co.Heartbeat.read, co.heartbeat_paths(jd.root))
+             if b is not None]
     newest = _newest_readable(jd)
     ckpts = [e for e in events if e.get("event") == "checkpoint"]
     attempts = [e for e in events if e.get("event") == "attempt_end"]
@@ -151,8 +148,8 @@ def status(jd: JobDir) -> dict[str, Any]:
     stall_total_s = sum(float(e.get("stall_s", 0)) for e in ckpts)
     interval = config.get("interval")
     strategy = {}
-    if os.path.lexists(jd.root / "strategy.json"):
-        strategy = _read_json(jd.root / "strategy.json", MAX_CONFIG_BYTES)
+    if os.path.lexists(jd.strategy_path):
+        strategy = _read_json(jd.strategy_path, MAX_CONFIG_BYTES)
     return {
         "job_dir": str(jd.root),
         "script": config.get("script"),

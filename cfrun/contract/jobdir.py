@@ -6,13 +6,19 @@ Layout::
       job.lock                  filelock held by the live supervisor (released by the OS on death)
       agent.json                the persist agent's pid, socket name, slot dir (contract.ipc)
       config.json               resolved RunConfig, cfrun version, format version
-      events.jsonl              one JSON object per line: attempts, checkpoints, resumes, warnings
+      events.jsonl              one JSON object per line (kinds: cfrun.contract.events.EVENTS)
+      strategy.json             the policy's current interval (rank 0's tuner)
+      profiles/<fingerprint>.json  the policy's cached profiles
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
       checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
 
 Only the job's user may read it (issue 12, the local trust boundary): the directory and
 ``checkpoints/`` are 0700, the files cfrun creates here 0600, and the lock and the events are
 opened without following links (a link found there is refused, not written through).
+
+The supervisor's and the ranks' coordination files (stop request and decision, marks, rank
+errors, heartbeats) are named in :mod:`cfrun.contract.coordination`; every other name of the
+layout is a constant or a property here, and no other module spells one.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 import filelock
 
+from cfrun.contract import events as _events
 from cfrun.contract.errors import BadInputError, JobDirLockedError
 from cfrun.contract.fsio import atomic_write_json, fsync_dir  # noqa: F401  (re-exported)
 from cfrun.contract.settings import node_rank
@@ -34,6 +41,13 @@ from cfrun.contract.settings import node_rank
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
 """The policy's cached profiles (cfrun.rank.tuner)."""
+EVENTS = "events.jsonl"
+STRATEGY = "strategy.json"
+"""Rank 0's current interval decision (cfrun.rank.tuner), read by the other ranks and the CLI."""
+CONFIG_STEM, AGENT_STEM, LOCK_STEM = "config", "agent", "job"
+"""``config.json``, ``agent.json``, ``job.lock``: one per node (``config-node1.json`` ...)."""
+COMMIT_LOCK = ".commit.lock"
+"""Lock in ``checkpoints/`` the agents of several nodes take to commit a step."""
 DIR_MODE = 0o700
 """Mode of the job dir and the directories cfrun makes in it."""
 FILE_MODE = 0o600
@@ -61,11 +75,35 @@ class JobDir:
     def config_path(self) -> Path:
         from cfrun.contract.settings import node_suffix
 
-        return self.root / f"config{node_suffix()}.json"  # one per node in a shared job dir
+        return self.root / f"{CONFIG_STEM}{node_suffix()}.json"  # one per node in a shared job dir
+
+    def config_path_of(self, suffix: str) -> Path:
+        """The config of the node whose :func:`~cfrun.contract.settings.node_suffix` is
+        ``suffix`` (``cfrun resume --node-rank``)."""
+        return self.root / f"{CONFIG_STEM}{suffix}.json"
 
     @property
     def events_path(self) -> Path:
-        return self.root / "events.jsonl"
+        return self.root / EVENTS
+
+    @property
+    def strategy_path(self) -> Path:
+        """``strategy.json`` (:data:`STRATEGY`)."""
+        return self.root / STRATEGY
+
+    @property
+    def profiles(self) -> Path:
+        """``profiles/``: the policy's cache, one ``<fingerprint>.json`` per job fingerprint."""
+        return self.root / PROFILES
+
+    def profile_path(self, fingerprint: str) -> Path:
+        """``profiles/<fingerprint>.json``."""
+        return self.profiles / f"{fingerprint}.json"
+
+    @property
+    def commit_lock_path(self) -> Path:
+        """``checkpoints/.commit.lock`` (:data:`COMMIT_LOCK`)."""
+        return self.checkpoints / COMMIT_LOCK
 
     @property
     def checkpoints(self) -> Path:
@@ -75,13 +113,13 @@ class JobDir:
     def agent_path(self) -> Path:
         from cfrun.contract.settings import node_suffix
 
-        return self.root / f"agent{node_suffix()}.json"  # one agent per node
+        return self.root / f"{AGENT_STEM}{node_suffix()}.json"  # one agent per node
 
     @property
     def lock_path(self) -> Path:
         from cfrun.contract.settings import node_suffix
 
-        return self.root / f"job{node_suffix()}.lock"  # one supervisor per node
+        return self.root / f"{LOCK_STEM}{node_suffix()}.lock"  # one supervisor per node
 
     def check_usable(self) -> None:
         """Raise if ``root`` exists but cannot be a job dir (a file, or a foreign directory).
@@ -109,8 +147,9 @@ class JobDir:
     def _looks_like_job_dir(self) -> bool:
         """Written by cfrun: a node's config or lock (several nodes share one job dir and
         start at about the same time), the events or the checkpoints."""
-        return (any(self.root.glob("config*.json")) or any(self.root.glob("job*.lock"))
-                or (self.root / "events.jsonl").exists() or (self.root / "checkpoints").is_dir())
+        return (any(self.root.glob(f"{CONFIG_STEM}*.json"))
+                or any(self.root.glob(f"{LOCK_STEM}*.lock"))
+                or self.events_path.exists() or self.checkpoints.is_dir())
 
     def create(self) -> None:
         """Create the directory tree (idempotent): the job dir, ``checkpoints/`` and the
@@ -122,7 +161,7 @@ class JobDir:
         """
         self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _make_private_dir(self.root)
-        for sub in (self.checkpoints, self.root / PROFILES):
+        for sub in (self.checkpoints, self.profiles):
             try:
                 sub.mkdir(mode=DIR_MODE)
             except FileExistsError:
@@ -186,7 +225,15 @@ class JobDir:
     def emit_event(self, kind: str, **fields: Any) -> None:
         """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes).
 
-        Events of node R > 0 of a multi-node job carry ``"node": R`` (node 0's carry none)."""
+        Events of node R > 0 of a multi-node job carry ``"node": R`` (node 0's carry none).
+        ``kind`` and the field names are checked against :data:`cfrun.contract.events.EVENTS`
+        (:func:`cfrun.contract.events.check`).
+
+        Raises:
+            EventSchemaError: an undeclared kind or field, or a missing required field, under
+                test only (in production it is logged once and the event written anyway).
+        """
+        _events.check(kind, fields)
         record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
         node = node_rank()
         if node:

@@ -1,6 +1,7 @@
 """Phase 7: the rank's side of supervision: heartbeats, marks, and stopping for a preemption.
 
-Files a rank writes into the job dir for its supervisor (:class:`Marks`):
+Files a rank writes into the job dir for its supervisor (:class:`Marks`; names and records in
+:mod:`cfrun.contract.coordination`):
 
 * ``heartbeat-rank-R``: the step count, rewritten every step (hang detection);
 * ``errors/attempt-A-rank-R.json``: an uncaught exception (crash-loop detection, the report);
@@ -17,7 +18,6 @@ or none does.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,7 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.contract import coordination as co
+from cfrun.contract.jobdir import JobDir
 from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
@@ -55,9 +56,10 @@ class Marks:
         """Heartbeat for the supervisor's hang detection: the step count, rewritten each step."""
         try:
             if self._hb_fd is None:
-                path = self.jobdir.root / f"heartbeat-rank-{self.s.rank:05d}"
-                self._hb_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            os.pwrite(self._hb_fd, f"{step:>14}\n".encode(), 0)
+                path = co.heartbeat_path(self.jobdir.root, self.s.rank)
+                self._hb_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                                      | os.O_CLOEXEC, 0o600)
+            os.pwrite(self._hb_fd, co.Heartbeat(step).to_bytes(), 0)
         except OSError:
             pass
 
@@ -67,14 +69,15 @@ class Marks:
         if exc_type is SystemExit:
             return
         self._uncaught = True
-        errors = self.jobdir.root / "errors"
         try:
-            errors.mkdir(exist_ok=True)
-            atomic_write_json(errors / f"attempt-{self.s.attempt}-rank-{self.s.rank}.json", {
-                "type": exc_type.__name__, "message": str(exc)[:2000], "step": step,
-                "t_unix_s": time.time(),  # the supervisor reports the earliest failure
-                "traceback": traceback.format_exception(exc_type, exc, tb)[-12:]})
-        except OSError:
+            record = co.RankError(
+                type=exc_type.__name__, message=str(exc)[:co.MAX_MESSAGE_CHARS],
+                step=step if step >= 0 else None,
+                t_unix_s=time.time(),  # the supervisor reports the earliest failure
+                traceback=traceback.format_exception(exc_type, exc, tb)[-co.MAX_TRACEBACK_LINES:])
+            co.write(co.error_path(self.jobdir.root, self.s.attempt, self.s.rank), record,
+                     make_dir=True)
+        except (OSError, ValueError):
             pass
 
     def note_exit(self, status: Any) -> None:
@@ -90,24 +93,22 @@ class Marks:
         job would only run its tail again."""
         clean = not self._uncaught and self._exit_code == 0 and not preempted
         try:
-            ended = self.jobdir.root / "ended"
-            ended.mkdir(exist_ok=True)
-            atomic_write_json(ended / f"node-{self.s.node_rank}-attempt-{self.s.attempt}-rank-"
-                                      f"{self.s.rank}.json", {"clean": clean, "step": step,
-                                       "preempted": preempted})
-        except OSError:
+            co.write(co.ended_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
+                                   self.s.rank),
+                     co.EndedMark(clean=clean, step=max(step, 0), preempted=preempted),
+                     make_dir=True)
+        except (OSError, ValueError):
             pass
 
     def mark_preempted(self, step: int, committed: int | None) -> None:
         """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption
         (the supervisor's evidence that exit code 0 means "preempted", not "done")."""
         try:
-            marks = self.jobdir.root / "preempted"
-            marks.mkdir(exist_ok=True)
-            atomic_write_json(marks / f"node-{self.s.node_rank}-attempt-{self.s.attempt}-rank-"
-                                      f"{self.s.rank}.json",
-                              {"step": step, "final_checkpoint": committed})
-        except OSError:
+            co.write(co.preempted_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
+                                       self.s.rank),
+                     co.PreemptedMark(step=max(step, 0), final_checkpoint=committed),
+                     make_dir=True)
+        except (OSError, ValueError):
             pass
         _flush_std_streams()
 
@@ -115,8 +116,8 @@ class Marks:
         """Stop the job: the resume would be wrong. The supervisor exits with code 5."""
         say(f"FATAL: {message}")
         try:
-            atomic_write_json(self.jobdir.root / "fatal.json",
-                              {"message": message, "attempt": self.s.attempt, "rank": self.s.rank})
+            co.write(co.fatal_path(self.jobdir.root),
+                     co.Fatal(message=message, attempt=self.s.attempt, rank=self.s.rank))
         finally:
             os._exit(1)
 
@@ -152,26 +153,25 @@ class Preemption:
         ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``).
         """
         if self._stop_step is None:
-            req_path = self.jobdir.root / "stop_request.json"
-            if not req_path.exists():
+            req_path = co.stop_request_path(self.jobdir.root)
+            if not os.path.exists(req_path):
                 return False
             if self._deadline_unix_s is None:
-                try:
-                    self._deadline_unix_s = float(
-                        json.loads(req_path.read_text())["deadline_unix_s"])
-                except (OSError, ValueError, KeyError):
+                request = co.read(req_path, co.StopRequest)
+                if request is None:  # not yet readable, or malformed (never trusted)
                     return False
-            step_path = self.jobdir.root / "stop_step.json"
+                self._deadline_unix_s = float(request.deadline_unix_s)
+            step_path = co.stop_step_path(self.jobdir.root)
             if self.s.world_size == 1:
                 self._stop_step = step
             elif self.s.rank == 0:
                 self._stop_step = step + 2
-                atomic_write_json(step_path, {"step": self._stop_step})
+                co.write(step_path, co.StopStep(self._stop_step))
             else:
-                try:
-                    self._stop_step = int(json.loads(step_path.read_text())["step"])
-                except (OSError, ValueError, KeyError):
+                chosen = co.read(step_path, co.StopStep)
+                if chosen is None:
                     return False
+                self._stop_step = chosen.step
             say(f"preemption: stopping at step {self._stop_step}")
         return step >= self._stop_step
 
@@ -229,7 +229,7 @@ class Preemption:
         fits before ``deadline``, unix seconds) or ``"none"``. Rank 0 decides and writes
         ``stop_decision.json``; the other ranks wait for it until the deadline (``"none"``
         then: rank 0's checkpoint alone can never commit)."""
-        path = self.jobdir.root / "stop_decision.json"
+        path = co.stop_decision_path(self.jobdir.root)
         if self.s.rank == 0:
             if self._last_committed_step() == step:
                 decision = "have"
@@ -237,16 +237,13 @@ class Preemption:
                 decision = "take"
             else:
                 decision = "none"
-            atomic_write_json(path, {"step": step, "decision": decision,
-                                     "need_s": round(self._need_s(), 3)})
+            co.write(path, co.StopDecision(step=step, decision=decision,
+                                           need_s=round(self._need_s(), 3)))
             return decision
         while True:
-            try:
-                doc = json.loads(path.read_text())
-                if int(doc["step"]) == step:
-                    return str(doc["decision"])
-            except (OSError, ValueError, KeyError):
-                pass
+            doc = co.read(path, co.StopDecision)
+            if doc is not None and doc.step == step:
+                return doc.decision
             if time.time() >= deadline:
                 return "none"
             time.sleep(0.01)

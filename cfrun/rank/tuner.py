@@ -123,7 +123,7 @@ class Tuner:
 
     @property
     def cache_path(self) -> Path:
-        return self.jobdir.root / "profiles" / f"{self.key}.json"
+        return self.jobdir.profile_path(self.key)
 
     def _load_cache(self) -> None:
         try:
@@ -359,14 +359,14 @@ class Tuner:
         self._pgt_s = {p: t for p, t in self._pgt_s.items() if p >= keep}
 
     def _write_strategy(self, source: str, reason: str, predicted: float | None) -> None:
-        atomic_write_json(self.jobdir.root / "strategy.json", {
+        atomic_write_json(self.jobdir.strategy_path, {
             "interval": self.interval, "mode": self.mode, "fingerprint": self.key,
             "source": source, "reason": reason, "effective_step": self.base_step,
             "predicted_overhead": predicted, "budget": self.budget})
 
     def _follow_strategy(self, step: int) -> None:
         """Ranks other than 0 take rank 0's decisions from ``strategy.json``."""
-        path = self.jobdir.root / "strategy.json"
+        path = self.jobdir.strategy_path
         try:
             mtime = path.stat().st_mtime_ns
         except OSError:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
-from cfrun.contract import ipc, slots
+from cfrun.contract import coordination, ipc, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
@@ -244,7 +244,7 @@ class Supervisor:
         cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
                     "format_version": FORMAT_VERSION}
         atomic_write_json(jd.config_path, cfg_json)
-        for stale in ("fatal.json", "stop_request.json", "stop_step.json", "stop_decision.json"):
+        for stale in coordination.STALE_AT_START:
             (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()
         while True:

@@ -15,7 +15,6 @@ Linux ties to the thread that forked it).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,10 +25,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
-from cfrun.contract.jobdir import JobDir, atomic_write_json
+from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_torchrun_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome, RankError
@@ -281,7 +281,12 @@ class Monitor:
         limit = self.cfg.hang_timeout_s
         if not limit:
             return False
-        beats = [p.stat().st_mtime for p in self.jobdir.root.glob("heartbeat-rank-*")]
+        beats = []
+        for p in co.heartbeat_paths(self.jobdir.root):
+            try:
+                beats.append(p.stat().st_mtime)
+            except OSError:  # removed meanwhile
+                continue
         beats = [t for t in beats if t >= started_unix_s]
         if not beats:  # before the first step: startup, data loading, resume
             return time.time() - started_unix_s > max(limit, 600.0)
@@ -291,69 +296,56 @@ class Monitor:
 
     def last_step(self) -> int | None:
         """The highest step in the ranks' heartbeats (``heartbeat-rank-*``), None before any."""
-        steps = []
-        for p in self.jobdir.root.glob("heartbeat-rank-*"):
-            try:
-                steps.append(int(p.read_text().strip() or -1))
-            except (OSError, ValueError):
-                continue
+        steps = [b.step for b in map(co.Heartbeat.read, co.heartbeat_paths(self.jobdir.root))
+                 if b is not None]
         return max(steps) if steps else None
 
     def ended_marks(self, attempt: int) -> dict[int, dict[str, Any]]:
         """rank -> the end-of-script mark this node's rank wrote in ``attempt``
-        (cfrun.rank.preemption.Marks: ``clean``, ``preempted``, ``step``); an unreadable
-        mark reads as not clean."""
+        (:class:`cfrun.contract.coordination.EndedMark`: ``clean``, ``preempted``, ``step``);
+        an unreadable or malformed mark reads as not clean."""
         out: dict[int, dict[str, Any]] = {}
-        ended = self.jobdir.root / "ended"
-        for p in ended.glob(f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):
-            try:
-                rank = int(p.stem.rsplit("-", 1)[1])
-            except ValueError:
-                continue
-            try:
-                mark = json.loads(p.read_text())
-                out[rank] = mark if isinstance(mark, dict) else {"clean": False}
-            except (OSError, ValueError):
-                out[rank] = {"clean": False}
+        for rank, p in co.ended_of(self.jobdir.root, self.cfg.node_rank, attempt).items():
+            mark = co.read(p, co.EndedMark)
+            out[rank] = mark.to_json() if mark is not None else {"clean": False}
         return out
 
     def rank_errors(self, attempt: int) -> tuple[RankError, ...]:
-        """The ranks' errors of ``attempt`` (``errors/attempt-A-rank-R.json``); unreadable
-        records are skipped."""
+        """The ranks' errors of ``attempt`` (``errors/attempt-A-rank-R.json``,
+        :class:`cfrun.contract.coordination.RankError`); unreadable or malformed records are
+        skipped."""
         out = []
-        for path in (self.jobdir.root / "errors").glob(f"attempt-{attempt}-rank-*.json"):
-            try:
-                e = json.loads(path.read_text())
-                t = float(e.get("t_unix_s") or path.stat().st_mtime)
-                rank = int(path.stem.rsplit("-", 1)[1])
-                step = e.get("step")
-                out.append(RankError(rank=rank, type=e.get("type"), message=e.get("message"),
-                                     step=int(step) if step is not None else None, t_unix_s=t))
-            except (OSError, ValueError, TypeError, AttributeError):
+        for rank, path in co.errors_of(self.jobdir.root, attempt).items():
+            e = co.read(path, co.RankError)
+            if e is None:
                 continue
+            try:
+                t = e.t_unix_s if e.t_unix_s else path.stat().st_mtime
+            except OSError:
+                continue
+            out.append(RankError(rank=rank, type=e.type, message=e.message, step=e.step,
+                                 t_unix_s=float(t)))
         return tuple(out)
 
     def preempted_marks(self, attempt: int) -> list[int]:
         """The stop steps of this node's ranks' ``preempted`` marks of ``attempt``
         (cfrun.rank.preemption.Marks)."""
         steps = []
-        for p in (self.jobdir.root / "preempted").glob(
-                f"node-{self.cfg.node_rank}-attempt-{attempt}-rank-*.json"):
-            try:
-                steps.append(int(json.loads(p.read_text())["step"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+        for p in co.preempted_of(self.jobdir.root, self.cfg.node_rank, attempt).values():
+            mark = co.read(p, co.PreemptedMark)
+            if mark is not None:
+                steps.append(mark.step)
         return steps
 
     def fatal_message(self) -> str | None:
-        """``fatal.json``'s message (a rank found that resuming would be wrong), or None."""
-        fatal = self.jobdir.root / "fatal.json"
-        if not fatal.exists():
+        """``fatal.json``'s message (a rank found that resuming would be wrong), or None
+        without one; ``"unknown"`` when it exists but is unreadable or malformed (its presence
+        alone stops the job)."""
+        path = co.fatal_path(self.jobdir.root)
+        if not co.exists(path):
             return None
-        try:
-            return str(json.loads(fatal.read_text()).get("message", "unknown"))
-        except (OSError, ValueError, AttributeError):
-            return "unknown"
+        fatal = co.read(path, co.Fatal)
+        return fatal.message if fatal is not None else "unknown"
 
     # ------------------------------------------------------------------ processes
 
@@ -368,9 +360,9 @@ class Monitor:
         interrupted too).
         """
         deadline_unix_s = time.time() + max(0.0, deadline_s - time.monotonic())
-        atomic_write_json(self.jobdir.root / "stop_request.json",
-                          {"deadline_unix_s": deadline_unix_s,
-                           "signal": signal.Signals(signum).name})
+        co.write(co.stop_request_path(self.jobdir.root),
+                 co.StopRequest(deadline_unix_s=deadline_unix_s,
+                                signal=signal.Signals(signum).name))
         proc = self.proc
         if proc is not None:
             while time.monotonic() < deadline_s and not self.second_signal():

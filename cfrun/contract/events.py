@@ -1,0 +1,143 @@
+"""The events of ``events.jsonl``: every kind, with its required and optional fields, in one table.
+
+Every process of a job appends events to ``<job_dir>/events.jsonl`` through
+:meth:`cfrun.contract.jobdir.JobDir.emit_event`, which checks the kind and the field names
+against :data:`EVENTS` (:func:`check`). An undeclared kind, a missing required field or an
+undeclared field is a bug in cfrun: it raises :class:`EventSchemaError` under test
+(``CFRUN_FAULTS`` set, or pytest running) and is logged once, and the event written anyway, in
+production (a training run is never killed over its log). ``cfrun status`` and the tests read
+the events back.
+
+Every line also has ``t_unix_s`` (unix seconds) and ``event`` (the kind), and ``node`` (the
+node rank) on node R > 0 of a multi-node job (:data:`COMMON`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger("cfrun")
+
+
+class EventSchemaError(ValueError):
+    """An event whose kind is not declared in :data:`EVENTS` or whose fields do not match it."""
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: who writes it, the fields it must have and those it may have
+    (``open``: any further fields too, e.g. measurements merged from a record)."""
+
+    writer: str
+    required: frozenset[str]
+    optional: frozenset[str] = frozenset()
+    open: bool = False
+
+
+def _k(writer: str, required: Iterable[str] = (), optional: Iterable[str] = (),
+       open: bool = False) -> EventKind:
+    return EventKind(writer, frozenset(required), frozenset(optional), open)
+
+
+COMMON = frozenset({"t_unix_s", "event", "node"})
+"""Fields every event may carry besides its own (added by ``emit_event``)."""
+
+_CKPT_FIGURES = ("step", "bytes", "stall_s", "snapshot_s", "persist_s", "pgt_s",
+                 "bandwidth_bytes_per_s", "tier")
+
+EVENTS: dict[str, EventKind] = {
+    # supervisor (cfrun.supervisor.core, .monitor, .machine)
+    "state": _k("supervisor", ["state"], open=True),
+    "attempt_start": _k("supervisor", ["attempt", "argv"]),
+    "attempt_end": _k("supervisor", ["attempt", "returncode", "duration_s"]),
+    "hang": _k("supervisor", ["attempt", "hang_timeout_s"]),
+    "signal_forwarded": _k("supervisor", ["signal", "ranks"]),
+    "leftovers_killed": _k("supervisor", ["pids"], ["agent_pid"]),
+    "agent_restart": _k("supervisor", ["returncode"]),
+    "failure": _k("supervisor", ["attempt", "cause", "returncode", "hung", "error", "step"]),
+    "teardown_failure": _k("supervisor", ["attempt", "returncode"]),
+    "preempted": _k("supervisor", ["step", "final_checkpoint", "newest_committed", "signal",
+                                   "ranks_stopped"]),
+    # persist agent (cfrun.agent)
+    "agent_start": _k("agent", ["pid"]),
+    "agent_refused": _k("agent", ["uid", "pid"]),
+    "persist_refused": _k("agent", ["error"]),
+    "persist_failed": _k("agent", ["step", "error"], ["rank"]),
+    "commit": _k("agent", ["step", "bytes", "persist_s", "pgt_s", "tier"], ["nodes"]),
+    "protected": _k("agent", ["step", "bytes", "tier"], ["persist_s", "pgt_s", "streams"]),
+    "fetched": _k("agent", ["step", "source", "bytes"], ["fetch_s"]),
+    "fetch_failed": _k("agent", ["step", "source", "error"]),
+    "peer_unavailable": _k("agent", ["peer"], ["error"]),
+    "peer_reconnected": _k("agent", ["peer"]),
+    "durable": _k("agent", ["step", "tier"], ["url", "durable_s"]),
+    "durable_unknown": _k("agent", ["step"], ["state", "error"]),
+    # ranks (cfrun.rank)
+    "checkpoint": _k("rank 0", ["attempt", "mode", "persist", "step", "bytes"],
+                     _CKPT_FIGURES, open=True),
+    "checkpoint_rank": _k("every rank (CFRUN_EVENTS_ALL_RANKS=1)", ["rank", "attempt", "step"],
+                          _CKPT_FIGURES, open=True),
+    "checkpoint_failed": _k("a rank", ["step", "error"], ["rank"]),
+    "persist_lost": _k("a rank", ["step", "error"], ["rank"]),
+    "checkpoint_corrupt": _k("a rank", ["step", "error"]),
+    "resumed": _k("each rank", ["step", "attempt", "rank"], ["variables"]),
+    "not_exact": _k("a rank", ["reason"], ["step"]),
+    "unprotected": _k("a rank", ["where", "error"], ["step", "rank", "attempt", "traceback"]),
+    "profile": _k("rank 0", ["probes"], ["costs", "mode", "modes"], open=True),
+    "decision": _k("rank 0", ["source", "interval", "mode"],
+                   ["reason", "predicted_overhead", "predicted_recovery_s", "k_budget",
+                    "k_in_flight", "k_daly", "fingerprint"]),
+    "reprofile": _k("rank 0", ["reason"], ["cached_bytes", "state_bytes"]),
+    "adapt": _k("rank 0", ["step", "interval", "reason"],
+                ["window", "measured_overhead", "budget", "mean_iter_s", "clean_iter_s",
+                 "baseline_iters", "iters", "checkpoints", "pgt_s", "k_in_flight",
+                 "run_overhead", "old_interval"]),
+}
+"""Every event kind: name -> :class:`EventKind`. The README's list of events names them all."""
+
+
+def problems(kind: str, names: Iterable[str]) -> list[str]:
+    """What is wrong with an event ``kind`` carrying fields ``names`` ([] when nothing)."""
+    spec = EVENTS.get(kind)
+    if spec is None:
+        return [f"event kind {kind!r} is not declared in cfrun.contract.events.EVENTS"]
+    names = set(names)
+    out = []
+    missing = sorted(spec.required - names)
+    if missing:
+        out.append(f"event {kind!r} lacks required fields {missing}")
+    if not spec.open:
+        unknown = sorted(names - spec.required - spec.optional - COMMON)
+        if unknown:
+            out.append(f"event {kind!r} has undeclared fields {unknown}")
+    return out
+
+
+def strict() -> bool:
+    """True under test: ``CFRUN_FAULTS`` is set or pytest is running (then a schema error
+    raises); False in production (it is logged once)."""
+    return bool(os.environ.get("CFRUN_FAULTS")) or "pytest" in sys.modules \
+        or "PYTEST_CURRENT_TEST" in os.environ
+
+
+_logged: set[str] = set()
+
+
+def check(kind: str, names: Iterable[str]) -> None:
+    """Check an event before it is written (:meth:`JobDir.emit_event` calls it).
+
+    Raises:
+        EventSchemaError: the event does not match :data:`EVENTS`, under test only; in
+            production the problem is logged once per kind and the caller writes the event.
+    """
+    found = problems(kind, names)
+    if not found:
+        return
+    if strict():
+        raise EventSchemaError("; ".join(found))
+    if kind not in _logged:
+        _logged.add(kind)
+        logger.warning("cfrun: bug: %s (written anyway)", "; ".join(found))
