@@ -349,9 +349,9 @@ def profile_cmd(
     code = Supervisor(cfg).run()
     shutil.rmtree(jd.checkpoints, ignore_errors=True)  # profiling checkpoints are not a job's
     jd.checkpoints.mkdir(parents=True, exist_ok=True)
-    for hb in jd.root.glob("heartbeat-rank-*"):
+    for hb in coordination.heartbeat_paths(jd.root):
         hb.unlink()
-    strategy = jd.root / "strategy.json"
+    strategy = jd.strategy_path
     if code == 0 and not strategy.exists():
         probes = sum(1 for e in jd.read_events() if e.get("event") == "checkpoint")
         raise JobFailedError(
@@ -361,7 +361,7 @@ def profile_cmd(
     if code != 0:
         raise typer.Exit(code)
     st = json.loads(strategy.read_text())
-    prof = json.loads((jd.root / "profiles" / f"{st['fingerprint']}.json").read_text())
+    prof = json.loads(jd.profile_path(st["fingerprint"]).read_text())
     c, d = prof["costs"], prof["decision"]
     table = Table("measured", "value", title=f"cfrun profile: {Path(cfg.script).name}")
     for name, value in [
@@ -412,7 +412,7 @@ def resume_cmd(
     os.environ[E.NODE_RANK] = str(parse_positive_int("--node-rank", node_rank, minimum=0))
     from cfrun.contract.settings import node_suffix
 
-    cfg_path = jd / f"config{node_suffix()}.json"
+    cfg_path = JobDir(jd).config_path_of(node_suffix())
     if not jd.is_dir():
         raise BadInputError(f"job dir {job_dir!r} does not exist; give the --job-dir of an "
                             "earlier run (default ./cfrun-jobs/<script name>)")

@@ -345,7 +345,7 @@ class Heartbeat:
         return f"{self.step:>{self.WIDTH}}\n".encode()
 
     @classmethod
-    def parse_bytes(cls, data: bytes) -> Heartbeat:
+    def parse_bytes(cls, data: bytes | bytearray) -> Heartbeat:
         """Raises: MalformedRecordError: not a non-negative decimal step."""
         text = data.decode("ascii", errors="replace").strip()
         if not text.isdigit():
