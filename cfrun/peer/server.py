@@ -34,6 +34,7 @@ checkpoint it fetches back end to end.
 
 from __future__ import annotations
 
+import collections
 import enum
 import hmac
 import logging
@@ -82,6 +83,9 @@ logger = logging.getLogger("cfrun.peer.server")
 
 STALE_PARTIAL_S = 60.0
 """A partial checkpoint with no transfer for this long may be evicted (its sender died)."""
+MAX_EVICTED_REMEMBERED = 4096
+"""Flushed-then-evicted checkpoints remembered so that a late AWAIT still hears ``durable``
+(a few dozen bytes each)."""
 
 
 
@@ -176,6 +180,10 @@ class PeerServer:
         self.cond = threading.Condition(self.lock)
         self.checkpoints: dict[tuple[str, int], _Checkpoint] = {}
         self.flush_queue: list[_Checkpoint] = []
+        self.evicted_durable: collections.OrderedDict[tuple[str, int], None] = \
+            collections.OrderedDict()
+        """Checkpoints evicted from RAM after their flush (newest last, at most
+        :data:`MAX_EVICTED_REMEMBERED`): an AWAIT that comes late still hears ``durable``."""
         self.connections = 0
         self._manifest_keys: dict[str, bytes] = {}
         self.stopping = threading.Event()
@@ -395,6 +403,10 @@ class PeerServer:
                         victim.step)
         del self.checkpoints[(victim.job, victim.step)]
         victim.files.clear()
+        if victim.state is SlotState.DURABLE:
+            self.evicted_durable[(victim.job, victim.step)] = None
+            while len(self.evicted_durable) > MAX_EVICTED_REMEMBERED:
+                self.evicted_durable.popitem(last=False)
 
     def _seal(self, h: dict[str, Any]) -> dict[str, Any]:
         job, step, world_size = self._ids(h)
@@ -460,6 +472,9 @@ class PeerServer:
         with self.cond:
             while True:
                 ck = self.checkpoints.get((job, step))
+                if ck is None and (job, step) in self.evicted_durable:  # flushed, then evicted
+                    return {"ok": True, "state": SlotState.DURABLE.value, "error": None,
+                            "flush_to": self.storage.url}
                 if ck is None:
                     return {"ok": True, "state": "missing"}
                 left = deadline - time.monotonic()

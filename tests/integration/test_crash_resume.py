@@ -187,14 +187,16 @@ def test_a_changed_training_loader_is_refused(tmp_path):
     """Resuming with another batch size stops with exit 5 and a one-line error, instead of
     jumping to the checkpoint's epoch and silently training on without the checkpoint."""
     script = str(SCRIPTS / "train_loader_small.py")
-    first = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash", "25",
+    # checkpoints at 18, 24 and 30, the crash at 31: any one of them is in epoch 1, and the
+    # persist of 18 has 13 steps to commit however loaded the machine is
+    first = run_cfrun(["--interval", "6", "--job-dir", "j", "--inject-crash", "31",
                        "--max-restarts", "0", script, "16", "a.pt"], cwd=tmp_path)
     assert first.returncode == 4, first.stderr[-3000:]
     ckpts = tmp_path / "j" / "checkpoints"
     before = sorted(p.name for p in ckpts.iterdir())
     newest = max(int(n[5:]) for n in before if n.startswith("step-"))
-    assert 16 < newest <= 25  # in epoch 1 (16 batches per epoch)
-    again = run_cfrun(["--interval", "10", "--job-dir", "j", script, "32", "b.pt"], cwd=tmp_path)
+    assert 16 < newest <= 31  # in epoch 1 (16 batches per epoch)
+    again = run_cfrun(["--interval", "6", "--job-dir", "j", script, "32", "b.pt"], cwd=tmp_path)
     assert again.returncode == 5, again.stderr[-3000:]
     [line] = [l for l in again.stderr.splitlines() if l.startswith("cfrun: error:")]
     assert "training DataLoader" in line and "batch_size 16 -> 32" in line, line

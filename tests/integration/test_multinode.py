@@ -129,7 +129,14 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
     [step] = steps
     assert {r for _, r, _ in resumed} == {0, 1}
     assert killed_at - 2 * 10 <= step <= killed_at, (killed_at, step)
-    assert step in [e["step"] for e in ev if e["event"] == "commit"]
+    commits = [e["step"] for e in ev if e["event"] == "commit"]
+    t_resumed = min(e["t_unix_s"] for e in ev if e["event"] == "resumed")
+    before = [e["step"] for e in ev if e["event"] == "commit" and e["t_unix_s"] < t_resumed]
+    # committed with an agent's event, or by node 1's agent killed between its commit (the
+    # manifest rename) and its event line: then it is a checkpoint step newer than every
+    # commit logged before the resume
+    assert step in commits or (step % 10 == 0 and step > max(before, default=-1)), \
+        (step, commits)
     assert_bit_identical(ref_state, saved(tmp_path, "got"))
 
 

@@ -163,6 +163,20 @@ def test_full_buffer_makes_senders_wait_for_the_flusher_then_refuses(server, mon
     assert server.ram_bytes() <= 2 * (1 << 20)
 
 
+def test_a_late_await_for_a_flushed_and_evicted_checkpoint_still_hears_durable(server):
+    """The agent's durable watcher may ask after newer checkpoints took the slot (a loaded
+    machine); a flushed step must not read as missing then."""
+    c = PeerClient(server.address, TOKEN)
+    for step in (1, 2, 3, 4):  # two slots: 1 and 2 are evicted once flushed
+        assert _send(c, "j", step, bytes([step]) * 100)
+        assert c.await_state("j", step, "durable", 10)["state"] == "durable"
+    assert sorted(e["step"] for e in c.list("j")["checkpoints"]) == [3, 4]
+    late = c.await_state("j", 1, "durable", 10)
+    assert late["state"] == "durable" and late["flush_to"] == server.storage.url
+    assert c.await_state("j", 99, "durable", 1)["state"] == "missing"
+    assert c.await_state("other", 1, "durable", 1)["state"] == "missing"
+
+
 def test_oversized_checkpoint_is_refused_before_allocation(server):
     c = PeerClient(server.address, TOKEN)
     with pytest.raises(PeerError, match="max-checkpoint-bytes"):
