@@ -116,6 +116,17 @@ def is_transport_error(error_type: str | None, message: str | None) -> bool:
         any(t in (message or "") for t in _TRANSPORT)
 
 
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: Killed\b")
+"""torch's error in a rank whose DataLoader worker died by SIGKILL
+(``torch.utils.data.dataloader``: "DataLoader worker (pid 123) is killed by signal: Killed.")."""
+
+
+def is_worker_killed_error(error_type: str | None, message: str | None) -> bool:
+    """A rank's error that only reports that one of its DataLoader workers was SIGKILLed (by
+    something outside the script, or by the OOM killer: :attr:`Outcome.oom_kills` tells)."""
+    return error_type == "RuntimeError" and bool(_WORKER_KILLED.search(message or ""))
+
+
 def describe_returncode(returncode: int) -> str:
     """``killed by SIGKILL`` for a negative exit status, else ``exit code N``."""
     if returncode < 0:
@@ -142,6 +153,11 @@ class RankError:
     def is_transport(self) -> bool:
         """Only reports another rank's death (:func:`is_transport_error`)."""
         return is_transport_error(self.type, self.message)
+
+    @property
+    def is_worker_killed(self) -> bool:
+        """Only reports a DataLoader worker's SIGKILL (:func:`is_worker_killed_error`)."""
+        return is_worker_killed_error(self.type, self.message)
 
     def fields(self) -> dict[str, Any]:
         """The ``error`` of a ``failure`` event."""
@@ -234,11 +250,13 @@ class Outcome:
     def is_script_failure(self) -> bool:
         """The script failed by itself (it may fail the same way again): a hang, an exception
         other than a peer's death seen through a collective, a non-zero exit of the script, or
-        an OOM kill. Otherwise something killed torchrun or a rank from outside. (A rank that
+        an OOM kill. Otherwise something killed torchrun, a rank or a rank's DataLoader worker
+        from outside (a worker's SIGKILL surfaces as the rank's RuntimeError). (A rank that
         dies by SIGSEGV or SIGABRT in native code leaves no record either: it counts as a
         kill, so only ``--max-restarts`` bounds its restarts.)"""
         first = first_error(self.errors)
-        return (self.hung or (first is not None and not first.is_transport)
+        return (self.hung or (first is not None and not first.is_transport
+                                  and not first.is_worker_killed)
                 or self.ranks_exited_nonzero > 0 or self.oom_kills > 0)
 
     @property

@@ -59,6 +59,13 @@ def sigkilled(step: int = 12, **kw) -> Outcome:
     return Outcome(attempt=0, returncode=1, errors=(peer_gone,), last_step=step, **kw)
 
 
+def worker_killed(step: int = 12, **kw) -> Outcome:
+    """A DataLoader worker of rank 0 was SIGKILLed from outside: torch raises in the rank."""
+    error = _error(step, type_="RuntimeError",
+                   message="DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    return Outcome(attempt=0, returncode=1, errors=(error,), last_step=step, **kw)
+
+
 def torchrun_killed(step: int = 12) -> Outcome:
     return Outcome(attempt=0, returncode=-9, last_step=step)
 
@@ -97,6 +104,8 @@ def _kinds(actions: list[Action]) -> list[str]:
     # SIGKILL from outside at the same step, again and again: faults to survive
     ([torchrun_killed(12)] * 5, ["restarting"] * 5),
     ([sigkilled(12)] * 5, ["restarting"] * 5),
+    ([worker_killed(12)] * 5, ["restarting"] * 5),
+    ([worker_killed(12, oom_kills=1)] * 3, ["restarting", "restarting", "fatal"]),
     # ... unless the kernel OOM-killed a rank: then the script needs too much memory there
     ([sigkilled(12, oom_kills=1)] * 3, ["restarting", "restarting", "fatal"]),
     # the script's own sys.exit(3), no exception: the script's failure
