@@ -266,9 +266,14 @@ class Outcome:
 
     @property
     def cause(self) -> str:
-        """``hang (...)``, ``exit code N`` or ``killed by SIGNAME`` (failure events, reports)."""
+        """``hang (...)``, ``out of memory at step N (...)``, ``exit code N`` or ``killed by
+        SIGNAME`` (failure events, reports)."""
         if self.hung:
             return HANG_CAUSE
+        if self.oom_kills > 0:
+            step = self.failure.step
+            return (f"out of memory at step {step if step is not None else '?'} (the kernel's "
+                    f"OOM killer killed {self.oom_kills} process(es) of the job)")
         return describe_returncode(self.returncode if self.returncode is not None else 0)
 
     @property
@@ -429,7 +434,7 @@ def decide(outcome: Outcome, history: History, policy: Policy) -> Action:
         row = (*history.script_failures, failure)
         if len(row) >= n and all(x == failure for x in row[-n:]):
             err = failure.error
-            detail = f"{err.type}: {err.message}" if err else cause
+            detail = f"{err.type}: {err.message}" if err and not outcome.oom_kills else cause
             return _stop(SupervisorState.FATAL, EXIT_FATAL,
                          {"attempt": attempt, "cause": "crash loop"}, events=events,
                          error=f"crash loop: the same failure {n} times in a row at step "

@@ -415,3 +415,12 @@ def test_monitor_takes_a_silent_death_during_an_oom_kill_as_the_scripts(tmp_path
 
 def test_failure_fields_are_json() -> None:
     json.dumps(raised().failure.fields())
+
+
+def test_an_oom_kill_is_reported_as_out_of_memory_with_the_step() -> None:
+    [restart] = drive([sigkilled(17, oom_kills=1)], POLICY)
+    assert restart.kind is ActionKind.RESTART
+    assert "out of memory at step 17" in restart.reports[0], restart.reports
+    actions = drive([sigkilled(17, oom_kills=1)] * 3, POLICY)
+    assert actions[-1].kind is ActionKind.STOP and "out of memory at step 17" in (
+        actions[-1].error or ""), actions[-1]
