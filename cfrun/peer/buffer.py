@@ -10,6 +10,12 @@ to level 2, and a receiver waits while every slot is dirty. :class:`RamBuffer` i
   sender waits for the flusher, up to a bound, then is refused (and persists elsewhere).
 * **States**: :class:`SlotState` FILLING -> PROTECTED (every rank sealed) -> FLUSHING ->
   DURABLE; a failed flush goes back to PROTECTED and is retried. Only DURABLE is clean.
+* **RAM accounting is of bytes held**, not of slots: :attr:`RamBuffer.held_bytes` counts every
+  part stored and every receive buffer of a transfer in progress (reserved before the receiver
+  allocates it, given back only when the bytes are dropped), and never exceeds ``slots x
+  max_checkpoint_bytes``. A checkpoint leaves its slot only with its bytes: one with a transfer
+  in progress (or being read or flushed) is never evicted nor dropped; its sender either
+  completes the part or its connection ends and the bytes are given back, then the slot frees.
 
 The buffer keeps no socket and writes no file: the server's connection threads
 (:mod:`cfrun.peer.server`) call it with parsed requests and bytes received, the flusher thread
@@ -92,7 +98,14 @@ class Checkpoint:
     """rank -> its agent's tag over its files (:func:`cfrun.peer.protocol.seal_tag`)."""
     meta: dict[str, Any] = field(default_factory=dict)
     reserved_bytes: int = 0
+    """Bytes held for this checkpoint: parts stored plus buffers of transfers in progress."""
+    transfers: int = 0
+    """Transfers in progress into it (a reservation made, the part not yet stored nor given
+    back): while > 0 it is never evicted nor dropped."""
     pins: int = 0
+    """Readers (a GET, the flusher): while > 0 its files are not dropped."""
+    superseded: bool = False
+    """Partial, and a newer step of its job is protected: dropped once its transfers end."""
     t_first: float = field(default_factory=time.time)
     t_activity: float = field(default_factory=time.monotonic)
     t_protected: float | None = None
@@ -129,6 +142,10 @@ class RamBuffer:
         self.stopping = stopping
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
+        self.limit_bytes = slots * max_checkpoint_bytes
+        self.held_bytes = 0
+        """Bytes held in RAM: every checkpoint's ``reserved_bytes`` (parts stored and buffers
+        of transfers in progress); <= ``limit_bytes`` at all times."""
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}
         self.flush_queue: list[Checkpoint] = []
         self.evicted_durable: collections.OrderedDict[tuple[str, int], None] = \
@@ -137,9 +154,10 @@ class RamBuffer:
         :data:`MAX_EVICTED_REMEMBERED`): an AWAIT that comes late still hears ``durable``."""
 
     def ram_bytes(self) -> int:
-        """Bytes reserved for checkpoints in RAM now (<= slots x max_checkpoint_bytes)."""
+        """Bytes held in RAM now, receive buffers of transfers in progress included
+        (<= slots x max_checkpoint_bytes)."""
         with self.lock:
-            return sum(c.reserved_bytes for c in self.checkpoints.values())
+            return self.held_bytes
 
     def wake(self) -> None:
         """Wake every waiter (the peer is stopping)."""
@@ -152,6 +170,9 @@ class RamBuffer:
                 ) -> Checkpoint | None:
         """Account ``nbytes`` of a transfer to (job, step), taking a slot if needed, waiting up
         to ``wait_s`` for one; nothing is allocated here.
+
+        The caller then owns one transfer into the checkpoint and must end it with exactly one
+        :meth:`receive` or :meth:`abandon`.
 
         Returns:
             The checkpoint to receive into, or None when it is complete already (a retried
@@ -173,29 +194,41 @@ class RamBuffer:
                     if ck.reserved_bytes + nbytes > self.max_checkpoint_bytes:
                         raise Refused(f"checkpoint exceeds --max-checkpoint-bytes "
                                       f"{self.max_checkpoint_bytes}")
-                    ck.reserved_bytes += nbytes
-                    ck.t_activity = time.monotonic()
-                    return ck
-                if nbytes > self.max_checkpoint_bytes:
-                    raise Refused(f"checkpoint exceeds --max-checkpoint-bytes "
-                                  f"{self.max_checkpoint_bytes}")
-                if len(self.checkpoints) >= self.slots:
-                    self._evict_one(job, step)
-                if len(self.checkpoints) < self.slots:
-                    ck = Checkpoint(job, step, world_size, reserved_bytes=nbytes)
-                    self.checkpoints[(job, step)] = ck
-                    logger.info("receiving %s step %d (%d ranks)", job, step, world_size)
-                    return ck
+                    if self.held_bytes + nbytes <= self.limit_bytes:
+                        self._hold(ck, nbytes)
+                        return ck
+                else:
+                    if nbytes > self.max_checkpoint_bytes:
+                        raise Refused(f"checkpoint exceeds --max-checkpoint-bytes "
+                                      f"{self.max_checkpoint_bytes}")
+                    if len(self.checkpoints) >= self.slots:
+                        self._evict_one(job, step)
+                    if len(self.checkpoints) < self.slots \
+                            and self.held_bytes + nbytes <= self.limit_bytes:
+                        ck = Checkpoint(job, step, world_size)
+                        self.checkpoints[(job, step)] = ck
+                        self._hold(ck, nbytes)
+                        logger.info("receiving %s step %d (%d ranks)", job, step, world_size)
+                        return ck
                 left = deadline - time.monotonic()
                 if left <= 0 or self.stopping.is_set():
-                    raise Refused(f"all {self.slots} slots hold unflushed checkpoints")
+                    raise Refused(f"all {self.slots} slots hold unflushed checkpoints or "
+                                  "transfers in progress")
                 self.cond.wait(min(left, 1.0))
+
+    def _hold(self, ck: Checkpoint, nbytes: int) -> None:
+        """Reserve ``nbytes`` for a transfer into ``ck`` (lock held)."""
+        ck.reserved_bytes += nbytes
+        ck.transfers += 1
+        ck.t_activity = time.monotonic()
+        self.held_bytes += nbytes
 
     def receive(self, ck: Checkpoint, name: str, *, part: int, nparts: int, offset: int,
                 file_bytes: int, buf: bytearray, checksum_ok: bool) -> bool:
-        """Store one part received under a reservation of ``len(buf)`` bytes (or give the
-        reservation back when it cannot be kept). Returns whether it was stored."""
+        """End a transfer: store the part received under a reservation of ``len(buf)`` bytes
+        (or give the reservation back when it cannot be kept). Returns whether it was stored."""
         with self.cond:
+            ck.transfers -= 1
             ck.t_activity = time.monotonic()
             f = ck.files.get(name)
             ok = checksum_ok
@@ -207,36 +240,63 @@ class RamBuffer:
             else:
                 f = ck.files.setdefault(name, PartFile(file_bytes, nparts))
                 old = f.parts.get(part)
-                if old is not None:  # a resent part replaces the first copy
-                    ck.reserved_bytes -= len(old[1])
                 f.parts[part] = (offset, buf)
+                if old is not None:  # a resent part replaces the first copy
+                    self._release(ck, len(old[1]))
+            self._drop_if_superseded(ck)
             self.cond.notify_all()
             return ok
 
     def abandon(self, ck: Checkpoint, nbytes: int) -> None:
-        """A transfer under a reservation of ``nbytes`` ended without its bytes (the sender
-        vanished): give them back."""
+        """End a transfer under a reservation of ``nbytes`` that brought no bytes (the sender
+        vanished mid-transfer, or the reply could not be sent): give them back."""
         with self.cond:
+            ck.transfers -= 1
             self._release(ck, nbytes)
+            self._drop_if_superseded(ck)
             self.cond.notify_all()
 
     def _release(self, ck: Checkpoint, nbytes: int) -> None:
-        """Return a reservation (lock held); an empty partial checkpoint frees its slot."""
+        """Give back ``nbytes`` held for ``ck`` (lock held); an empty partial checkpoint with no
+        transfer in progress frees its slot."""
         ck.reserved_bytes -= nbytes
-        if ck.state is SlotState.FILLING and not ck.files and ck.reserved_bytes <= 0 \
+        self.held_bytes -= nbytes
+        if ck.state is SlotState.FILLING and not ck.files and not ck.transfers \
                 and self.checkpoints.get((ck.job, ck.step)) is ck:
             del self.checkpoints[(ck.job, ck.step)]
 
+    def _drop(self, ck: Checkpoint) -> None:
+        """Free ``ck``'s slot and its bytes (lock held; it has no transfer and no reader)."""
+        assert not ck.transfers and not ck.pins
+        del self.checkpoints[(ck.job, ck.step)]
+        self.held_bytes -= ck.reserved_bytes
+        ck.reserved_bytes = 0
+        ck.files.clear()
+
+    def _drop_if_superseded(self, ck: Checkpoint) -> None:
+        """Drop a superseded partial checkpoint once nobody uses it (lock held)."""
+        if ck.superseded and ck.state is SlotState.FILLING and self._idle(ck) \
+                and self.checkpoints.get((ck.job, ck.step)) is ck:
+            logger.info("dropped partial %s step %d (step superseded)", ck.job, ck.step)
+            self._drop(ck)
+
+    @staticmethod
+    def _idle(ck: Checkpoint) -> bool:
+        """Nobody sends into ``ck`` nor reads it: it may be dropped."""
+        return not ck.transfers and not ck.pins
+
     def _evict_one(self, job: str, step: int) -> None:
-        """Free one slot: the oldest durable checkpoint, else an abandoned partial one."""
+        """Free one slot: the oldest durable checkpoint, else an abandoned partial one (an older
+        step of the same job, or idle for :data:`STALE_PARTIAL_S`). Never one with a transfer in
+        progress or a reader."""
         now = time.monotonic()
         durable = [c for c in self.checkpoints.values()
-                   if c.state is SlotState.DURABLE and not c.pins]
+                   if c.state is SlotState.DURABLE and self._idle(c)]
         if durable:
             victim = min(durable, key=lambda c: c.t_protected or 0.0)
         else:
             partial = [c for c in self.checkpoints.values()
-                       if c.state is SlotState.FILLING and not c.pins
+                       if c.state is SlotState.FILLING and self._idle(c)
                        and ((c.job == job and c.step < step)
                             or now - c.t_activity > STALE_PARTIAL_S)]
             if not partial:
@@ -244,8 +304,7 @@ class RamBuffer:
             victim = min(partial, key=lambda c: c.t_activity)
             logger.info("dropped partial %s step %d (a sender died mid-transfer)", victim.job,
                         victim.step)
-        del self.checkpoints[(victim.job, victim.step)]
-        victim.files.clear()
+        self._drop(victim)
         if victim.state is SlotState.DURABLE:
             self.evicted_durable[(victim.job, victim.step)] = None
             while len(self.evicted_durable) > MAX_EVICTED_REMEMBERED:
@@ -288,8 +347,9 @@ class RamBuffer:
                 self.flush_queue.append(ck)
                 for other in list(self.checkpoints.values()):  # older partial steps are dead
                     if other.job == job and other.step < step \
-                            and other.state is SlotState.FILLING and not other.pins:
-                        del self.checkpoints[(other.job, other.step)]
+                            and other.state is SlotState.FILLING:
+                        other.superseded = True  # dropped now, or when its transfers end
+                        self._drop_if_superseded(other)
                 logger.info("protected %s step %d: %d bytes from %d ranks in %.3f s", job, step,
                             ck.reserved_bytes, ck.world_size, ck.t_protected - ck.t_first)
             self.cond.notify_all()

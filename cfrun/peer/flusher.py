@@ -5,6 +5,11 @@ storage, oldest first, then clears the slot's dirty bit. Here the bytes are writ
 received (Check-Pack, §IV-C: the ranks' parts, in order, as the job dir's own files, manifest
 last; :mod:`cfrun.storage.tiers`), each file's checksum checked against the sender's first.
 A failed flush leaves the checkpoint protected in RAM and is retried.
+
+Level-2 safety: retention (:func:`cfrun.storage.tiers.apply_retention`) runs after each flush and
+never deletes the step just flushed, any step above it, nor a step of another job (by the job id
+its manifest carries) under the same name; a flush never replaces another job's step; and a
+checkpoint is reported durable only once its step is listed at level 2 after retention ran.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 import xxhash
 
 from cfrun.peer.buffer import Checkpoint, RamBuffer
-from cfrun.storage.tiers import Storage
+from cfrun.storage.tiers import Storage, apply_retention, checkpoint_job_id, same_job_steps
 
 logger = logging.getLogger("cfrun.peer.server")
 
@@ -71,11 +76,18 @@ class Flusher:
         """Write ``ck`` to level 2 (parts as received, manifest last), then apply retention.
 
         Raises:
-            RuntimeError: a file's bytes differ from the checksum its sender sealed.
+            RuntimeError: a file's bytes differ from the checksum its sender sealed; level 2
+                holds this step of another job under the same name; or the step is not listed
+                at level 2 once written (it is then not durable).
             Exception: whatever level 2 raises (the flush is retried).
         """
         t0 = time.monotonic()
         manifest = ck.manifest()
+        job_id = checkpoint_job_id(manifest)
+        if ck.step in self.storage.list_steps(ck.job) \
+                and not same_job_steps(self.storage, ck.job, job_id, [ck.step]):
+            raise RuntimeError(f"level 2 holds step {ck.step} of another job named {ck.job!r} "
+                               "(another job id): give this job another name")
         writer = self.storage.begin(ck.job, ck.step)
         from cfrun.contract import faults
 
@@ -96,8 +108,12 @@ class Flusher:
         except BaseException:
             writer.abort()
             raise
+        deleted = apply_retention(self.storage, ck.job, self.keep, flushed_step=ck.step,
+                                  job_id=job_id)
+        if ck.step not in self.storage.list_steps(ck.job):
+            raise RuntimeError(f"step {ck.step} of {ck.job} is not listed at "
+                               f"{self.storage.url} after its flush")
         nbytes = sum(f["nbytes"] for f in manifest["files"])
-        logger.info("durable %s step %d: %d bytes flushed to %s in %.3f s", ck.job, ck.step,
-                    nbytes, self.storage.url, time.monotonic() - t0)
-        for old in self.storage.list_steps(ck.job)[self.keep:]:
-            self.storage.delete(ck.job, old)
+        logger.info("durable %s step %d: %d bytes flushed to %s in %.3f s%s", ck.job, ck.step,
+                    nbytes, self.storage.url, time.monotonic() - t0,
+                    f" (retention deleted steps {deleted})" if deleted else "")
