@@ -2,6 +2,7 @@
 
 ``protocol`` the wire protocol both sides import (handshake, session keys, a MAC on every frame,
 limits, :class:`~cfrun.peer.protocol.PeerClient`); ``gate`` admission (every handshake, its
-deadline, the caps on unauthenticated connections); ``server`` the peer itself (receivers, the
-RAM circular buffer, the FIFO flusher, ``serve_main``).
+deadline, the caps on unauthenticated connections); ``server`` the peer's accept loop and request
+dispatch (``serve_main``); ``buffer`` the RAM circular buffer (slots, reservations, eviction);
+``flusher`` the FIFO flush thread to level 2.
 """

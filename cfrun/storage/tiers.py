@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from cfrun.contract import faults, settings
 from cfrun.contract.checkpoints import committed_steps
-from cfrun.contract.errors import BadInputError, CheckpointCorruptError
+from cfrun.contract.errors import BadInputError, CfrunError, CheckpointCorruptError
 from cfrun.contract.fsio import UnsafeFileError, fsync_dir, read_regular, write_atomic
 from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
 from cfrun.contract.manifest import MANIFEST, MAX_MANIFEST_BYTES, SHARD_FILE_RE, Manifest
@@ -396,3 +396,60 @@ def open_storage(url: str) -> DirStorage | FsspecStorage:
                             "e.g. pip install s3fs for s3://, gcsfs for gs://") from None
     except ValueError as e:
         raise BadInputError(f"storage URL {url!r} is not usable: {e}") from None
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def checkpoint_job_id(manifest: dict[str, Any]) -> str | None:
+    """The job id a manifest (as JSON) carries: its ``job_id`` field, else ``meta.job_id``;
+    None when it carries none (written by a cfrun without job identity).
+
+    Level 2 keeps one prefix per job *name*; the id tells apart two jobs that share a name.
+    """
+    for where in (manifest, manifest.get("meta")):
+        if isinstance(where, dict) and isinstance(where.get("job_id"), str):
+            return str(where["job_id"])
+    return None
+
+
+def same_job_steps(storage: Storage, job: str, job_id: str | None, steps: Iterable[int]
+                   ) -> list[int]:
+    """Those of ``steps`` (of ``job``'s prefix) whose manifest names the job id ``job_id``
+    (None: names none), in the order given. A step whose manifest cannot be read or parsed
+    is nobody's: it is not returned (and so never deleted by retention)."""
+    mine = []
+    for step in steps:
+        try:
+            manifest = storage.read_manifest(job, step)
+        except (CfrunError, OSError, ValueError):
+            continue
+        if checkpoint_job_id(manifest) == job_id:
+            mine.append(step)
+    return mine
+
+
+def apply_retention(storage: Storage, job: str, keep: int, *, flushed_step: int,
+                    job_id: str | None) -> list[int]:
+    """Level-2 retention after ``flushed_step`` of ``job`` was flushed (the peer's flusher).
+
+    Keeps ``flushed_step`` and the ``keep - 1`` newest *older* steps of the same job (same job
+    id); deletes that job's older steps beyond them. Never deletes ``flushed_step`` nor any
+    step above it (a resumed run flushes below the steps a previous attempt left: those are
+    not its to judge), nor a step of another job id under the same name, nor a step whose
+    manifest does not parse.
+
+    Returns:
+        The steps deleted, newest first.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+        Exception: whatever level 2 raises while listing or deleting.
+    """
+    if keep < 1:
+        raise ValueError(f"keep {keep!r} must be >= 1")
+    older = [s for s in storage.list_steps(job) if s < flushed_step]
+    doomed = same_job_steps(storage, job, job_id, older)[keep - 1:]
+    for step in doomed:
+        storage.delete(job, step)
+    return doomed

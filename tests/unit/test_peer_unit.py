@@ -148,8 +148,8 @@ def test_partial_checkpoint_is_never_served_and_a_newer_one_drops_it(server):
 def test_full_buffer_makes_senders_wait_for_the_flusher_then_refuses(server, monkeypatch):
     """ACUTE's dirty bits: no slot holding unflushed data is ever overwritten."""
     gate = threading.Event()
-    flush = server._flush
-    monkeypatch.setattr(server, "_flush", lambda ck: (gate.wait(30), flush(ck)))
+    flush = server.flusher.flush
+    monkeypatch.setattr(server.flusher, "flush", lambda ck: (gate.wait(30), flush(ck)))
     c = PeerClient(server.address, TOKEN)
     assert _send(c, "j", 1, b"a" * 100) and _send(c, "j", 2, b"b" * 100)
     t0 = time.monotonic()
