@@ -152,8 +152,15 @@ def test_full_disk_skips_then_resumes_checkpoints(reference, tmpfs, tmp_path):
     ref_run, ref_state = reference
     run, job, _ = _fill_and_free(tmp_path, tmpfs)
     assert run.returncode == 0, run.stderr[-3000:]
-    _check_outage(run, job)
+    events = _check_outage(run, job)
     assert final_line(run.stdout) == final_line(ref_run.stdout)
+    st = run_cfrun(["status", str(job), "--json"], cwd=tmp_path)
+    assert st.returncode == 0, st.stderr
+    skipped = len([e for e in events if e["event"] == "checkpoint_skipped"])
+    assert (json.loads(st.stdout)["checkpoints_skipped"],
+            json.loads(st.stdout)["checkpoints_failed"]) == (skipped, 0)
+    table = run_cfrun(["status", str(job)], cwd=tmp_path)
+    assert f"0 failed, {skipped} skipped (no space)" in table.stdout, table.stdout
     assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
