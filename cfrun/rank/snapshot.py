@@ -564,6 +564,7 @@ class Snapshotter:
             self.last_error = str(reply.get("error"))
             return False
         self._last_persist_s = float(reply["persist_s"])
+        self.last_error = None  # an earlier problem is over (said at exit only if it lasts)
         self.last_cost_s = snapshot_s + float(reply["persist_s"])
         self.last_committed = step
         self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{
