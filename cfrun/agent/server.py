@@ -153,6 +153,12 @@ class PersistAgent:
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
+                if not writer.is_alive():  # it never returns on its own: answer nobody again?
+                    srv.close()
+                    ipc.remove_agent_record(self.jobdir.root, os.getpid())
+                    logger.warning("cfrun agent: the writer thread died; exiting so that the "
+                                   "supervisor starts a new agent")
+                    raise SystemExit(1) from None
                 continue
             except OSError:
                 break

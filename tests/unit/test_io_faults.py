@@ -268,3 +268,40 @@ def test_a_rank_waits_for_the_agents_reply_only_so_long(tmp_path):
     assert lost and lost[0][0] == 7 and "no reply from the persist agent" in lost[0][1]
     agent_end.close()
     snap.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_agent_whose_writer_thread_died_exits_for_a_restart(tmp_path):
+    """Should the writer thread ever die (here: a SystemExit raised while handling a hello,
+    which the writer does not catch), the agent exits 1 instead of living on unanswering,
+    so the supervisor starts a new one."""
+    from cfrun.agent.server import PersistAgent
+
+    job = tmp_path / "job"
+    JobDir(job).create()
+    slot_dir = tmp_path / "slots"
+    slot_dir.mkdir(mode=0o700)
+    agent = PersistAgent(job, keep=2, slot_dir=slot_dir, world_size=1)
+
+    def die(conn, req):
+        raise SystemExit("the writer dies")
+
+    agent._handle = die  # type: ignore[method-assign]
+
+    def hello() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                sock = ipc.connect(job)
+                ipc.send(sock, {"op": "hello", "rank": 0})
+                return
+            except OSError:
+                time.sleep(0.05)
+
+    import threading
+
+    threading.Thread(target=hello, daemon=True).start()
+    with pytest.raises(SystemExit) as exc:
+        agent.serve()
+    assert exc.value.code == 1
+    assert not JobDir(job).agent_path.exists()
