@@ -77,6 +77,8 @@ class Committer:
         """Multi-node: steps whose local shards are durable, waiting for the other nodes;
         setting the event abandons the wait."""
         self.last_committed = -1
+        self.failed = 0
+        """Steps whose write or commit failed here since the agent started."""
 
     def committed(self, step: int) -> None:
         """Record that ``step`` counts (committed here, or protected in peer RAM)."""
@@ -134,6 +136,7 @@ class Committer:
         the step's staging files are removed (with one node the whole staging directory, with
         several this node's shards only: the other nodes' agents write there too). Never
         raises."""
+        self.failed += 1
         shard = self.pending.pop(req.step, {})
         conns = [c for _, c, _ in shard.values()]
         if conn not in conns:
@@ -193,6 +196,7 @@ class Committer:
                 outcome = self._try_commit(step, world_size, meta, abandon)
             except Exception as e:  # a full disk, a bad mark: the ranks hear it, we go on
                 error = f"commit of step {step} failed: {e!r}"
+                self.failed += 1
                 logger.warning("cfrun agent: %s", error)
                 self.jobdir.emit_event("persist_failed", step=step, error=repr(e))
                 outcome = (False, 0, False)

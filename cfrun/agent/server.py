@@ -126,8 +126,6 @@ class PersistAgent:
         self.space = SpaceGuard(self.jobdir)
         self.dropped: dict[int, str] = {}
         """Steps failed or skipped here -> why: their later shards are refused unwritten."""
-        self.failed = 0
-        """Checkpoints (steps) whose write or commit failed since the agent started."""
         self.local_lock = threading.Lock()
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.stopping = threading.Event()
@@ -178,14 +176,14 @@ class PersistAgent:
     def _summary(self) -> None:
         """At the agent's end: how many checkpoints failed or were skipped (one line on stderr
         and a ``persist_summary`` event), when any did."""
-        skipped = self.space.skipped
+        failed, skipped = self.commits.failed, self.space.skipped
         dropped = best_effort.failed.get("events", 0)
-        if not (self.failed or skipped or dropped):
+        if not (failed or skipped or dropped):
             return
         logger.warning("cfrun agent: %d checkpoint(s) failed and %d were skipped for lack of "
-                       "space in the job dir%s", self.failed, skipped,
+                       "space in the job dir%s", failed, skipped,
                        f"; {dropped} event(s) could not be written" if dropped else "")
-        self.jobdir.emit_event("persist_summary", failed=self.failed, skipped=skipped,
+        self.jobdir.emit_event("persist_summary", failed=failed, skipped=skipped,
                                events_dropped=dropped)
 
     def _same_user(self, conn: socket.socket) -> bool:
@@ -323,7 +321,6 @@ class PersistAgent:
             except Exception as e:  # one bad checkpoint must not stop the agent
                 error = f"persist of step {req.step} failed: {e!r}"
                 logger.warning("cfrun agent: %s", error)
-                self.failed += 1
                 self._drop(req.step, error)
                 self.jobdir.emit_event("persist_failed", step=req.step, rank=req.rank,
                                        error=repr(e))
