@@ -15,6 +15,7 @@ see the same committed steps.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import socket
 import threading
@@ -31,11 +32,14 @@ from cfrun.contract.checkpoints import (
     apply_retention,
     commit,
     read_manifest,
+    shard_names,
     staging_dir,
 )
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
-from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
+from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
+
+logger = logging.getLogger("cfrun.agent")
 
 Reply = Callable[[socket.socket, "Persisted | PersistFailed"], None]
 """``reply(conn, record)`` sends a record to a rank (errors ignored: the rank may be gone)."""
@@ -73,6 +77,8 @@ class Committer:
         """Multi-node: steps whose local shards are durable, waiting for the other nodes;
         setting the event abandons the wait."""
         self.last_committed = -1
+        self.failed = 0
+        """Steps whose write or commit failed here since the agent started."""
 
     def committed(self, step: int) -> None:
         """Record that ``step`` counts (committed here, or protected in peer RAM)."""
@@ -119,7 +125,35 @@ class Committer:
                                pgt_s=reply.pgt_s, tier="local")
         for _, c, _ in shard.values():
             self.reply(c, reply)
-        apply_retention(self.jobdir.checkpoints, self.keep)
+        try:  # the step is committed and answered: a failed deletion must not undo that
+            apply_retention(self.jobdir.checkpoints, self.keep)
+        except OSError as e:
+            logger.warning("cfrun agent: retention after step %d failed: %r", step, e)
+
+    def fail_step(self, conn: socket.socket, req: PersistRequest, error: str) -> None:
+        """Writing or committing ``req``'s step failed (writer thread, under the agent's local
+        lock): every rank of the step collected so far and ``conn`` get a failure reply, and
+        the step's staging files are removed (with one node the whole staging directory, with
+        several this node's shards only: the other nodes' agents write there too). Never
+        raises."""
+        self.failed += 1
+        shard = self.pending.pop(req.step, {})
+        conns = [c for _, c, _ in shard.values()]
+        if conn not in conns:
+            conns.append(conn)
+        staging = staging_dir(self.jobdir.checkpoints, req.step)
+        if self.nnodes > 1:
+            for rank in {req.rank, *shard}:
+                for name in shard_names(rank):
+                    try:
+                        (staging / name).unlink(missing_ok=True)
+                    except OSError:
+                        pass
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+        failed = PersistFailed(req.step, error[:MAX_ERROR_CHARS])
+        for c in conns:
+            self.reply(c, failed)
 
     # ------------------------------------------------------------------ several nodes
 
@@ -138,11 +172,15 @@ class Committer:
         shard = self.pending.pop(step)
         files = [f for r in sorted(shard) for f in shard[r][0]]
         t_trigger = min(r.trigger_or(time.time()) for _, _, r in shard.values())
-        atomic_write_json(self._mark_path(step), {
-            "node_rank": self.node_rank, "ranks": sorted(shard),
-            "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
-        meta = next(iter(shard.values()))[2].commit_meta()
         conns = [c for _, c, _ in shard.values()]
+        try:
+            atomic_write_json(self._mark_path(step), {
+                "node_rank": self.node_rank, "ranks": sorted(shard),
+                "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
+        except OSError:  # the caller fails the step (fail_step): every rank hears it
+            self.pending[step] = shard
+            raise
+        meta = next(iter(shard.values()))[2].commit_meta()
         abandon = threading.Event()
         self.waiting[step] = abandon
         threading.Thread(target=self._await_nodes, name=f"cfrun-await-{step}", daemon=True,
@@ -152,8 +190,17 @@ class Committer:
                      conns: list[socket.socket], t_trigger: float, abandon: threading.Event
                      ) -> None:
         t0 = time.time()
+        error: str | None = None
         while True:
-            outcome = self._try_commit(step, world_size, meta, abandon)
+            try:
+                outcome = self._try_commit(step, world_size, meta, abandon)
+            except Exception as e:  # a full disk, a bad mark: the ranks hear it, we go on
+                error = f"commit of step {step} failed: {e!r}"
+                self.failed += 1
+                logger.warning("cfrun agent: %s", error)
+                self.jobdir.emit_event("persist_failed", step=step, error=repr(e))
+                outcome = (False, 0, False)
+                break
             if outcome is not None:
                 break
             if abandon.wait(0.02):
@@ -162,7 +209,9 @@ class Committer:
         committed, nbytes, by_me = outcome
         t1 = time.time()
         reply: Persisted | PersistFailed
-        if not committed:
+        if error is not None:
+            reply = PersistFailed(step, error[:MAX_ERROR_CHARS])
+        elif not committed:
             reply = PersistFailed(step, "abandoned: the ranks restarted before every node's "
                                   "shard arrived")
         else:

@@ -8,28 +8,158 @@ on the way, fsyncs, and writes the shard's JSON document next to it; the two
 :class:`FileEntry` go to the commit (:mod:`cfrun.agent.commit`). Writes are large and 4 KiB
 aligned, with ``O_DIRECT`` where the file system allows it, so the page cache is not filled with
 checkpoint bytes.
+
+Before the first shard of a step is written, :class:`SpaceGuard` checks the job dir's free space
+against the checkpoint's size (issue 13, "a full disk"): when it is short, committed checkpoints
+older than the newest loadable one are pruned, oldest first, and if that is not enough the
+checkpoint is skipped (a failure reply, one warning per outage, a ``checkpoint_skipped`` event);
+the first checkpoint that fits again ends the outage (``disk_space_back``).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import shutil
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import xxhash
 
 from cfrun.contract import faults, slots
-from cfrun.contract.checkpoints import FileEntry, shard_names, staging_dir
+from cfrun.contract.checkpoints import (
+    FileEntry,
+    committed_steps,
+    read_manifest,
+    shard_names,
+    staging_dir,
+)
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import open_new, write_atomic
-from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.contract.manifest import dumps_json
 from cfrun.contract.messages import PersistRequest
 from cfrun.storage.tiers import throttle
 
+logger = logging.getLogger("cfrun.agent")
+
 WRITE_CHUNK_BYTES = 16 << 20
 """Bytes per ``write()``: large and 4 KiB-aligned (a multiple of any O_DIRECT block size)."""
+SHARD_DOC_ALLOWANCE_BYTES = 64 << 10
+"""Room counted for each rank's JSON document besides its slot bytes (a guess on the high side:
+the tensor table of a large model is a few KiB)."""
+SPACE_MARGIN_BYTES = 1 << 20
+"""Free space kept beyond a checkpoint's size (its manifest, the events, the heartbeats)."""
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (``statvfs``
+    ``f_bavail * f_frsize``: what ``df`` shows as available)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links not followed; vanished ones skipped)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += st.st_size
+    return total
+
+
+class SpaceGuard:
+    """Decides, before a step's first shard is written, whether the checkpoint fits in the job
+    dir; prunes older checkpoints to make room. The agent's writer thread (under its local
+    lock); not thread-safe.
+
+    Args:
+        jobdir: the job dir.
+        free: bytes free on the job dir's file system (:func:`free_bytes`; tests replace it).
+    """
+
+    def __init__(self, jobdir: JobDir, free: Callable[[Path], int] = free_bytes) -> None:
+        self.jobdir = jobdir
+        self.free = free
+        self.skipped = 0
+        """Checkpoints skipped for lack of space since the agent started."""
+        self.outage_skipped = 0
+        """Checkpoints skipped in the current outage (0: none now)."""
+
+    @staticmethod
+    def need_bytes(req: PersistRequest) -> int:
+        """What step ``req.step`` needs free: every rank's slot (assumed the size of this
+        rank's), their documents, and :data:`SPACE_MARGIN_BYTES`."""
+        return req.world_size * (req.nbytes + SHARD_DOC_ALLOWANCE_BYTES) + SPACE_MARGIN_BYTES
+
+    def admit(self, req: PersistRequest) -> str | None:
+        """None when step ``req.step`` may be written (pruning older checkpoints first if
+        needed), else why it is skipped (the failure reply's text). Never raises for a disk
+        that cannot be asked (then it is written and its failure, if any, reported)."""
+        need = self.need_bytes(req)
+        checkpoints = self.jobdir.checkpoints
+        try:
+            free = self.free(checkpoints)
+            if free < need:
+                free = self._prune(req.step, need, free)
+        except OSError as e:
+            logger.warning("cfrun agent: could not check the free space of %s: %r",
+                           checkpoints, e)
+            return None
+        if free < need:
+            self.skipped += 1
+            self.outage_skipped += 1
+            if self.outage_skipped == 1:
+                logger.warning(
+                    "cfrun agent: the job dir has %.1f MiB free, a checkpoint needs %.1f MiB: "
+                    "skipping checkpoints (from step %d) until space comes back; free space "
+                    "in %s", free / 2**20, need / 2**20, req.step, self.jobdir.root)
+            self.jobdir.emit_event("checkpoint_skipped", step=req.step, need_bytes=need,
+                                   free_bytes=free)
+            return (f"skipped: the job dir has {free} bytes free, step {req.step}'s checkpoint "
+                    f"needs {need}")
+        if self.outage_skipped:
+            logger.warning("cfrun agent: space is back (%.1f MiB free): checkpoints resume at "
+                           "step %d after %d skipped", free / 2**20, req.step,
+                           self.outage_skipped)
+            self.jobdir.emit_event("disk_space_back", step=req.step,
+                                   skipped=self.outage_skipped, free_bytes=free)
+            self.outage_skipped = 0
+        return None
+
+    def _prune(self, step: int, need: int, free: int) -> int:
+        """Delete committed checkpoints older than the newest one whose manifest reads (never
+        that one), oldest first, until ``need`` bytes are free; returns the bytes free then."""
+        checkpoints = self.jobdir.checkpoints
+        steps = committed_steps(checkpoints)  # newest first
+        newest_good = None
+        for i, s in enumerate(steps):
+            try:
+                read_manifest(checkpoints / step_dir_name(s))
+            except (CheckpointCorruptError, IncompatibleFormatError, OSError):
+                continue
+            newest_good = i
+            break
+        if newest_good is None:
+            return free
+        for old in reversed(steps[newest_good + 1:]):
+            path = checkpoints / step_dir_name(old)
+            nbytes = tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            free = self.free(checkpoints)
+            logger.warning("cfrun agent: pruned checkpoint step %d (%.1f MiB) to make room for "
+                           "step %d", old, nbytes / 2**20, step)
+            self.jobdir.emit_event("checkpoint_pruned", step=old, bytes=nbytes,
+                                   need_bytes=need, free_bytes=free)
+            if free >= need:
+                break
+        return free
 
 
 class LocalWriter:

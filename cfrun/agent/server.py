@@ -19,6 +19,14 @@ agent, one module per job:
 
 It runs at low CPU and I/O priority (it competes with training on small machines).
 
+It always answers and keeps serving (issue 13, "a full disk"): a persist that cannot be written
+or committed gets a failure reply for every rank of its step, its staging files are removed and
+the rest of the step's shards are refused without a write; a step that does not fit in the job
+dir's free space is skipped the same way (:class:`cfrun.agent.local.SpaceGuard`); an error
+anywhere in handling a message is answered, never the end of the writer thread. Its events are
+best effort (:meth:`cfrun.contract.jobdir.JobDir.emit_event`). At its end it says on stderr, in
+one line and a ``persist_summary`` event, how many checkpoints failed or were skipped.
+
 Messages (:mod:`cfrun.contract.messages`):
 
 * ``hello`` -> ``ready`` once every earlier persist of the queue is done (a restarted rank waits
@@ -52,11 +60,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfrun.agent.commit import Committer
-from cfrun.agent.local import WRITE_CHUNK_BYTES, LocalWriter  # noqa: F401  (re-exported)
+from cfrun.agent.local import (  # noqa: F401  (WRITE_CHUNK_BYTES re-exported)
+    WRITE_CHUNK_BYTES,
+    LocalWriter,
+    SpaceGuard,
+)
 from cfrun.agent.peerpath import PeerPath
 from cfrun.contract import ipc, slots
 from cfrun.contract.checkpoints import remove_staging
-from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobdir import JobDir, best_effort
 from cfrun.contract.messages import (
     MAX_ERROR_CHARS,
     MAX_STEP,  # noqa: F401  (re-exported)
@@ -111,6 +123,9 @@ class PersistAgent:
                                   level2=level2, reply=self._reply,
                                   persist_local=self._persist_local,
                                   committed=self.commits.committed)
+        self.space = SpaceGuard(self.jobdir)
+        self.dropped: dict[int, str] = {}
+        """Steps failed or skipped here -> why: their later shards are refused unwritten."""
         self.local_lock = threading.Lock()
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.stopping = threading.Event()
@@ -136,6 +151,12 @@ class PersistAgent:
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
+                if not writer.is_alive():  # it never returns on its own: answer nobody again?
+                    srv.close()
+                    ipc.remove_agent_record(self.jobdir.root, os.getpid())
+                    logger.warning("cfrun agent: the writer thread died; exiting so that the "
+                                   "supervisor starts a new agent")
+                    raise SystemExit(1) from None
                 continue
             except OSError:
                 break
@@ -150,6 +171,20 @@ class PersistAgent:
         self.peer_path.drain()
         if self.peer is not None:
             self.peer.join_watchers(60.0)  # the last checkpoints' `durable`, if it comes soon
+        self._summary()
+
+    def _summary(self) -> None:
+        """At the agent's end: how many checkpoints failed or were skipped (one line on stderr
+        and a ``persist_summary`` event), when any did."""
+        failed, skipped = self.commits.failed, self.space.skipped
+        dropped = best_effort.failed.get("events", 0)
+        if not (failed or skipped or dropped):
+            return
+        logger.warning("cfrun agent: %d checkpoint(s) failed and %d were skipped for lack of "
+                       "space in the job dir%s", failed, skipped,
+                       f"; {dropped} event(s) could not be written" if dropped else "")
+        self.jobdir.emit_event("persist_summary", failed=failed, skipped=skipped,
+                               events_dropped=dropped)
 
     def _same_user(self, conn: socket.socket) -> bool:
         """True if the connecting process runs as the agent's uid; else say so (once per uid,
@@ -213,48 +248,90 @@ class PersistAgent:
     # ------------------------------------------------------------------ the writer thread
 
     def _writer(self) -> None:
+        """The writer thread: handle each queued message in order. Whatever goes wrong with
+        one is answered (a failure reply, or ``ready``) and logged; the thread goes on."""
         while True:
             job = self.jobs.get()
             if job is None:
                 return
             conn, req = job
-            if isinstance(req, Hello):
+            try:
+                self._handle(conn, req)
+            except Exception as e:  # a bug or an I/O error outside the persist path
+                logger.warning("cfrun agent: handling a %s failed: %r",
+                               type(req).__name__, e)
+                if isinstance(req, Hello):
+                    self._reply(conn, Ready(self.commits.last_committed))
+                else:
+                    step = req.step if isinstance(req, PersistRequest) else None
+                    self._reply(conn, PersistFailed(step, f"agent error: {e!r}"[
+                        :MAX_ERROR_CHARS]))
+
+    def _handle(self, conn: socket.socket, req: Hello | PersistRequest
+                | tuple[dict[str, Any], str]) -> None:
+        if isinstance(req, Hello):
+            try:
+                self.dropped.clear()  # restarted ranks may take the same steps again
                 self.commits.abandon_waiting()
                 self.peer_path.drain()
                 if self.peer is not None or self.level2 is not None:
                     try:
                         self.peer_path.install_newest()
                     except Exception as e:  # resume from the job dir then
-                        logger.warning("cfrun agent: looking for newer checkpoints failed: %r", e)
+                        logger.warning("cfrun agent: looking for newer checkpoints failed: %r",
+                                       e)
+            finally:
                 self._reply(conn, Ready(self.commits.last_committed))
-                continue
-            if isinstance(req, tuple):  # did not parse
-                raw, error = req
-                self._refuse(conn, PersistFailed.step_of(raw), error)
-                continue
-            try:
-                self._check_job(req)
-            except ValueError as e:
-                self._refuse(conn, req.step, str(e))
-                continue
-            if self.peer_path.takes(req.step):
-                self.peer_path.submit(conn, req)
-                continue
-            self._persist_local(conn, req)
+            return
+        if isinstance(req, tuple):  # did not parse
+            raw, error = req
+            self._refuse(conn, PersistFailed.step_of(raw), error)
+            return
+        try:
+            self._check_job(req)
+        except ValueError as e:
+            self._refuse(conn, req.step, str(e))
+            return
+        if self.peer_path.takes(req.step):
+            self.peer_path.submit(conn, req)
+            return
+        self._persist_local(conn, req)
 
     def _persist_local(self, conn: socket.socket, req: PersistRequest) -> None:
         """Write ``req``'s shard into the job dir and commit its step when complete (the writer
-        thread, or a peer thread falling back); a failure is replied and logged, never raised."""
-        try:
-            with self.local_lock:
+        thread, or a peer thread falling back); a failure is replied to every rank of the step
+        and logged, its staging files removed, never raised.
+
+        The step's first shard here is checked against the free space first
+        (:meth:`SpaceGuard.admit`); a step failed or skipped earlier is refused unwritten."""
+        with self.local_lock:
+            if req.step in self.dropped:
+                self._reply(conn, PersistFailed(req.step, self.dropped[req.step]))
+                return
+            if req.step not in self.commits.pending:
+                skipped = self.space.admit(req)
+                if skipped is not None:
+                    self._drop(req.step, skipped)
+                    self._reply(conn, PersistFailed(req.step, skipped[:MAX_ERROR_CHARS]))
+                    return
+            try:
                 t0 = time.time()
                 files = self.local.write_shard(req)
                 self.commits.add(conn, req, files, t0)
-        except Exception as e:  # one bad checkpoint must not stop the agent
-            logger.warning("cfrun agent: persist of step %s failed: %r", req.step, e)
-            self.jobdir.emit_event("persist_failed", step=req.step, rank=req.rank,
-                                   error=repr(e))
-            self._reply(conn, PersistFailed(req.step, repr(e)[:MAX_ERROR_CHARS]))
+            except Exception as e:  # one bad checkpoint must not stop the agent
+                error = f"persist of step {req.step} failed: {e!r}"
+                logger.warning("cfrun agent: %s", error)
+                self._drop(req.step, error)
+                self.jobdir.emit_event("persist_failed", step=req.step, rank=req.rank,
+                                       error=repr(e))
+                self.commits.fail_step(conn, req, error)
+
+    def _drop(self, step: int, why: str) -> None:
+        """Remember that ``step`` will not be committed here (its later shards are refused);
+        only the newest few such steps are kept."""
+        self.dropped[step] = why[:MAX_ERROR_CHARS]
+        for old in sorted(self.dropped)[:-8]:
+            del self.dropped[old]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -492,7 +492,8 @@ def status_cmd(
                                  f"{_fmt_s(st['stall_s']['p95'])}, "
                                  f"max {_fmt_s(st['stall_s']['max'])}"),
         ("PGT", f"median {_fmt_s(st['pgt_s']['median'])}, p95 {_fmt_s(st['pgt_s']['p95'])}"),
-        ("checkpoints taken", str(st["checkpoints_taken"])),
+        ("checkpoints taken", f"{st['checkpoints_taken']}, {st['checkpoints_failed']} failed, "
+                              f"{st['checkpoints_skipped']} skipped (no space)"),
         ("attempts", str(st["attempts"])),
         ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step {r['step']}"
                                for r in st["restarts"]) or "none"),

@@ -132,7 +132,9 @@ def status(jd: JobDir) -> dict[str, Any]:
 
     Keys: job_dir, script, state, is_running, current_step, last_committed_step,
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
-    ({count, median, p95, max}), attempts, restarts ([{attempt, cause, step}]), disk_bytes.
+    ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
+    not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
+    restarts ([{attempt, cause, step}]), disk_bytes.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
@@ -166,6 +168,10 @@ def status(jd: JobDir) -> dict[str, Any]:
         "stall_s": _stats([float(e["stall_s"]) for e in ckpts if "stall_s" in e]),
         "pgt_s": _stats([float(e["pgt_s"]) for e in ckpts if "pgt_s" in e]),
         "checkpoints_taken": len(ckpts),
+        "checkpoints_failed": len({e.get("step") for e in events
+                                   if e.get("event") == "persist_failed"}),
+        "checkpoints_skipped": len({e.get("step") for e in events
+                                    if e.get("event") == "checkpoint_skipped"}),
         "attempts": len([e for e in events if e.get("event") == "attempt_start"]),
         "restarts": [{"attempt": e.get("attempt"), "cause": e.get("cause"), "step": e.get("step")}
                      for e in events if e.get("event") == "failure"],

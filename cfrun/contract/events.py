@@ -20,6 +20,8 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cfrun.contract import settings
+
 logger = logging.getLogger("cfrun")
 
 
@@ -67,6 +69,10 @@ EVENTS: dict[str, EventKind] = {
     "agent_refused": _k("agent", ["uid", "pid"]),
     "persist_refused": _k("agent", ["error"]),
     "persist_failed": _k("agent", ["step", "error"], ["rank"]),
+    "checkpoint_skipped": _k("agent", ["step", "need_bytes", "free_bytes"]),
+    "checkpoint_pruned": _k("agent", ["step", "bytes", "need_bytes", "free_bytes"]),
+    "disk_space_back": _k("agent", ["step", "skipped", "free_bytes"]),
+    "persist_summary": _k("agent", ["failed", "skipped"], ["events_dropped"]),
     "commit": _k("agent", ["step", "bytes", "persist_s", "pgt_s", "tier"], ["nodes"]),
     "protected": _k("agent", ["step", "bytes", "tier"], ["persist_s", "pgt_s", "streams"]),
     "fetched": _k("agent", ["step", "source", "bytes"], ["fetch_s"]),
@@ -119,7 +125,7 @@ def problems(kind: str, names: Iterable[str]) -> list[str]:
 def strict() -> bool:
     """True under test: ``CFRUN_FAULTS`` is set or pytest is running (then a schema error
     raises); False in production (it is logged once)."""
-    return bool(os.environ.get("CFRUN_FAULTS")) or "pytest" in sys.modules \
+    return bool(os.environ.get(settings.FAULTS)) or "pytest" in sys.modules \
         or "PYTEST_CURRENT_TEST" in os.environ
 
 

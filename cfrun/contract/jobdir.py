@@ -19,6 +19,10 @@ opened without following links (a link found there is refused, not written throu
 The supervisor's and the ranks' coordination files (stop request and decision, marks, rank
 errors, heartbeats) are named in :mod:`cfrun.contract.coordination`; every other name of the
 layout is a constant or a property here, and no other module spells one.
+
+Events, heartbeats and marks are best effort (issue 13, "a full disk"): a write the disk refuses
+is dropped, counted and said once per outage on stderr (:data:`best_effort`), never raised, so
+a full or read-only job dir never kills the supervisor, the agent or a rank.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import errno
 import json
 import os
 import stat
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,60 @@ FILE_MODE = 0o600
 """Mode of the files cfrun creates in the job dir."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
+
+
+class BestEffortWrites:
+    """Counts the failed best-effort writes of this process (events, heartbeats, marks,
+    coordination files) and says each outage once on stderr.
+
+    An *outage* of a kind of write (``"events"``, ``"heartbeat"`` ...) begins with its first
+    failed write and ends with its next successful one; its first failure prints one line,
+    its end another with the number of writes dropped. Thread-safe; one per process
+    (:data:`best_effort`). Never raises.
+    """
+
+    def __init__(self) -> None:
+        self.failed: dict[str, int] = {}
+        """kind -> writes that failed in this process."""
+        self._dropped: dict[str, int] = {}  # kind -> failures in the current outage
+        self._lock = threading.Lock()
+
+    def failure(self, kind: str, path: Path | str, error: BaseException) -> None:
+        """A write of ``kind`` to ``path`` failed with ``error``: count it; the first failure
+        of an outage says so on stderr."""
+        with self._lock:
+            self.failed[kind] = self.failed.get(kind, 0) + 1
+            first = kind not in self._dropped
+            self._dropped[kind] = self._dropped.get(kind, 0) + 1
+        if first:
+            _stderr_line(f"cfrun: cannot write {kind} ({str(path)!r}: {error}); dropping "
+                         f"{kind} writes until the disk takes them again (pid {os.getpid()})")
+
+    def success(self, kind: str) -> None:
+        """A write of ``kind`` succeeded: an outage of it ends (said once, with its count)."""
+        if kind not in self._dropped:  # the common case: no lock
+            return
+        with self._lock:
+            dropped = self._dropped.pop(kind, 0)
+        if dropped:
+            _stderr_line(f"cfrun: {kind} writes work again; {dropped} were dropped "
+                         f"(pid {os.getpid()})")
+
+    @property
+    def total(self) -> int:
+        """Failed writes of every kind so far."""
+        return sum(self.failed.values())
+
+
+def _stderr_line(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed or full: nothing more to do
+        pass
+
+
+best_effort = BestEffortWrites()
+"""This process's count of dropped best-effort writes (:class:`BestEffortWrites`)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -223,7 +283,10 @@ class JobDir:
         return False
 
     def emit_event(self, kind: str, **fields: Any) -> None:
-        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes).
+        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes), best
+        effort: a write the disk refuses (``ENOSPC``, ``EROFS``, ``EIO``, ``EACCES`` ...) is
+        dropped and counted in :data:`best_effort`, which says the outage once on stderr; it is
+        never raised (the supervisor, the agent and the ranks call this on their main paths).
 
         Events of node R > 0 of a multi-node job carry ``"node": R`` (node 0's carry none).
         ``kind`` and the field names are checked against :data:`cfrun.contract.events.EVENTS`
@@ -232,6 +295,7 @@ class JobDir:
         Raises:
             EventSchemaError: an undeclared kind or field, or a missing required field, under
                 test only (in production it is logged once and the event written anyway).
+            BadInputError: ``events.jsonl`` is a symbolic link (never written through).
         """
         _events.check(kind, fields)
         record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
@@ -239,14 +303,22 @@ class JobDir:
         if node:
             record.setdefault("node", node)
         line = json.dumps(record, sort_keys=True, default=str) + "\n"
-        fd = self._open_private(self.events_path, os.O_RDWR | os.O_APPEND)
         try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line
-                line = "\n" + line
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+            fd = self._open_private(self.events_path, os.O_RDWR | os.O_APPEND)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line
+                    line = "\n" + line
+                data = line.encode()
+                written = os.write(fd, data)
+                if written != len(data):  # a short append (the disk filled up mid-line)
+                    raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
+            finally:
+                os.close(fd)
+        except OSError as e:
+            best_effort.failure("events", self.events_path, e)
+            return
+        best_effort.success("events")
 
     def read_events(self) -> list[dict[str, Any]]:
         """All events, oldest first; a torn last line (a crash mid-append) is skipped."""

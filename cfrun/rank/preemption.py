@@ -14,6 +14,10 @@ A preemption (SIGTERM to cfrun) is agreed on by the ranks through three files
 rank 0 picks the stop step (``stop_step.json``) and decides whether a final checkpoint fits
 (``stop_decision.json``); every rank follows, so either all ranks hand their shard to the agent
 or none does.
+
+Every write here is best effort (issue 13, "a full disk"): a write the disk refuses is counted
+and said once per outage (:data:`cfrun.contract.jobdir.best_effort`), never raised into the
+script; a stop step or decision rank 0 cannot write leaves the other ranks to the grace deadline.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from cfrun.contract import coordination as co
-from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobdir import JobDir, best_effort
 from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
@@ -38,6 +43,28 @@ def _flush_std_streams() -> None:
             stream.flush()
         except Exception:
             pass
+
+
+def _write_mark(path: Path, record: Any) -> None:
+    """Write a mark (:func:`cfrun.contract.coordination.write`, its directory made), best
+    effort: a refused write is counted and said once per outage, not raised."""
+    try:
+        co.write(path, record, make_dir=True)
+    except OSError as e:
+        best_effort.failure("marks", path, e)
+        return
+    best_effort.success("marks")
+
+
+def _write_coordination(path: Path, record: Any) -> None:
+    """Write rank 0's stop step or stop decision, best effort (the other ranks then wait for
+    it until the grace deadline, and take no final checkpoint)."""
+    try:
+        co.write(path, record)
+    except OSError as e:
+        best_effort.failure("coordination", path, e)
+        return
+    best_effort.success("coordination")
 
 
 class Marks:
@@ -60,8 +87,10 @@ class Marks:
                 self._hb_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
                                       | os.O_CLOEXEC, 0o600)
             os.pwrite(self._hb_fd, co.Heartbeat(step).to_bytes(), 0)
-        except OSError:
-            pass
+        except OSError as e:
+            best_effort.failure("heartbeat", co.heartbeat_path(self.jobdir.root, self.s.rank), e)
+            return
+        best_effort.success("heartbeat")
 
     def record_error(self, exc_type: Any, exc: Any, tb: Any, step: int) -> None:
         """sys.excepthook: record the uncaught error for the supervisor (crash-loop detection,
@@ -75,9 +104,8 @@ class Marks:
                 step=step if step >= 0 else None,
                 t_unix_s=time.time(),  # the supervisor reports the earliest failure
                 traceback=traceback.format_exception(exc_type, exc, tb)[-co.MAX_TRACEBACK_LINES:])
-            co.write(co.error_path(self.jobdir.root, self.s.attempt, self.s.rank), record,
-                     make_dir=True)
-        except (OSError, ValueError):
+            _write_mark(co.error_path(self.jobdir.root, self.s.attempt, self.s.rank), record)
+        except ValueError:
             pass
 
     def note_exit(self, status: Any) -> None:
@@ -93,22 +121,20 @@ class Marks:
         job would only run its tail again."""
         clean = not self._uncaught and self._exit_code == 0 and not preempted
         try:
-            co.write(co.ended_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
-                                   self.s.rank),
-                     co.EndedMark(clean=clean, step=max(step, 0), preempted=preempted),
-                     make_dir=True)
-        except (OSError, ValueError):
+            _write_mark(co.ended_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
+                                      self.s.rank),
+                        co.EndedMark(clean=clean, step=max(step, 0), preempted=preempted))
+        except ValueError:
             pass
 
     def mark_preempted(self, step: int, committed: int | None) -> None:
         """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption
         (the supervisor's evidence that exit code 0 means "preempted", not "done")."""
         try:
-            co.write(co.preempted_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
-                                       self.s.rank),
-                     co.PreemptedMark(step=max(step, 0), final_checkpoint=committed),
-                     make_dir=True)
-        except (OSError, ValueError):
+            _write_mark(co.preempted_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
+                                          self.s.rank),
+                        co.PreemptedMark(step=max(step, 0), final_checkpoint=committed))
+        except ValueError:
             pass
         _flush_std_streams()
 
@@ -166,7 +192,7 @@ class Preemption:
                 self._stop_step = step
             elif self.s.rank == 0:
                 self._stop_step = step + 2
-                co.write(step_path, co.StopStep(self._stop_step))
+                _write_coordination(step_path, co.StopStep(self._stop_step))
             else:
                 chosen = co.read(step_path, co.StopStep)
                 if chosen is None:
@@ -237,8 +263,8 @@ class Preemption:
                 decision = "take"
             else:
                 decision = "none"
-            co.write(path, co.StopDecision(step=step, decision=decision,
-                                           need_s=round(self._need_s(), 3)))
+            _write_coordination(path, co.StopDecision(step=step, decision=decision,
+                                                      need_s=round(self._need_s(), 3)))
             return decision
         while True:
             doc = co.read(path, co.StopDecision)

@@ -31,6 +31,11 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
   still being persisted is deferred to the next boundary (:meth:`busy`), never stalled on, so a
   failure rolls back at most one checkpoint and a slow disk costs frequency, not step time.
+* **Bounded wait for the agent.** A rank waits for the agent's reply only so long
+  (:meth:`Snapshotter.reply_timeout_s`: :data:`REPLY_TIMEOUT_MIN_S`, or ten times the last
+  persist if that is longer); then the checkpoint counts as failed (``persist_lost``), the
+  connection is dropped and the next checkpoint reconnects (issue 13, "a full disk": an agent
+  that never answers must not hold the ranks forever).
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ SYNC_COPY_MAX_BYTES = 1 << 16
 """Tensors up to this size are copied on the training thread (cheaper than a hand-off)."""
 STAGING_ALIGN_BYTES = 256
 """Offsets in the device-side staging buffer are multiples of this (any dtype can view them)."""
+REPLY_TIMEOUT_MIN_S = 600.0
+"""Seconds a rank waits at least for the agent's reply to a persist before it counts the
+checkpoint as failed (the agent writes the ranks' shards one after another: a slow disk and a
+large state take minutes)."""
+REPLY_TIMEOUT_PER_PERSIST = 10.0
+"""A rank waits at least this many times the last persist's seconds."""
 ENV_SHM_DIR = slots.ENV_SHM_DIR
 ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
@@ -265,6 +276,14 @@ class Snapshotter:
         self.last_cost_s = 0.0
         """Seconds the last checkpoint took from snapshot start to commit (for the grace)."""
         self.last_committed = -1
+        self.reply_timeout_min_s = REPLY_TIMEOUT_MIN_S
+        """The least seconds :meth:`reply_timeout_s` allows (tests lower it)."""
+        self._last_persist_s = 0.0
+
+    def reply_timeout_s(self) -> float:
+        """Seconds to wait for the agent's reply to a persist: :attr:`reply_timeout_min_s`, or
+        :data:`REPLY_TIMEOUT_PER_PERSIST` times the last persist's seconds if longer."""
+        return max(self.reply_timeout_min_s, REPLY_TIMEOUT_PER_PERSIST * self._last_persist_s)
 
     # ------------------------------------------------------------------ agent connection
 
@@ -489,7 +508,10 @@ class Snapshotter:
             committed = self._hand_off(step, msg, snapshot_s)
         except Exception as e:
             error = e
-            if stage == "hand-off" and isinstance(e, OSError):
+            if stage == "hand-off" and isinstance(e, TimeoutError):
+                self.last_error = (f"no reply from the persist agent for step {step} within "
+                                   f"{self.reply_timeout_s():.0f} s; counted as failed")
+            elif stage == "hand-off" and isinstance(e, OSError):
                 self.last_error = f"persist agent unavailable: {e!r}"
             else:
                 self.last_error = f"snapshot {stage} of step {step} failed: {e!r}"
@@ -535,10 +557,14 @@ class Snapshotter:
         ipc.send(self.sock, msg)
         if self._kill_after_step is not None and step >= self._kill_after_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        self.sock.settimeout(self.reply_timeout_s())  # TimeoutError: counted as failed
         reply = ipc.recv(self.sock)
+        self.sock.settimeout(None)
         if not reply.get("ok"):
             self.last_error = str(reply.get("error"))
             return False
+        self._last_persist_s = float(reply["persist_s"])
+        self.last_error = None  # an earlier problem is over (said at exit only if it lasts)
         self.last_cost_s = snapshot_s + float(reply["persist_s"])
         self.last_committed = step
         self._finish(snapshot_s=snapshot_s, tier=reply.get("tier", "local"), **{

@@ -128,8 +128,9 @@ def test_lock_blocks_other_process(tmp_path: Path) -> None:
 def test_events_round_trip(tmp_path: Path) -> None:
     jd = JobDir(tmp_path)
     assert jd.read_events() == []
-    jd.emit_event("attempt_start", attempt=0)
-    jd.emit_event("checkpoint", step=10, path=tmp_path)  # non-JSON value -> str
+    jd.emit_event("attempt_start", attempt=0, argv=[])
+    jd.emit_event("checkpoint", attempt=0, mode="snapshot", persist="agent", step=10, bytes=1,
+                  path=tmp_path)  # an open kind; a non-JSON value -> str
     events = jd.read_events()
     assert [e["event"] for e in events] == ["attempt_start", "checkpoint"]
     assert events[0]["attempt"] == 0
@@ -141,21 +142,21 @@ def test_events_round_trip(tmp_path: Path) -> None:
 
 def test_read_events_skips_torn_last_line(tmp_path: Path) -> None:
     jd = JobDir(tmp_path)
-    jd.emit_event("a", n=1)
-    jd.emit_event("b", n=2)
+    jd.emit_event("agent_start", pid=1)
+    jd.emit_event("agent_start", pid=2)
     with open(jd.events_path, "a") as f:
         f.write('{"event": "c", "n"')  # crash mid-append
     events = jd.read_events()
-    assert [e["event"] for e in events] == ["a", "b"]
+    assert [e["pid"] for e in events] == [1, 2]
 
 
 def test_event_after_torn_line_is_kept(tmp_path: Path) -> None:
     jd = JobDir(tmp_path)
-    jd.emit_event("a", n=1)
+    jd.emit_event("agent_start", pid=1)
     with open(jd.events_path, "a") as f:
         f.write('{"event": "c", "n"')  # crash mid-append
-    jd.emit_event("resume", step=10)
-    assert [e["event"] for e in jd.read_events()] == ["a", "resume"]
+    jd.emit_event("hang", attempt=0, hang_timeout_s=10)
+    assert [e["event"] for e in jd.read_events()] == ["agent_start", "hang"]
 
 
 # ---------------------------------------------------------------- private modes, no links
@@ -175,7 +176,7 @@ def test_job_dir_and_its_files_are_private(tmp_path: Path) -> None:
         jd.create()
         assert _mode(jd.root) == 0o700 and _mode(jd.checkpoints) == 0o700
         assert _mode(jd.root / "profiles") == 0o700
-        jd.emit_event("attempt_start", attempt=0)
+        jd.emit_event("attempt_start", attempt=0, argv=[])
         jd.lock()
         jd.unlock()
         assert _mode(jd.events_path) == 0o600 and _mode(jd.lock_path) == 0o600
@@ -200,7 +201,7 @@ def test_no_write_into_the_job_dir_follows_a_link(tmp_path: Path, name: str) -> 
         if name == "job.lock":
             jd.lock()
         else:
-            jd.emit_event("attempt_start", attempt=0)
+            jd.emit_event("attempt_start", attempt=0, argv=[])
     if name == "job.lock":
         with pytest.raises(BadInputError, match="symbolic link"):
             jd.is_locked()
