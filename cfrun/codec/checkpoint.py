@@ -379,9 +379,10 @@ def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
             if sd is None:  # its state could not be stored (flagged when taken)
                 continue
             got = set(obj.state_dict())
-            if not isinstance(sd, dict) or set(sd) != got:
-                keys = sorted(sd, key=str) if isinstance(sd, dict) else []
-                raise JobMismatchError(f"{kind} {i}: the checkpoint's state has keys "
-                                       f"{', '.join(map(str, keys)) or 'none'}, the live "
-                                       f"{type(obj).__name__}'s {', '.join(sorted(got)) or 'none'}"
-                                       " (another class?)")
+            keys = set(sd) if isinstance(sd, dict) else set()
+            if keys != got:
+                parts = [f"{', '.join(sorted(map(str, a - b)))} only {where}"
+                         for a, b, where in ((keys, got, "in the checkpoint"),
+                                             (got, keys, "live")) if a - b]
+                raise JobMismatchError(f"{kind} {i} ({type(obj).__name__}): "
+                                       f"{'; '.join(parts)} (another class?)")
