@@ -23,6 +23,7 @@ untouched.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,8 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
     A checkpoint that is not usable is moved aside (:func:`quarantine`: ``corrupt-step-…``, or
     ``incompatible-step-…`` for a format this cfrun cannot read) so that neither retention,
     ``cfrun ls`` nor a later resume counts it again; ``on_skip(step, error)`` is called for
-    each. Every rank calls this at resume and reaches the same step.
+    each by the one rank whose move succeeded (by rank 0 where none could move it), so that
+    the job says it once. Every rank calls this at resume and reaches the same step.
 
     Returns:
         ``(step, state, meta)``, or ``None`` when no committed checkpoint is usable.
@@ -274,12 +276,14 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         try:
             check_usable(step_dir, world_size=world_size, check_state=check_state)
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
-            logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
-                           step_dir.name, e)
-            if on_skip is not None:
-                on_skip(step, e)
-            quarantine(checkpoints, step,
-                       INCOMPATIBLE if isinstance(e, IncompatibleFormatError) else CORRUPT)
+            moved = quarantine(checkpoints, step,
+                               INCOMPATIBLE if isinstance(e, IncompatibleFormatError) else CORRUPT)
+            # said once: by the rank that moved it (or rank 0, if it could not be moved)
+            if moved is not None or (rank == 0 and os.path.lexists(step_dir)):
+                logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
+                               step_dir.name, e)
+                if on_skip is not None:
+                    on_skip(step, e)
             continue
         try:
             state, meta = load_shard(step_dir, rank)

@@ -176,9 +176,7 @@ class Resume:
         Unusable ones are moved aside on the way (rank 0 says so, once each); a failure of this
         rank's own shard, or while preparing the plan, goes to :meth:`_unusable`.
         """
-        def skipped(step: int, error: Exception) -> None:
-            if self.s.rank != 0:  # every rank reaches the same verdict: one says it
-                return
+        def skipped(step: int, error: Exception) -> None:  # one rank: the one that moved it
             reason = INCOMPATIBLE if isinstance(error, IncompatibleFormatError) else CORRUPT
             say(f"WARNING: checkpoint step {step} failed verification ({error}); moved aside "
                 f"as {reason}-{step_dir_name(step)}-*, falling back to the previous one")
