@@ -334,8 +334,8 @@ def check_like(loaded: Any, live: Any, where: str, *, strict_keys: bool = False)
 
 
 def _check_groups(saved: Any, live: dict[str, Any], where: str) -> None:
-    """An optimizer's parameter groups: as many, each with as many parameters and the same
-    hyperparameter names (another optimizer class has others)."""
+    """An optimizer's parameter groups: as many, each with as many parameters. (Their
+    hyperparameter names are not compared: a newer torch adds some to the same optimizer.)"""
     groups, now = saved.get("param_groups"), live["param_groups"]
     if not isinstance(groups, list) or len(groups) != len(now):
         n = len(groups) if isinstance(groups, list) else "no"
@@ -346,19 +346,15 @@ def _check_groups(saved: Any, live: dict[str, Any], where: str) -> None:
         if n_saved != len(b["params"]):
             raise JobMismatchError(f"{where} parameter group {g} has {n_saved} parameters in "
                                    f"the checkpoint, {len(b['params'])} live")
-        diff = sorted(set(a) ^ set(b), key=str) if isinstance(a, dict) else ["params"]
-        if diff:
-            raise JobMismatchError(f"{where} parameter group {g}: {', '.join(map(str, diff))} "
-                                   "only in the checkpoint or only live (another optimizer?)")
 
 
 def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
                schedulers: list[Any], scalers: list[Any]) -> None:
     """The checkpoint's state fits the live job, before anything is applied: as many models,
     optimizers, schedulers and scalers; every model's keys, shapes and dtypes
-    (:func:`check_like`); every optimizer's parameter groups (count, sizes, hyperparameter
-    names) and state tensors; every scheduler's and scaler's state keys (another class has
-    others). Called by each rank when it arrives at the resume point (training thread).
+    (:func:`check_like`); every optimizer's parameter groups (count, sizes) and state tensors;
+    every scheduler's and scaler's public state names (another class has others). Called by
+    each rank when it arrives at the resume point (training thread).
 
     Raises:
         JobMismatchError: the first difference, in one line.
@@ -382,8 +378,10 @@ def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
         for i, (obj, sd) in enumerate(zip(objs, saved)):
             if sd is None:  # its state could not be stored (flagged when taken)
                 continue
-            got = set(obj.state_dict())
-            keys = set(sd) if isinstance(sd, dict) else set()
+            # public names only: a newer torch adds private attributes to the same class
+            got = {k for k in obj.state_dict() if not str(k).startswith("_")}
+            keys = {k for k in sd if not str(k).startswith("_")} if isinstance(sd, dict) \
+                else set()
             if keys != got:
                 parts = [f"{', '.join(sorted(map(str, a - b)))} only {where}"
                          for a, b, where in ((keys, got, "in the checkpoint"),
