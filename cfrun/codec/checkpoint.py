@@ -9,14 +9,22 @@ what needs tensors: :func:`write_shard` (the ranks' synchronous path), :func:`lo
 The loader checks what a checksum cannot (a checksum only says the bytes are the ones the
 manifest's writer meant): file names, file types and sizes before reading, bounded JSON, every
 tensor's dtype from an allow-list, ``nbytes`` equal to elements times item size, offsets where
-the writer puts them and inside the file. Any check failing, or any error while decoding,
-makes the checkpoint corrupt (:class:`CheckpointCorruptError`): :func:`load_newest` then skips
-it and falls back to an older one.
+the writer puts them and inside the file. Any check failing, or any error while reading or
+decoding, makes the checkpoint corrupt (:class:`CheckpointCorruptError`): :func:`load_newest`
+then moves it aside and falls back to an older one, on every rank alike
+(:func:`check_usable`).
+
+A checkpoint that is fine but does not fit the live job (a changed layer width, another
+optimizer grouping, another scheduler) is not corrupt: :func:`check_fits` names the first
+difference (:class:`JobMismatchError`) and the rank stops the job with exit 5, the checkpoints
+untouched.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +34,23 @@ from cfrun.codec.format import (
     FORMAT_VERSION,
     decode,
     dumps_json,
+    meta_tensor,
     plan_layout,
     tensor_bytes,
     tensor_from_buffer,
 )
 from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ranks)
+    CORRUPT,
+    INCOMPATIBLE,
     MANIFEST,
     FileEntry,
     Manifest,
     apply_retention,
     check_complete,
+    check_good,
     commit,
     committed_steps,
+    good_steps,
     quarantine,
     read_manifest,
     remove_staging,
@@ -46,7 +59,7 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
     verify,
     write_file,
 )
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.errors import CheckpointCorruptError, FatalJobError, IncompatibleFormatError
 from cfrun.contract.jobdir import step_dir_name
 from cfrun.contract.shard import read_doc
 
@@ -114,42 +127,7 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     if not 0 <= rank < manifest.world_size:
         raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
                                      f"{manifest.world_size} ranks")
-    doc, tensors = _read_rank(step_dir, manifest, rank)
-    try:
-        layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
-        if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
-            from cfrun.codec.sharding import reassemble
-
-            others = {}
-            for q in range(manifest.world_size):
-                if q != rank:
-                    q_doc, q_tensors = _read_rank(step_dir, manifest, q)
-                    q_tree = q_doc["tree"]
-                    others[q] = (q_tensors, (q_tree.get("sharded") if isinstance(q_tree, dict)
-                                             else None) or [])
-            reassemble(rank, tensors, layout, others)
-        meta = doc.get("meta", {})
-        return decode(doc["tree"], tensors), meta
-    except _DECODE_ERRORS as e:
-        raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
-                                     f"({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def _read_rank(step_dir: Path, manifest: Manifest, rank: int
-               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One rank's verified JSON doc and its tensors (CPU), every entry checked.
-
-    Raises:
-        CheckpointCorruptError: see :func:`load_shard`.
-    """
-    bin_name, _ = shard_names(rank)
-    doc, entries = read_doc(step_dir, manifest, rank)
-    data = manifest.read_file(step_dir, bin_name)
-    try:
-        tensors = [tensor_from_buffer(data, e) for e in entries]
-    except _DECODE_ERRORS as e:
-        raise CheckpointCorruptError(f"{step_dir.name}/{bin_name}: {e}") from None
-    return doc, tensors
+    return _assemble(step_dir, manifest, rank, {})
 
 
 class WorldSizeChangedError(Exception):
@@ -162,62 +140,251 @@ class WorldSizeChangedError(Exception):
         self.step, self.saved, self.now = step, saved, now
 
 
-def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
-                world_size: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, falling back to older ones.
+class RankLoadError(Exception):
+    """This rank could not read its own shard of a checkpoint that every rank's
+    :func:`check_usable` passed (an I/O error, or a file changed meanwhile). The other ranks
+    may have loaded it: the caller moves the checkpoint aside and restarts the attempt, so
+    that every rank falls back to the same older one."""
 
-    A checkpoint that fails verification is quarantined (:func:`quarantine`) so that neither
-    retention nor a later commit of the same step counts it; ``on_skip(step, error)`` is called
-    for each (the runtime logs it loudly).
+    def __init__(self, step: int, error: BaseException) -> None:
+        super().__init__(f"checkpoint step {step}: this rank's shard did not load "
+                         f"({type(error).__name__}: {str(error)[:200]})")
+        self.step = step
+
+
+class JobMismatchError(FatalJobError):
+    """A checkpoint that is fine does not fit the live job: a model's or optimizer's keys,
+    shapes or dtypes, the optimizer's parameter groups, or the schedulers and scalers differ
+    (:func:`check_fits`). The user changed the job; nothing is moved aside (exit 5)."""
+
+
+def _read_rank(step_dir: Path, manifest: Manifest, rank: int, *, real: bool = True
+               ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One rank's verified JSON doc and its tensors (CPU; ``real=False``: ``meta`` tensors of
+    the table's dtypes and shapes, the ``.bin`` not read), every entry checked.
+
+    Raises:
+        CheckpointCorruptError: see :func:`load_shard`.
+    """
+    bin_name, _ = shard_names(rank)
+    doc, entries = read_doc(step_dir, manifest, rank)
+    try:
+        if not real:
+            return doc, [meta_tensor(e) for e in entries]
+        data = manifest.read_file(step_dir, bin_name)
+        tensors = [tensor_from_buffer(data, e) for e in entries]
+    except _DECODE_ERRORS as e:
+        raise CheckpointCorruptError(f"{step_dir.name}/{bin_name}: {e}") from None
+    return doc, tensors
+
+
+def _assemble(step_dir: Path, manifest: Manifest, rank: int,
+              docs: dict[int, tuple[dict[str, Any], list[torch.Tensor]]]
+              ) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s decoded state and meta from the docs and tensors of every rank in
+    ``docs`` (read on demand when missing).
+
+    Raises:
+        CheckpointCorruptError: the tree does not decode, or the ranks' 1/N layouts disagree.
+    """
+    def rank_doc(q: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if q not in docs:
+            docs[q] = _read_rank(step_dir, manifest, q)
+        return docs[q]
+
+    doc, tensors = rank_doc(rank)
+    tensors = list(tensors)  # reassemble replaces entries: the cached list stays as read
+    try:
+        layout = doc["tree"].get("sharded") if isinstance(doc["tree"], dict) else None
+        if layout:  # DeepFreeze 1/N: every rank's slices of the replicated tensors
+            from cfrun.codec.sharding import reassemble
+
+            others = {}
+            for q in range(manifest.world_size):
+                if q != rank:
+                    q_doc, q_tensors = rank_doc(q)
+                    q_tree = q_doc["tree"]
+                    others[q] = (q_tensors, (q_tree.get("sharded") if isinstance(q_tree, dict)
+                                             else None) or [])
+            reassemble(rank, tensors, layout, others)
+        meta = doc.get("meta", {})
+        return decode(doc["tree"], tensors), meta
+    except _DECODE_ERRORS as e:
+        raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
+                                     f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def check_usable(step_dir: Path, *, world_size: int | None = None,
+                 check_state: Callable[[Any, dict[str, Any]], None] | None = None) -> Manifest:
+    """Judge a committed checkpoint the same way on every rank, before any rank loads it.
+
+    Every rank's shard is listed and present (:func:`check_complete`), every file passes its
+    checksum (streamed), and every rank's tree decodes against ``meta`` tensors of its table
+    (no tensor bytes held) and passes ``check_state(state, meta)`` (what the resume will look
+    up). All of it depends only on the files, so every rank of the job reaches the same verdict
+    without talking to the others, and all of them fall back to the same older checkpoint.
+    Called by each rank at resume (:func:`load_newest`); costs one read of the whole checkpoint
+    per rank (from the page cache after the first rank of a node).
+
+    Raises:
+        WorldSizeChangedError: ``world_size`` is given and the checkpoint has another.
+        CheckpointCorruptError: any other failure, whatever its type (an ``OSError``, a
+            ``KeyError`` from ``check_state``...), in one line naming it.
+        IncompatibleFormatError: written in a format this cfrun cannot read.
+    """
+    manifest = check_complete(step_dir)
+    if world_size is not None and manifest.world_size != world_size:
+        raise WorldSizeChangedError(manifest.step, manifest.world_size, world_size)
+    try:
+        manifest.verify_dir(step_dir)
+        docs = {q: _read_rank(step_dir, manifest, q, real=False)
+                for q in range(manifest.world_size)}
+        for q in range(manifest.world_size):
+            state, meta = _assemble(step_dir, manifest, q, docs)
+            if check_state is not None:
+                check_state(state, meta)
+    except (CheckpointCorruptError, IncompatibleFormatError):
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(f"{step_dir.name}: {type(e).__name__}: "
+                                     f"{str(e)[:200]}") from None
+    return manifest
+
+
+def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
+                world_size: int | None = None,
+                check_state: Callable[[Any, dict[str, Any]], None] | None = None
+                ) -> tuple[int, Any, dict[str, Any]] | None:
+    """The newest usable checkpoint (:func:`check_usable`), falling back to older ones.
+
+    A checkpoint that is not usable is moved aside (:func:`quarantine`: ``corrupt-step-…``, or
+    ``incompatible-step-…`` for a format this cfrun cannot read) so that neither retention,
+    ``cfrun ls`` nor a later resume counts it again; ``on_skip(step, error)`` is called for
+    each by the one rank whose move succeeded (by rank 0 where none could move it), so that
+    the job says it once. Every rank calls this at resume and reaches the same step.
 
     Returns:
-        ``(step, state, meta)``, or ``None`` when no committed checkpoint verifies.
+        ``(step, state, meta)``, or ``None`` when no committed checkpoint is usable.
 
     Raises:
         WorldSizeChangedError: ``world_size`` is given and the newest readable manifest was
-            written by another number of ranks (before any rank loads or quarantines anything).
+            written by another number of ranks (before any rank loads or quarantines it).
+        RankLoadError: this rank's own shard failed after the checks passed.
     """
     for step in committed_steps(checkpoints):
         step_dir = checkpoints / step_dir_name(step)
         try:
-            manifest = check_complete(step_dir)
-            saved = manifest.world_size
-            if world_size is not None and saved != world_size:
-                raise WorldSizeChangedError(step, saved, world_size)
-            state, meta = load_shard(step_dir, rank)
+            check_usable(step_dir, world_size=world_size, check_state=check_state)
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
-            logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
-                           step_dir.name, e)
-            if on_skip is not None:
-                on_skip(step, e)
-            if isinstance(e, CheckpointCorruptError):
-                quarantine(checkpoints, step)
+            moved = quarantine(checkpoints, step,
+                               INCOMPATIBLE if isinstance(e, IncompatibleFormatError) else CORRUPT)
+            # said once: by the rank that moved it (or rank 0, if it could not be moved)
+            if moved is not None or (rank == 0 and os.path.lexists(step_dir)):
+                logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
+                               step_dir.name, e)
+                if on_skip is not None:
+                    on_skip(step, e)
             continue
+        try:
+            state, meta = load_shard(step_dir, rank)
+        except Exception as e:
+            raise RankLoadError(step, e) from None
         return step, state, meta
     return None
 
 
-def check_like(loaded: Any, live: Any, where: str) -> None:
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def check_like(loaded: Any, live: Any, where: str, *, strict_keys: bool = False) -> None:
     """The tensors of a loaded ``state_dict`` have the dtype and shape of the live object's.
 
-    A checksum shows the bytes are the ones the manifest's writer meant, not that the
-    metadata tells the truth: ``int32`` written over ``float32`` bytes has the right size and
-    loads (and ``load_state_dict`` would convert it silently). The rank calls this before
-    ``load_state_dict`` for each model and optimizer, which catches it. Nested dicts and lists
-    are compared key by key; keys only on one side are left to ``load_state_dict``.
+    A checksum shows the bytes are the ones the manifest's writer meant, not that they fit the
+    live job: a changed layer width, or ``int32`` written over ``float32`` bytes (the right size;
+    ``load_state_dict`` would convert it silently). The rank calls this (through
+    :func:`check_fits`) before ``load_state_dict`` for each model and optimizer. Nested dicts and
+    lists are compared key by key; with ``strict_keys`` a key of the top-level dict on one side
+    only is a difference too (a model's state dict), else such keys are left alone.
 
     Raises:
-        CheckpointCorruptError: a tensor differs in dtype or shape, naming it.
+        JobMismatchError: the first difference, naming the tensor, its dtype and shape on
+            both sides.
     """
+    if strict_keys and isinstance(loaded, dict) and isinstance(live, dict):
+        for k in loaded:
+            if k not in live:
+                raise JobMismatchError(f"{where}.{k} is in the checkpoint, not in the live job")
+        for k in live:
+            if k not in loaded:
+                raise JobMismatchError(f"{where}.{k} is in the live job, not in the checkpoint")
     stack: list[tuple[str, Any, Any]] = [(where, loaded, live)]
     while stack:
         path, a, b = stack.pop()
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.dtype != b.dtype or a.shape != b.shape:
-                raise CheckpointCorruptError(
-                    f"{path} is {str(a.dtype).removeprefix('torch.')} {list(a.shape)} in the "
-                    f"checkpoint, {str(b.dtype).removeprefix('torch.')} {list(b.shape)} live")
+                raise JobMismatchError(
+                    f"{path} is {_dtype_name(a)} {list(a.shape)} in the checkpoint, "
+                    f"{_dtype_name(b)} {list(b.shape)} live")
         elif isinstance(a, dict) and isinstance(b, dict):
-            stack.extend((f"{path}.{k}", a[k], b[k]) for k in a if k in b)
+            stack.extend((f"{path}.{k}", a[k], b[k]) for k in reversed(list(a)) if k in b)
         elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-            stack.extend((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b)))
+            stack.extend((f"{path}[{i}]", x, y) for i, (x, y) in reversed(list(enumerate(zip(a,
+                                                                                          b)))))
+
+
+def _check_groups(saved: Any, live: dict[str, Any], where: str) -> None:
+    """An optimizer's parameter groups: as many, each with as many parameters. (Their
+    hyperparameter names are not compared: a newer torch adds some to the same optimizer.)"""
+    groups, now = saved.get("param_groups"), live["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(now):
+        n = len(groups) if isinstance(groups, list) else "no"
+        raise JobMismatchError(f"{where} has {n} parameter groups in the checkpoint, "
+                               f"{len(now)} live")
+    for g, (a, b) in enumerate(zip(groups, now)):
+        n_saved = len(a.get("params", ())) if isinstance(a, dict) else 0
+        if n_saved != len(b["params"]):
+            raise JobMismatchError(f"{where} parameter group {g} has {n_saved} parameters in "
+                                   f"the checkpoint, {len(b['params'])} live")
+
+
+def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
+               schedulers: list[Any], scalers: list[Any]) -> None:
+    """The checkpoint's state fits the live job, before anything is applied: as many models,
+    optimizers, schedulers and scalers; every model's keys, shapes and dtypes
+    (:func:`check_like`); every optimizer's parameter groups (count, sizes) and state tensors;
+    every scheduler's and scaler's public state names (another class has others). Called by
+    each rank when it arrives at the resume point (training thread).
+
+    Raises:
+        JobMismatchError: the first difference, in one line.
+    """
+    for kind, live, saved in (("models", models, state["modules"]),
+                              ("optimizers", optimizers, state["optimizers"]),
+                              ("LR schedulers", schedulers, state["schedulers"]),
+                              ("GradScalers", scalers, state["scalers"])):
+        if len(live) != len(saved):
+            raise JobMismatchError(f"the script built {len(live)} {kind}, the checkpoint "
+                                   f"holds {len(saved)}")
+    for i, (m, sd) in enumerate(zip(models, state["modules"])):
+        check_like(sd, m.state_dict(), f"model {i} ({type(m).__name__})", strict_keys=True)
+    for i, (o, sd) in enumerate(zip(optimizers, state["optimizers"])):
+        where = f"optimizer {i} ({type(o).__name__})"
+        live = o.state_dict()
+        _check_groups(sd, live, where)
+        check_like(sd, live, where)
+    for kind, objs, saved in (("LR scheduler", schedulers, state["schedulers"]),
+                              ("GradScaler", scalers, state["scalers"])):
+        for i, (obj, sd) in enumerate(zip(objs, saved)):
+            if sd is None:  # its state could not be stored (flagged when taken)
+                continue
+            # public names only: a newer torch adds private attributes to the same class
+            got = {k for k in obj.state_dict() if not str(k).startswith("_")}
+            keys = {k for k in sd if not str(k).startswith("_")} if isinstance(sd, dict) \
+                else set()
+            if keys != got:
+                parts = [f"{', '.join(sorted(map(str, a - b)))} only {where}"
+                         for a, b, where in ((keys, got, "in the checkpoint"),
+                                             (got, keys, "live")) if a - b]
+                raise JobMismatchError(f"{kind} {i} ({type(obj).__name__}): "
+                                       f"{'; '.join(parts)} (another class?)")

@@ -37,8 +37,8 @@ from cfrun.contract.shard import (
 
 __all__ = ["ALIGN_BYTES", "DTYPE_ITEMSIZE", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DIM",
            "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "UnsupportedValueError",
-           "check_layout", "decode", "dumps_json", "encode", "loads_doc", "plan_layout",
-           "tensor_bytes", "tensor_from_buffer"]
+           "check_layout", "decode", "dumps_json", "encode", "loads_doc", "meta_tensor",
+           "plan_layout", "tensor_bytes", "tensor_from_buffer"]
 
 _NP_KINDS = "biuf"
 
@@ -185,3 +185,17 @@ def tensor_from_buffer(buf: memoryview | bytearray | bytes, entry: TensorEntry) 
         return torch.empty(entry.shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
     return raw.clone().view(dtype).reshape(entry.shape)
+
+
+def meta_tensor(entry: TensorEntry) -> torch.Tensor:
+    """A tensor of ``entry``'s dtype and shape on the ``meta`` device: no bytes allocated or
+    read. Lets a rank decode another rank's tree and check its structure for the cost of its
+    JSON (:func:`cfrun.codec.checkpoint.check_usable`).
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+    dtype = _DTYPES.get(entry.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown dtype {entry.dtype!r} in checkpoint")
+    return torch.empty(entry.shape, dtype=dtype, device="meta")

@@ -28,9 +28,17 @@ from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
 from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest, shard_names
 from cfrun.contract.shard import check_docs
 
-__all__ = ["MANIFEST", "FileEntry", "Manifest", "apply_retention", "check_complete", "commit",
-           "committed_steps", "quarantine", "read_manifest", "remove_staging", "shard_names",
-           "staging_dir", "verify", "write_file"]
+__all__ = ["CORRUPT", "INCOMPATIBLE", "MANIFEST", "FileEntry", "Manifest", "apply_retention",
+           "check_complete", "check_good", "commit", "committed_steps", "good_steps",
+           "quarantine", "read_manifest", "remove_staging", "shard_names", "staging_dir",
+           "verify", "write_file"]
+
+CORRUPT = "corrupt"
+"""Reason of a checkpoint moved aside because its files or contents are bad
+(``corrupt-step-NNNNNN-<ms>``)."""
+INCOMPATIBLE = "incompatible"
+"""Reason of a checkpoint moved aside because this cfrun cannot read its format
+(``incompatible-step-NNNNNN-<ms>``)."""
 
 
 def staging_dir(checkpoints: Path, step: int) -> Path:
@@ -78,8 +86,10 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
             verify(final)
             shutil.rmtree(staging, ignore_errors=True)
             return final
-        except (CheckpointCorruptError, IncompatibleFormatError):
-            quarantine(checkpoints, step)
+        except CheckpointCorruptError:
+            quarantine(checkpoints, step, CORRUPT)
+        except IncompatibleFormatError:
+            quarantine(checkpoints, step, INCOMPATIBLE)
     os.rename(staging, final)
     fsync_dir(checkpoints)
     if keep is not None:
@@ -103,23 +113,61 @@ def verify(step_dir: Path) -> Manifest:
     return manifest
 
 
+def check_good(step_dir: Path) -> Manifest:
+    """The cheap half of "good": the manifest parses in a ``format_version`` this cfrun reads,
+    and every rank's files are listed and present as regular files of their recorded sizes
+    (:func:`check_complete`). Reads the manifest and ``lstat``s; no checksum (a resume
+    checks those, :func:`cfrun.codec.checkpoint.load_newest`). Called by retention after every
+    commit (persist agent, ranks' synchronous path).
+
+    Raises:
+        CheckpointCorruptError, IncompatibleFormatError: the checkpoint is not good.
+    """
+    return check_complete(step_dir)
+
+
+def good_steps(checkpoints: Path) -> list[int]:
+    """Committed steps that pass :func:`check_good`, newest first."""
+    good = []
+    for step in committed_steps(checkpoints):
+        try:
+            check_good(checkpoints / step_dir_name(step))
+        except (CheckpointCorruptError, IncompatibleFormatError):
+            continue
+        good.append(step)
+    return good
+
+
 def apply_retention(checkpoints: Path, keep: int) -> list[int]:
-    """Delete committed checkpoints beyond the newest ``keep``. Returns the deleted steps."""
-    steps = committed_steps(checkpoints)
+    """Delete good checkpoints beyond the newest ``keep`` good ones; returns the deleted steps.
+
+    Only good checkpoints (:func:`check_good`) count toward ``keep``, and the newest good one
+    is never deleted (``keep`` below 1 counts as 1): checkpoints of another ``format_version``
+    or with a missing file, even higher-numbered ones, neither count nor get deleted here (a
+    resume moves them aside with their reason, :func:`quarantine`). Called by the persist agent
+    after each commit (:mod:`cfrun.agent.commit`) and by :func:`commit`.
+    """
     deleted = []
-    for step in steps[keep:]:
+    for step in good_steps(checkpoints)[max(keep, 1):]:
         shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
         deleted.append(step)
     return deleted
 
 
-def quarantine(checkpoints: Path, step: int) -> Path | None:
-    """Move a committed checkpoint that failed verification aside (``corrupt-step-N-<t>``).
+def quarantine(checkpoints: Path, step: int, reason: str = CORRUPT) -> Path | None:
+    """Move a committed checkpoint that cannot be used aside, with its reason in the name:
+    ``corrupt-step-NNNNNN-<ms>`` (:data:`CORRUPT`: bad files or contents) or
+    ``incompatible-step-NNNNNN-<ms>`` (:data:`INCOMPATIBLE`: a format this cfrun cannot
+    read).
 
-    It no longer counts as committed (nor for retention), and stays for inspection.
+    It no longer counts as committed (:func:`committed_steps`), for retention, ``cfrun ls`` or
+    a later resume, and stays for inspection. Several ranks may call this for the same step:
+    one rename wins, the others return ``None``.
     """
+    if reason not in (CORRUPT, INCOMPATIBLE):
+        raise ValueError(f"quarantine reason {reason!r} is not {CORRUPT!r} or {INCOMPATIBLE!r}")
     src = checkpoints / step_dir_name(step)
-    dst = checkpoints / f"corrupt-{step_dir_name(step)}-{int(time.time() * 1000)}"
+    dst = checkpoints / f"{reason}-{step_dir_name(step)}-{int(time.time() * 1000)}"
     try:
         os.rename(src, dst)
     except OSError:

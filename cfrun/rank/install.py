@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 _runtime: Any = None
+_guard: Any = None
 loaded = False
 
 
@@ -97,6 +98,8 @@ def install() -> None:
         loaded = True
     except Exception as e:  # the user's job must run even if cfrun cannot protect it
         loaded = False
+        if _guard is not None:  # hooks already in place do nothing from now on
+            _guard.disabled = True
         sys.stderr.write(f"[cfrun] WARNING: cfrun's runtime failed to start ({e!r}); "
                          "this job runs UNPROTECTED: no checkpoints, no resume\n")
 
@@ -117,7 +120,8 @@ def _install() -> Any:
     from cfrun.rank.runtime import Runtime
     from cfrun.rank.settings import RankSettings
 
-    guard = Guard()
+    global _guard
+    guard = _guard = Guard()
     rt = Runtime(RankSettings.from_env(), guard.wrap)
     guard.attach(rt)
     found, boundary, resume = rt.found, rt.boundary, rt.resume

@@ -15,9 +15,16 @@ then runs from its first line, and cfrun fast-forwards it to the checkpoint's bo
   with the script's output suppressed, until the training loader's ``iter()`` of the
   checkpoint's epoch.
 
-Restoring (:meth:`Resume._apply`) loads models, optimizers, schedulers, scalers, RNG and the
-script's variables into the live objects and frames, then hands the step count back to the
-boundary phase.
+Restoring (:meth:`Resume._apply`) first checks that the checkpoint fits the live job
+(:func:`cfrun.codec.checkpoint.check_fits`: a mismatch stops the job with exit 5, nothing
+changed), then loads models, optimizers, schedulers, scalers, RNG and the script's variables into
+the live objects and frames, and hands the step count back to the boundary phase.
+
+A checkpoint that cannot be read, decoded or applied is unusable: at install every rank judges
+the newest ones alike (:func:`cfrun.codec.checkpoint.check_usable`, with :func:`check_state`),
+moves the bad ones aside and falls back to the same older one; a failure only this rank sees
+later (its own shard, or applying it) moves the checkpoint aside and restarts the attempt
+(:meth:`Resume._unusable`), so that every rank falls back together.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import io
 import itertools
 import os
 import sys
+import traceback
 import types
 import warnings
 import weakref
@@ -35,9 +43,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from cfrun.codec.checkpoint import WorldSizeChangedError, check_like, load_newest
-from cfrun.contract.errors import CheckpointCorruptError
-from cfrun.contract.jobdir import JobDir
+from cfrun.codec.checkpoint import (
+    CORRUPT,
+    INCOMPATIBLE,
+    JobMismatchError,
+    RankLoadError,
+    WorldSizeChangedError,
+    check_fits,
+    load_newest,
+    quarantine,
+)
+from cfrun.contract.errors import IncompatibleFormatError
+from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
 from cfrun.rank.discovery import Discovery
@@ -57,6 +74,56 @@ class ResumePlan:
     @property
     def mode(self) -> str:
         return str(self.meta.get("mode", "loader"))
+
+
+def check_state(state: Any, meta: dict[str, Any]) -> None:
+    """What the resume will look up in a rank's decoded state is there, with its type.
+
+    Called by every rank for every rank's tree of a checkpoint before any rank loads it
+    (:func:`cfrun.codec.checkpoint.check_usable`, tensors on the ``meta`` device), so that a
+    tree that would fail later (a missing key, a list where a dict belongs, a loop position that
+    does not parse) is judged corrupt by all ranks alike, and all fall back together.
+
+    Raises:
+        ValueError, KeyError, TypeError: the first thing missing or of another type.
+    """
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"the checkpoint's {what}")
+
+    need(isinstance(state, dict), "state is not an object")
+    for key in ("modules", "optimizers", "opt_steps", "schedulers", "scalers", "script"):
+        need(isinstance(state.get(key), list), f"{key} is not a list")
+    need(all(isinstance(m, dict) for m in state["modules"]), "model states are not objects")
+    for o in state["optimizers"]:
+        need(isinstance(o, dict) and isinstance(o.get("state"), dict)
+             and isinstance(o.get("param_groups"), list)
+             and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                     for g in o["param_groups"]), "optimizer state is not a state_dict")
+    need(len(state["opt_steps"]) == len(state["optimizers"])
+         and all(type(n) is int for n in state["opt_steps"]), "optimizer step counts")
+    rng = state.get("rng")
+    need(isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor)
+         and rng["torch"].dtype == torch.uint8 and isinstance(rng.get("random"), (list, tuple))
+         and len(rng["random"]) == 3, "RNG state is not one cfrun writes")
+    for rec in state["script"]:
+        need(isinstance(rec, dict) and isinstance(rec.get("code"), list)
+             and isinstance(rec.get("values"), dict)
+             and all(isinstance(v, dict) and "kind" in v and "v" in v
+                     for v in rec["values"].values()), "script variables")
+    if str(meta.get("mode", "loader")) == "loop":
+        if meta.get("loop"):
+            F.LoopInfo.from_json(meta["loop"])
+        return
+    data = state.get("data")
+    need(isinstance(data, dict), "data loader position is missing")
+    need(isinstance(data.get("fingerprint"), dict), "loader fingerprint is missing")
+    for key in ("loader", "iter_index", "batches"):
+        need(type(data.get(key)) is int, f"loader position has no integer {key}")
+    need(isinstance(data.get("epoch_rng"), dict) and isinstance(data["epoch_rng"].get("global"),
+                                                                dict), "epoch RNG state")
+    if data.get("epoch_loop"):
+        F.LoopInfo.from_json(data["epoch_loop"])
 
 
 class _NullWriter(io.TextIOBase):
@@ -104,24 +171,39 @@ class Resume:
     # ---------------------------------------------------------------- at install
 
     def load_plan(self) -> None:
-        """Find the newest verified checkpoint and prepare to fast-forward to it."""
-        def skipped(step: int, error: Exception) -> None:
-            say(f"checkpoint step {step} failed verification ({error}); "
-                "falling back to the previous one")
-            if self.s.rank == 0:
-                self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
+        """Find the newest usable checkpoint and prepare to fast-forward to it.
+
+        Unusable ones are moved aside on the way (rank 0 says so, once each); a failure of this
+        rank's own shard, or while preparing the plan, goes to :meth:`_unusable`.
+        """
+        def skipped(step: int, error: Exception) -> None:  # one rank: the one that moved it
+            reason = INCOMPATIBLE if isinstance(error, IncompatibleFormatError) else CORRUPT
+            say(f"WARNING: checkpoint step {step} failed verification ({error}); moved aside "
+                f"as {reason}-{step_dir_name(step)}-*, falling back to the previous one")
+            self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
 
         try:
             got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
-                              world_size=self.s.world_size)
+                              world_size=self.s.world_size, check_state=check_state)
         except WorldSizeChangedError as e:
             self._fatal(f"{e}; run with the same --nnodes x --nproc-per-node ({e.saved} ranks), "
                         "or start a new --job-dir (the checkpoints are kept)")
+        except RankLoadError as e:
+            self._unusable(e.step, e)
         if got is None:
             return
         step, state, meta = got
-        self.plan = ResumePlan(step, state, meta)
-        say(f"resuming from checkpoint step {step}")
+        try:
+            self._prepare(ResumePlan(step, state, meta))
+        except Exception as e:
+            self._unusable(step, e)
+
+    def _prepare(self, plan: ResumePlan) -> None:
+        """Arm the arrival at the plan's boundary (step loop head, epoch loop head or the
+        training loader's ``iter()``)."""
+        self.plan = plan
+        state, meta = plan.state, plan.meta
+        say(f"resuming from checkpoint step {plan.step}")
         if self.plan.mode == "loop":
             loop = F.LoopInfo.from_json(meta["loop"]) if meta.get("loop") else None
             if loop is None or sys.gettrace() is not None:
@@ -138,6 +220,27 @@ class Resume:
             self._arm_loop_resume(epoch_loop, self._arrive_epoch_loop)
         else:
             self._kind = "replay"
+
+    def _unusable(self, step: int, error: BaseException) -> NoReturn:
+        """This rank could not read or apply checkpoint ``step`` after every rank's checks
+        passed (the others may have loaded it, and this rank's objects may hold part of it):
+        move it aside (``corrupt-step-…``), say why once, and end this rank so that the
+        supervisor restarts the attempt, in which every rank falls back to the previous good
+        checkpoint. Training thread."""
+        sys.settrace(None)
+        moved = quarantine(self.jobdir.checkpoints, step, CORRUPT)
+        where = moved.name if moved is not None else "already moved aside"
+        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+        say(f"WARNING: checkpoint step {step} could not be restored ({detail[:300]}); "
+            f"moved aside ({where}); restarting the attempt to resume from the previous one")
+        try:
+            self.jobdir.emit_event("checkpoint_corrupt", step=step, error=detail[:300])
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(1)
 
     # ---------------------------------------------------------------- DataLoader hooks
 
@@ -238,7 +341,8 @@ class Resume:
                 try:
                     arrive(frame, loop)
                 except Exception as e:
-                    say(f"WARNING: resume failed at the loop head: {e!r}")
+                    assert self.plan is not None
+                    self._unusable(self.plan.step, e)
                 return None
             return local
 
@@ -324,32 +428,18 @@ class Resume:
         st = plan.state
         roots = self.found.model_roots()
         opts = self.found.optimizers()
-        if len(roots) != len(st["modules"]) or len(opts) != len(st["optimizers"]):
-            self._fatal(f"the script built {len(roots)} models / {len(opts)} optimizers, the "
-                        f"checkpoint holds {len(st['modules'])} / {len(st['optimizers'])}; resume "
-                        "with the same script and arguments, or a new --job-dir")
-        try:  # the checksum cannot tell int32 from float32 bytes, nor a changed layer width
-            for i, (m, sd) in enumerate(zip(roots, st["modules"])):
-                check_like(sd, m.state_dict(), f"model {i}")
-            for i, (o, sd) in enumerate(zip(opts, st["optimizers"])):
-                check_like(sd, o.state_dict(), f"optimizer {i}")
-        except CheckpointCorruptError as e:
-            self._fatal(f"checkpoint step {plan.step} does not fit the script's objects: {e}; "
-                        "resume with the same script and model, or start a new --job-dir")
-        with torch.no_grad():
-            for m, sd in zip(roots, st["modules"]):
-                m.load_state_dict(sd)
-        for o, sd, count in zip(opts, st["optimizers"], st["opt_steps"]):
-            o.load_state_dict(sd)
-            o.__dict__["_cfrun_steps"] = count
-        for kind, objs in (("schedulers", self.found.schedulers()),
-                           ("scalers", self.found.scalers())):
-            for obj, sd in zip(objs, st[kind]):
-                if sd is not None:
-                    obj.load_state_dict(sd)
-        set_global_rng(st["rng"])
-        restored = F.restore_frames(st["script"], st["script"],
-                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+        schedulers, scalers = self.found.schedulers(), self.found.scalers()
+        try:  # before anything is applied: a checksum cannot tell a changed layer width
+            check_fits(st, roots, opts, schedulers, scalers)
+        except JobMismatchError as e:
+            self._fatal(f"checkpoint step {plan.step} does not fit this job: {e}; to go on, "
+                        "start a new --job-dir (the checkpoints are kept), or restore the "
+                        "script and model the checkpoint was written with and resume")
+        try:
+            restored = self._load(plan, frame, roots, opts, schedulers, scalers,
+                                  in_tracer=in_tracer)
+        except Exception as e:  # part of it may be in the live objects: restart
+            self._unusable(plan.step, e)
         self._restored(plan.step, plan.mode)
         self.resumed = True
         self.awaiting_loader = False
@@ -357,6 +447,26 @@ class Resume:
         say(f"resumed at step {plan.step} ({len(restored)} script variables restored)")
         self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
                                rank=self.s.rank, variables=sorted(restored))
+
+    def _load(self, plan: ResumePlan, frame: types.FrameType, roots: list[Any],
+              opts: list[Any], schedulers: list[Any], scalers: list[Any], *,
+              in_tracer: bool) -> list[str]:
+        """Put the checked state into the live objects, RNG and frames; returns the script
+        variables restored."""
+        st = plan.state
+        with torch.no_grad():
+            for m, sd in zip(roots, st["modules"]):
+                m.load_state_dict(sd)
+        for o, sd, count in zip(opts, st["optimizers"], st["opt_steps"]):
+            o.load_state_dict(sd)
+            o.__dict__["_cfrun_steps"] = count
+        for objs, sds in ((schedulers, st["schedulers"]), (scalers, st["scalers"])):
+            for obj, sd in zip(objs, sds):
+                if sd is not None:
+                    obj.load_state_dict(sd)
+        set_global_rng(st["rng"])
+        return F.restore_frames(st["script"], st["script"],
+                                F.script_frames(frame, self.s.script), in_tracer=in_tracer)
 
     # ---------------------------------------------------------------- fast-forward
 

@@ -23,6 +23,7 @@ import xxhash
 
 from cfrun.codec.checkpoint import (
     MANIFEST,
+    JobMismatchError,
     check_complete,
     check_like,
     commit,
@@ -197,7 +198,7 @@ def test_int32_over_float32_bytes_loads_but_check_like_refuses_it(ckpts: Path) -
     _edit_doc(step_dir, _set(0, dtype="int32"))
     state, _ = load_shard(step_dir, 0)
     live = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
-    with pytest.raises(CheckpointCorruptError, match=r"modules\[0\]\.w is int32 \[4, 3\] in the "
+    with pytest.raises(JobMismatchError, match=r"modules\[0\]\.w is int32 \[4, 3\] in the "
                                                      r"checkpoint, float32 \[4, 3\] live"):
         check_like(state["modules"][0], live, "modules[0]")
     good, _ = load_shard(ckpts / step_dir_name(GOOD), 0)
