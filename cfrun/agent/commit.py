@@ -33,6 +33,7 @@ from cfrun.contract.checkpoints import (
     read_manifest,
     staging_dir,
 )
+from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
@@ -73,6 +74,9 @@ class Committer:
         """Multi-node: steps whose local shards are durable, waiting for the other nodes;
         setting the event abandons the wait."""
         self.last_committed = -1
+        identity = job_identity(jobdir.root)
+        self.job_meta: dict[str, str] = identity.meta() if identity is not None else {}
+        """The job's id and command fingerprint, in every manifest's ``meta``."""
 
     def committed(self, step: int) -> None:
         """Record that ``step`` counts (committed here, or protected in peer RAM)."""
@@ -102,7 +106,7 @@ class Committer:
             time.sleep(float(delay_s))
         files = [f for r in sorted(shard) for f in shard[r][0]]
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
-               meta=req.commit_meta(),
+               meta={**req.commit_meta(), **self.job_meta},
                keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
         t1 = time.time()
         self.committed(step)
@@ -141,7 +145,7 @@ class Committer:
         atomic_write_json(self._mark_path(step), {
             "node_rank": self.node_rank, "ranks": sorted(shard),
             "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
-        meta = next(iter(shard.values()))[2].commit_meta()
+        meta = {**next(iter(shard.values()))[2].commit_meta(), **self.job_meta}
         conns = [c for _, c, _ in shard.values()]
         abandon = threading.Event()
         self.waiting[step] = abandon
