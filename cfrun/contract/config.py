@@ -501,7 +501,7 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
         raise BadInputError(
             f"job dir {str(path.parent)!r} holds a job run with another command: "
             f"{'; '.join(changes)}. To start a new job give a new --job-dir; to go on from "
-            "its checkpoints with the change add --accept-changed-command")
+            "its checkpoints with the change add --accept-changed-command before the script")
     import time
 
     prints = old.fingerprints + (() if command.fingerprint in old.fingerprints

@@ -86,7 +86,7 @@ def test_script_args_pass_through_untouched_and_env_sets_options(tmp_path):
                     env={"CFRUN_INTERVAL": "3", "CFRUN_MAX_RESTARTS": "2"})
     assert run.returncode == 0, run.stderr
     assert f"ARGV {json.dumps(passthrough)}" in run.stdout.splitlines()
-    job = tmp_path / "cfrun-jobs" / "print_argv"  # the default job dir
+    [job] = (tmp_path / "cfrun-jobs").glob("print_argv-*")  # the default job dir
     config = json.loads((job / "config.json").read_text())
     assert config["interval"] == 3 and config["max_restarts"] == 2
     assert config["script_args"] == passthrough
