@@ -437,13 +437,15 @@ def read_identity(path: Path) -> Identity | None:
 
 def describe_changes(old: Identity, new: Command, job_name: str | None) -> list[str]:
     """What differs between the job's recorded command and ``new``, one phrase each:
-    ``script edited``, ``script a.py -> b.py``, ``argument --lr: 0.1 -> 0.2``,
+    ``script edited (sha256 ...)``, ``script /a/t.py -> /b/u.py``, ``argument --lr: 0.1 -> 0.2``,
     ``world size 2 -> 4``, ``job name a -> b`` (``job_name``: given by ``--job-name``)."""
     out: list[str] = []
     was = old.command
     if Path(was.script) != Path(new.script):
-        out.append(f"script {was.script} -> {new.script}")
-    if was.script_sha256 != new.script_sha256:
+        same = was.script_sha256 == new.script_sha256
+        out.append(f"script {was.script} -> {new.script}"
+                   f"{' (moved, the same bytes)' if same else ''}")
+    elif was.script_sha256 != new.script_sha256:
         out.append(f"script edited (sha256 {was.script_sha256[:12]} -> "
                    f"{new.script_sha256[:12]})")
     if was.script_args != new.script_args:

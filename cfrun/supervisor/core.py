@@ -45,7 +45,7 @@ from cfrun.contract import coordination, ipc, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import Command, Identity, RunConfig, check_identity
-from cfrun.contract.errors import FatalJobError
+from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
 from cfrun.contract.jobdir import FOREIGN_PREFIX, JobDir, atomic_write_json, step_dir_name
 from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
 from cfrun.supervisor.launcher import (
@@ -87,6 +87,26 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def _lock_held(path: Path) -> bool:
+    """True when a live process holds the job dir's lock at ``path``; probed with a shared
+    ``flock`` on a read-only descriptor, so the file is neither created nor truncated."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 class SignalReceived(Exception):
@@ -153,9 +173,15 @@ class Supervisor:
         changes: list[str] = []
         write = False
         if not self.cfg.profile_only:  # reads only: a refused command changes nothing
-            identity, changes, write = check_identity(
-                jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
-                accept_changed=self.accept_changed_command)
+            try:
+                identity, changes, write = check_identity(
+                    jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
+                    accept_changed=self.accept_changed_command)
+            except BadInputError:
+                if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
+                    raise JobDirLockedError(
+                        f"job dir {str(jd.root)!r} is in use by another cfrun") from None
+                raise
         jd.create()
         jd.lock()
         if identity is not None:

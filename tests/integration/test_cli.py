@@ -124,8 +124,9 @@ def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
             first.kill()
     assert first.returncode == 0, err
     assert "done waiting" in out
-    # the lock died with its owner: a new run on the same job dir is accepted
-    again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
+    # the lock died with its owner: a new run of the job on the same job dir is accepted
+    again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "wait_for_file.py"), str(release),
+                       str(started)], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
 

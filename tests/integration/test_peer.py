@@ -224,7 +224,8 @@ def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_use
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "3"])
     run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", "--job-name", "j",
-                     "--peer", peer.address, "--peer-token-file", str(token), *TINY, "--out", "got.pt"],
+                     "--peer", peer.address, "--peer-token-file", str(token), *TINY, "--out",
+                     "got.pt"],
                     cwd=tmp_path, env=faults.arm({}, **{"agent.kill_at_step": 20}))
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("agent_restart")) == 1
