@@ -345,6 +345,9 @@ class Identity:
     changes: tuple[dict[str, Any], ...] = ()
     """Accepted changes: ``{t_unix_s, changed: [...], fingerprint}``, oldest first."""
     created_unix_s: float = 0.0
+    previous_job_ids: tuple[str, ...] = ()
+    """Ids the job had before an accepted ``--job-name`` change: its checkpoints from then are
+    still its own."""
 
     @classmethod
     def new(cls, command: Command, job_name: str) -> Identity:
@@ -361,7 +364,8 @@ class Identity:
                 "script_args": list(self.command.script_args),
                 "world_size": self.command.world_size, "fingerprint": self.command.fingerprint,
                 "fingerprints": list(self.fingerprints), "changes": list(self.changes),
-                "created_unix_s": self.created_unix_s}
+                "created_unix_s": self.created_unix_s,
+                "previous_job_ids": list(self.previous_job_ids)}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Identity:
@@ -384,8 +388,11 @@ class Identity:
             changes = d.get("changes", [])
             if not isinstance(changes, list):
                 raise TypeError("changes is not a list")
+            old_ids = d.get("previous_job_ids", [])
+            if not isinstance(old_ids, list) or not all(isinstance(i, str) for i in old_ids):
+                raise TypeError("previous_job_ids is not a list of strings")
             return cls(str(d["job_id"]), str(d["job_name"]), command, tuple(prints),
-                       tuple(changes), float(d.get("created_unix_s", 0.0)))
+                       tuple(changes), float(d.get("created_unix_s", 0.0)), tuple(old_ids))
         except (KeyError, TypeError, ValueError) as e:
             raise BadInputError(f"{where} is unreadable ({e}); restore it, or start the job "
                                 "again in a new --job-dir") from None
@@ -395,6 +402,11 @@ class Identity:
         ``command`` (the fingerprint it was taken under)."""
         return {"job_id": self.job_id, "command": self.command.fingerprint}
 
+    def owns(self, job_id: Any) -> bool:
+        """True when ``job_id`` (from a manifest's ``meta``) is this job's, now or before an
+        accepted rename."""
+        return job_id == self.job_id or job_id in self.previous_job_ids
+
     def refusal(self, meta: Any) -> str | None:
         """Why a checkpoint with manifest ``meta`` is not this job's (None: it is).
 
@@ -402,7 +414,7 @@ class Identity:
         ran (another script, other arguments under the same ``--job-name``)."""
         meta = meta if isinstance(meta, dict) else {}
         job_id = meta.get("job_id")
-        if job_id != self.job_id:
+        if not self.owns(job_id):
             return (f"checkpoint of another job (job id {job_id or 'none'}, this job "
                     f"{self.job_id})")
         command = meta.get("command")
@@ -511,8 +523,10 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     record = {"t_unix_s": round(time.time(), 3), "changed": changes,
               "fingerprint": command.fingerprint}
     name = job_name or old.job_name
-    return Identity(old.job_id if name == old.job_name else job_id_of(name), name, command,
-                    prints, (*old.changes, record), old.created_unix_s), changes, True
+    job_id = old.job_id if name == old.job_name else job_id_of(name)
+    old_ids = old.previous_job_ids + (() if job_id == old.job_id else (old.job_id,))
+    return Identity(job_id, name, command, prints, (*old.changes, record), old.created_unix_s,
+                    old_ids), changes, True
 
 
 def job_identity(job_dir: Path | str) -> Identity | None:

@@ -238,11 +238,13 @@ class Supervisor:
                 job_id = read_manifest(src).meta.get("job_id")
             except Exception:  # an unreadable one is the resume's to judge and set aside
                 continue
-            if job_id is None or job_id == identity.job_id:
+            if job_id is None or identity.owns(job_id):
                 continue
             dst = checkpoints / f"{FOREIGN_PREFIX}{src.name}-{int(time.time() * 1000)}"
             try:
                 os.rename(src, dst)
+            except FileNotFoundError:  # another node's supervisor moved it
+                continue
             except OSError as e:
                 raise FatalJobError(f"checkpoint {src} is another job's (job id {job_id}) and "
                                     f"cannot be moved aside ({e.strerror}); remove it") from None

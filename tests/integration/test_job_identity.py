@@ -226,6 +226,31 @@ def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
     assert not _events(tmp_path / "jb", "fetched") and not _events(tmp_path / "jb", "resumed")
 
 
+def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp_path):
+    """Job a's newer checkpoint copied into job b's job dir: b moves it aside
+    (``foreign-step-*``, a foreign_checkpoint event) and resumes from its own."""
+    script = _script(tmp_path)
+    a = run_cfrun(["--interval", "5", "--job-dir", "ja", "--job-name", "a", str(script),
+                   "--steps", "12"], cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-3000:]
+    b_argv = ["--interval", "5", "--job-dir", "jb", "--job-name", "b", str(script), "--steps",
+              "7"]
+    b = run_cfrun(b_argv, cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    theirs = committed_steps(tmp_path / "ja" / "checkpoints")[0]
+    ours = committed_steps(tmp_path / "jb" / "checkpoints")[0]
+    assert theirs > ours
+    shutil.copytree(tmp_path / "ja" / "checkpoints" / step_dir_name(theirs),
+                    tmp_path / "jb" / "checkpoints" / step_dir_name(theirs))
+    again = run_cfrun(b_argv, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    [foreign] = _events(tmp_path / "jb", "foreign_checkpoint")
+    assert foreign["step"] == theirs and foreign["job_id"] == _identity(tmp_path / "ja")["job_id"]
+    assert Path(foreign["path"]).name.startswith(f"foreign-{step_dir_name(theirs)}-")
+    assert Path(foreign["path"]).is_dir()
+    assert [e["step"] for e in _events(tmp_path / "jb", "resumed")] == [ours]
+
+
 # ---------------------------------------------------------------------- status
 
 
