@@ -35,6 +35,7 @@ from cfrun.contract.checkpoints import (
     shard_names,
     staging_dir,
 )
+from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
@@ -79,6 +80,9 @@ class Committer:
         self.last_committed = -1
         self.failed = 0
         """Steps whose write or commit failed here since the agent started."""
+        identity = job_identity(jobdir.root)
+        self.job_meta: dict[str, str] = identity.meta() if identity is not None else {}
+        """The job's id and command fingerprint, in every manifest's ``meta``."""
 
     def committed(self, step: int) -> None:
         """Record that ``step`` counts (committed here, or protected in peer RAM)."""
@@ -108,7 +112,7 @@ class Committer:
             time.sleep(float(delay_s))
         files = [f for r in sorted(shard) for f in shard[r][0]]
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
-               meta=req.commit_meta(),
+               meta={**req.commit_meta(), **self.job_meta},
                keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
         t1 = time.time()
         self.committed(step)
@@ -180,7 +184,7 @@ class Committer:
         except OSError:  # the caller fails the step (fail_step): every rank hears it
             self.pending[step] = shard
             raise
-        meta = next(iter(shard.values()))[2].commit_meta()
+        meta = {**next(iter(shard.values()))[2].commit_meta(), **self.job_meta}
         abandon = threading.Event()
         self.waiting[step] = abandon
         threading.Thread(target=self._await_nodes, name=f"cfrun-await-{step}", daemon=True,

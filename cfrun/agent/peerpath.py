@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
+from cfrun.contract.config import job_identity
 from cfrun.contract.jobdir import JobDir
 from cfrun.contract.manifest import dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from cfrun.storage.tiers import Storage
 
 logger = logging.getLogger("cfrun.agent")
+
+
+class ForeignCheckpoint(Exception):
+    """A checkpoint at the peer or at level 2 is not this job's; the message says why."""
 
 
 @dataclass
@@ -81,6 +86,10 @@ class PeerPath:
         self.peer_futures: set[cf.Future[None]] = set()
         self.step_lock = threading.Lock()
         self.rank_pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="cfrun-rank")
+        self.identity = job_identity(jobdir.root)
+        """The job's identity (``identity.json``): its id and command go into every manifest;
+        only checkpoints that carry them are installed. None: ``cfrun profile``."""
+        self.job_meta: dict[str, str] = self.identity.meta() if self.identity else {}
 
     def takes(self, step: int) -> bool:
         """True if a persist of ``step`` goes to the peer: it is up (or its backoff is over),
@@ -117,7 +126,8 @@ class PeerPath:
         try:
             complete = self.peer.send_shard(
                 step=step, world_size=st.world_size, rank=rank, slot=Path(req.slot),
-                nbytes=req.nbytes, doc=dumps_json(req.doc), meta=req.commit_meta(),
+                nbytes=req.nbytes, doc=dumps_json(req.doc),
+                meta={**req.commit_meta(), **self.job_meta},
                 die_mid_transfer=self._test_kill_mid_transfer(step))
         except Exception as e:
             error = e
@@ -170,8 +180,20 @@ class PeerPath:
             self.reply(c, reply)
         self.peer.watch_durable(step, t_trigger)
 
+    def _refusal(self, manifest: Any) -> str | None:
+        """Why ``manifest`` (a dict) is not this job's checkpoint, None when it is
+        (:meth:`cfrun.contract.config.Identity.refusal`; no identity: no check)."""
+        if self.identity is None:
+            return None
+        meta = manifest.get("meta") if isinstance(manifest, dict) else None
+        return self.identity.refusal(meta)
+
     def install_newest(self) -> None:
-        """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours."""
+        """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours.
+
+        A checkpoint of another job (another job id in its manifest, none, or a command this
+        job never ran) is skipped with a warning and a ``fetch_failed`` event naming the
+        reason; the next older one is tried."""
         from cfrun.agent.peertier import manifest_files_to
 
         local = committed_steps(self.jobdir.checkpoints)
@@ -199,12 +221,16 @@ class PeerPath:
                 if source == "peer":
                     assert self.peer is not None
                     files, manifest = self.peer.fetch(step, staging)
+                    if (why := self._refusal(manifest)) is not None:
+                        raise ForeignCheckpoint(why)
                 else:
                     assert self.level2 is not None
                     store = self.level2
                     manifest = store.read_manifest(self.job, step)
                     if self.peer is not None:  # the peer's flush: sealed by this job's agents
                         self.peer.verify_manifest(manifest, step)
+                    if (why := self._refusal(manifest)) is not None:
+                        raise ForeignCheckpoint(why)
                     files = manifest_files_to(
                         staging, manifest,
                         lambda name, n: store.read_file(self.job, step, name))  # noqa: B023 (called here)
@@ -213,9 +239,10 @@ class PeerPath:
                        keep=self.keep)
             except Exception as e:
                 shutil.rmtree(staging, ignore_errors=True)
-                logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %r", step,
-                               source, e)
-                self.jobdir.emit_event("fetch_failed", step=step, source=source, error=repr(e))
+                error = str(e) if isinstance(e, ForeignCheckpoint) else repr(e)
+                logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %s", step,
+                               source, error)
+                self.jobdir.emit_event("fetch_failed", step=step, source=source, error=error)
                 continue
             nbytes = sum(f.nbytes for f in files)
             logger.warning("cfrun agent: installed checkpoint step %d from %s (%d bytes, newer "

@@ -27,6 +27,7 @@ from cfrun.contract import coordination, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
     RunConfig,
+    check_job_name,
     default_job_dir,
     parse_bytes,
     parse_inject_crash,
@@ -165,8 +166,20 @@ def run_cmd(
         help="Arguments for the script, passed through untouched.")] = None,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", envvar=E.JOB_DIR,
-        help="Job directory (checkpoints, events, config). Default: ./cfrun-jobs/<script name>."
+        help="Job directory (checkpoints, events, config). Default: "
+             "./cfrun-jobs/<script name>-<hash of the script's path>."
     )] = None,
+    job_name: Annotated[str | None, typer.Option(
+        "--job-name", envvar=E.JOB_NAME,
+        help="The job's name at a peer and at level 2 (letters, digits, '.', '_', '-'); give "
+             "the scheduler's job name where a changed command must find its checkpoints on "
+             "a fresh node. Default: the job dir's name and a hash of its path and the "
+             "command.")] = None,
+    accept_changed_command: Annotated[bool, typer.Option(
+        "--accept-changed-command",
+        help="Go on from the job dir's checkpoints although the script, its arguments or the "
+             "world size changed (recorded as a command_changed event). Without it a changed "
+             "command is refused (exit 2).")] = False,
     interval: Annotated[str | None, typer.Option(
         "--interval", envvar=E.INTERVAL,
         help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
@@ -230,8 +243,9 @@ def run_cmd(
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
-                        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-    _run(cfg)
+                        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                        job_name=job_name)
+    _run(cfg, accept_changed_command=accept_changed_command)
 
 
 def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,
@@ -240,8 +254,14 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   inject_crash: str, *, profile_only: bool, peer: str | None = None,
                   peer_token_file: str | None = None, peer_streams: str = "4",
                   persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
-                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> RunConfig:
+                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                  job_name: str | None = None) -> RunConfig:
     script_path = _resolve_script(script)
+    option = "--job-name"
+    if job_name is None and E.get_str(E.PEER_JOB):  # the older name of CFRUN_JOB_NAME
+        job_name, option = E.get_str(E.PEER_JOB), E.PEER_JOB
+    if job_name is not None:
+        check_job_name(job_name, option)
     cwd = Path.cwd()
     jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
     parse_inject_crash(inject_crash)  # validate now: the ranks parse it again
@@ -257,15 +277,6 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
             raise BadInputError("--peer needs --peer-token-file F, the file with the peer's "
                                 "shared secret")
         read_token(peer_token_file, option="--peer-token-file")
-        from cfrun.storage.tiers import check_job_name
-
-        job_name = E.get_str(E.PEER_JOB) or jd.name
-        try:
-            check_job_name(job_name)
-        except ValueError:
-            raise BadInputError(f"the job's name at the peer, {job_name!r}, may only hold "
-                                "letters, digits, '.', '_' and '-'; set CFRUN_PEER_JOB=NAME or "
-                                "rename the --job-dir") from None
         token_path = str(Path(peer_token_file).expanduser().absolute())
     if persist_to:
         from cfrun.storage.tiers import open_storage
@@ -297,6 +308,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         peer_token_file=token_path,
         peer_streams=parse_positive_int("--peer-streams", peer_streams, minimum=1),
         persist_to=persist_to or None,
+        job_name=job_name,
         env=_recorded_env(),
     )
     return cfg
@@ -320,8 +332,8 @@ def profile_cmd(
         help="Arguments for the script, passed through untouched.")] = None,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", envvar=E.JOB_DIR,
-        help="Job dir to profile into (default ./cfrun-jobs/<script name>); a later run with "
-             "the same script and arguments reuses the profile.")] = None,
+        help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>); a later "
+             "run with the same script and arguments reuses the profile.")] = None,
     overhead: Annotated[str, typer.Option(
         "--overhead", envvar=E.OVERHEAD, help="Overhead budget: 3.5%, 3.5 or 0.035.")] = "3.5%",
     nproc_per_node: Annotated[str, typer.Option(
@@ -392,6 +404,11 @@ def resume_cmd(
     node_rank: Annotated[str, typer.Option(
         "--node-rank", envvar=E.NODE_RANK,
         help="Which node's settings to resume in a multi-node job dir.")] = "0",
+    accept_changed_command: Annotated[bool, typer.Option(
+        "--accept-changed-command",
+        help="Go on although the recorded script was edited since (recorded as a "
+             "command_changed event); without it an edited script is refused (exit 2).")
+    ] = False,
 ) -> None:
     """Continue a stopped, failed or preempted job with its recorded command and settings.
 
@@ -415,7 +432,7 @@ def resume_cmd(
     cfg_path = JobDir(jd).config_path_of(node_suffix())
     if not jd.is_dir():
         raise BadInputError(f"job dir {job_dir!r} does not exist; give the --job-dir of an "
-                            "earlier run (default ./cfrun-jobs/<script name>)")
+                            "earlier run (default ./cfrun-jobs/<script name>-<hash>)")
     if not cfg_path.is_file():
         raise BadInputError(f"{job_dir!r} is not a cfrun job dir (no {cfg_path.name}); give "
                             "the --job-dir of an earlier run")
@@ -452,7 +469,7 @@ def resume_cmd(
         os.environ.setdefault(k, v)
     print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
           f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node)", file=sys.stderr, flush=True)
-    _run(cfg)
+    _run(cfg, accept_changed_command=accept_changed_command)
 
 
 def _fmt_s(value: float | None) -> str:
@@ -629,7 +646,7 @@ def peer_cmd(
     raise typer.Exit(code)
 
 
-def _run(cfg: RunConfig) -> None:
+def _run(cfg: RunConfig, *, accept_changed_command: bool = False) -> None:
     from cfrun.supervisor.core import Supervisor
 
     # the node's identity names its config, lock, agent socket and slots
@@ -638,7 +655,7 @@ def _run(cfg: RunConfig) -> None:
     os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
-    code = Supervisor(cfg).run()
+    code = Supervisor(cfg, accept_changed_command=accept_changed_command).run()
     raise typer.Exit(code)
 
 

@@ -87,7 +87,7 @@ def open_job_dir(path: str) -> JobDir:
     jd = JobDir(Path(path).expanduser())
     if not jd.root.is_dir():
         raise BadInputError(f"job dir {path!r} does not exist; give the --job-dir of a run "
-                            "(default ./cfrun-jobs/<script name>)")
+                            "(default ./cfrun-jobs/<script name>-<hash>)")
     if not jd.config_path.is_file():
         raise BadInputError(f"{path!r} is not a cfrun job dir (no config.json)")
     return jd
@@ -127,8 +127,48 @@ def _newest_readable(jd: JobDir) -> int | None:
     return None
 
 
+_LIVE_STATES = ("starting", "running", "restarting")
+"""States a supervisor leaves only by writing another: the last of a dead one's says nothing."""
+
+
+def supervisor_alive(pid: Any, start_s: Any) -> bool:
+    """True when process ``pid`` exists and started at ``start_s`` (psutil's ``create_time``,
+    seconds; 1 s of slack), so a reused pid does not count. Unknown values count as alive."""
+    import psutil
+
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return True
+    try:
+        proc = psutil.Process(pid)
+        if isinstance(start_s, (int, float)) and abs(proc.create_time() - start_s) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+
+
+def _liveness(jd: JobDir, config: dict[str, Any], last_state: str | None) -> tuple[bool, str]:
+    """``(is_running, state)``: running only while the job dir's lock is held *and* the
+    supervisor named in ``config.json`` (``supervisor_pid``, ``supervisor_start_s``) is alive.
+    A process that inherited the lock does not make a dead supervisor live. A job whose last
+    state is a live one but whose supervisor is gone is ``dead (supervisor pid N gone)``."""
+    pid = config.get("supervisor_pid")
+    alive = supervisor_alive(pid, config.get("supervisor_start_s"))
+    if jd.is_locked() and alive:
+        return True, "running"
+    if last_state in _LIVE_STATES or last_state is None and pid is not None:
+        return False, f"dead (supervisor pid {pid} gone)" if pid is not None else "dead"
+    return False, last_state or "unknown"
+
+
 def status(jd: JobDir) -> dict[str, Any]:
     """The job's state as a JSON-able dict (the ``cfrun status --json`` schema).
+
+    ``state`` is ``running`` only while the supervisor lives (:func:`_liveness`), else the
+    last state it wrote (``succeeded``, ``failed``, ``fatal``, ``preempted``) or ``dead
+    (supervisor pid N gone)`` when it died without one.
 
     Keys: job_dir, script, state, is_running, current_step, last_committed_step,
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
@@ -139,8 +179,7 @@ def status(jd: JobDir) -> dict[str, Any]:
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
     states = [e for e in events if e.get("event") == "state"]
-    running = jd.is_locked()
-    state = "running" if running else (states[-1]["state"] if states else "unknown")
+    running, state = _liveness(jd, config, states[-1]["state"] if states else None)
     beats = [b.step for b in map(co.Heartbeat.read, co.heartbeat_paths(jd.root))
              if b is not None]
     newest = _newest_readable(jd)

@@ -8,6 +8,8 @@ the fix, so the CLI can print it as one line.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +172,9 @@ class RunConfig:
     """``HOST:PORT`` of torchrun's c10d rendezvous; required with ``nnodes > 1``."""
     rdzv_id: str | None = None
     """Rendezvous id shared by the nodes (default: the job dir's name)."""
+    job_name: str | None = None
+    """The job's name at a peer and at level 2 (``--job-name``); None: the job dir's
+    ``identity.json`` names it (:func:`default_job_name` for a new job)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables recorded for ``cfrun resume`` (CFRUN_*, CUDA_*, OMP_*, PYTHON*)."""
 
@@ -216,5 +221,321 @@ class RunConfig:
 
 
 def default_job_dir(script: str, cwd: Path) -> Path:
-    """``./cfrun-jobs/<script stem>`` under ``cwd``: one job dir per script by default."""
-    return cwd / "cfrun-jobs" / Path(script).stem
+    """``./cfrun-jobs/<script stem>-<8 hex digits>`` under ``cwd``: one job dir per script.
+
+    The digits are the first of the SHA-256 of the script's absolute path (links resolved), so
+    two scripts with one file name in different directories, run from one directory, get two
+    job dirs, and the same script gets the same one every time (its bytes and arguments may
+    change: the supervisor's identity check says so, :func:`check_identity`)."""
+    path = (cwd / script).resolve()
+    digits = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    return cwd / "cfrun-jobs" / f"{path.stem}-{digits}"
+
+
+# ----------------------------------------------------------------- the job's identity
+
+IDENTITY_FORMAT = 1
+"""Version of ``identity.json``'s layout."""
+MAX_IDENTITY_BYTES = 1 << 20
+"""``identity.json`` is at most this large (1 MiB)."""
+_NAME_CHARS_RE = re.compile(r"[^A-Za-z0-9._-]+")
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+"""A job's name at a peer and at level 2 (one path component there; no '..' in it either)."""
+
+
+def file_sha256(path: Path | str) -> str:
+    """Hex SHA-256 of a file's bytes (the training script's), read in 1 MiB chunks.
+
+    Raises:
+        OSError: unreadable.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Command:
+    """What makes two runs the same job: the script (path and bytes), its arguments, the world
+    size (ranks per node times nodes). The supervisor compares it with the job dir's
+    ``identity.json`` before anything runs (:func:`check_identity`)."""
+
+    script: str
+    """Path of the training script, absolute."""
+    script_sha256: str
+    """Hex SHA-256 of the script's bytes."""
+    script_args: tuple[str, ...]
+    """Arguments passed to the script."""
+    world_size: int
+    """Ranks in the job (``nproc_per_node * nnodes``)."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Command:
+        """The command ``cfg`` runs; reads the script's bytes.
+
+        Raises:
+            BadInputError: the script cannot be read.
+        """
+        try:
+            sha = file_sha256(cfg.script)
+        except OSError as e:
+            raise BadInputError(f"script {cfg.script!r} cannot be read ({e.strerror}); give a "
+                                "readable training script") from None
+        return cls(cfg.script, sha, tuple(cfg.script_args), cfg.nproc_per_node * cfg.nnodes)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex SHA-256 of the script's hash, the arguments and the world size (not the script's
+        path: a moved script with the same bytes is the same command)."""
+        doc = json.dumps([self.script_sha256, list(self.script_args), self.world_size])
+        return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def default_job_name(job_dir: Path | str, command: Command) -> str:
+    """The job's name at a peer and at level 2 when ``--job-name`` is not given:
+    ``<job dir's name>-<12 hex digits>``, the digits from the job dir's absolute path and the
+    command's fingerprint. The same command with the same job dir path (a restarted pod, a
+    fresh node with an empty job dir) finds its checkpoints there again; another job dir or
+    another command is another job, even where the job dirs' names are alike."""
+    root = Path(job_dir).absolute()
+    digits = hashlib.sha256(f"{root}\0{command.fingerprint}".encode()).hexdigest()[:12]
+    stem = _NAME_CHARS_RE.sub("-", root.name).replace("..", "-").lstrip("._-")[:80] or "job"
+    return f"{stem}-{digits}"
+
+
+def job_id_of(job_name: str) -> str:
+    """The job id (32 hex digits, 128 bits) of the job named ``job_name``; written into every
+    checkpoint's manifest (``meta.job_id``). It follows from the name, so a fresh node with an
+    empty job dir knows it, and checkpoints of another job are told apart at a peer or at
+    level 2 even where a store's directories were mixed up."""
+    return hashlib.sha256(f"cfrun job id\0{job_name}".encode()).hexdigest()[:32]
+
+
+def check_job_name(name: str, option: str = "--job-name") -> str:
+    """Return ``name`` if it can name a job at a peer and at level 2.
+
+    Raises:
+        BadInputError: other characters than letters, digits, '.', '_', '-', or too long.
+    """
+    if not JOB_NAME_RE.match(name) or ".." in name:
+        raise BadInputError(f"{option} {name!r} may only hold letters, digits, '.', '_' and '-' "
+                            "(a letter or digit first, at most 100, no '..'); give e.g. "
+                            f"{option} digits-run-3")
+    return name
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A job dir's ``identity.json``: which job it holds.
+
+    Written once by the first supervisor that runs the job (shared by the nodes of a multi-node
+    job), rewritten only when a changed command is accepted (``--accept-changed-command``).
+    """
+
+    job_id: str
+    """32 hex digits (:func:`job_id_of`), in every checkpoint's manifest ``meta.job_id``."""
+    job_name: str
+    """The job's name at a peer and at level 2."""
+    command: Command
+    """The command the job runs now."""
+    fingerprints: tuple[str, ...]
+    """Every command fingerprint this job accepted, oldest first (the last is ``command``'s)."""
+    changes: tuple[dict[str, Any], ...] = ()
+    """Accepted changes: ``{t_unix_s, changed: [...], fingerprint}``, oldest first."""
+    created_unix_s: float = 0.0
+    previous_job_ids: tuple[str, ...] = ()
+    """Ids the job had before an accepted ``--job-name`` change: its checkpoints from then are
+    still its own."""
+
+    @classmethod
+    def new(cls, command: Command, job_name: str) -> Identity:
+        """The identity of a job that starts now."""
+        import time
+
+        return cls(job_id_of(job_name), job_name, command, (command.fingerprint,),
+                   created_unix_s=round(time.time(), 3))
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``identity.json`` document."""
+        return {"format": IDENTITY_FORMAT, "job_id": self.job_id, "job_name": self.job_name,
+                "script": self.command.script, "script_sha256": self.command.script_sha256,
+                "script_args": list(self.command.script_args),
+                "world_size": self.command.world_size, "fingerprint": self.command.fingerprint,
+                "fingerprints": list(self.fingerprints), "changes": list(self.changes),
+                "created_unix_s": self.created_unix_s,
+                "previous_job_ids": list(self.previous_job_ids)}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Identity:
+        """Parse an ``identity.json`` document.
+
+        Raises:
+            BadInputError: not an identity this cfrun wrote (names ``where`` and the fix).
+        """
+        try:
+            if not isinstance(d, dict) or d.get("format") != IDENTITY_FORMAT:
+                raise TypeError("not an identity document")
+            args = d["script_args"]
+            if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+                raise TypeError("script_args is not a list of strings")
+            command = Command(str(d["script"]), str(d["script_sha256"]), tuple(args),
+                              int(d["world_size"]))
+            prints = d["fingerprints"]
+            if not isinstance(prints, list) or not all(isinstance(p, str) for p in prints):
+                raise TypeError("fingerprints is not a list of strings")
+            changes = d.get("changes", [])
+            if not isinstance(changes, list):
+                raise TypeError("changes is not a list")
+            old_ids = d.get("previous_job_ids", [])
+            if not isinstance(old_ids, list) or not all(isinstance(i, str) for i in old_ids):
+                raise TypeError("previous_job_ids is not a list of strings")
+            return cls(str(d["job_id"]), str(d["job_name"]), command, tuple(prints),
+                       tuple(changes), float(d.get("created_unix_s", 0.0)), tuple(old_ids))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInputError(f"{where} is unreadable ({e}); restore it, or start the job "
+                                "again in a new --job-dir") from None
+
+    def meta(self) -> dict[str, str]:
+        """What every checkpoint's manifest ``meta`` carries of the job: ``job_id`` and
+        ``command`` (the fingerprint it was taken under)."""
+        return {"job_id": self.job_id, "command": self.command.fingerprint}
+
+    def owns(self, job_id: Any) -> bool:
+        """True when ``job_id`` (from a manifest's ``meta``) is this job's, now or before an
+        accepted rename."""
+        return job_id == self.job_id or job_id in self.previous_job_ids
+
+    def refusal(self, meta: Any) -> str | None:
+        """Why a checkpoint with manifest ``meta`` is not this job's (None: it is).
+
+        Another job id, none (an older cfrun or a foreign writer), or a command this job never
+        ran (another script, other arguments under the same ``--job-name``)."""
+        meta = meta if isinstance(meta, dict) else {}
+        job_id = meta.get("job_id")
+        if not self.owns(job_id):
+            return (f"checkpoint of another job (job id {job_id or 'none'}, this job "
+                    f"{self.job_id})")
+        command = meta.get("command")
+        if command not in self.fingerprints:
+            return (f"checkpoint of another command (fingerprint {str(command)[:12]}, this "
+                    f"job ran {', '.join(p[:12] for p in self.fingerprints)})")
+        return None
+
+
+def read_identity(path: Path) -> Identity | None:
+    """The job dir's identity at ``path`` (``identity.json``), None if there is none.
+
+    Raises:
+        BadInputError: it exists but is not a regular file or not an identity.
+    """
+    from cfrun.contract.fsio import read_regular
+
+    try:
+        raw = read_regular(path, max_bytes=MAX_IDENTITY_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{path} is unreadable ({e}); restore it, or start the job "
+                            "again in a new --job-dir") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise BadInputError(f"{path} is unreadable ({e}); restore it, or start the job again "
+                            "in a new --job-dir") from None
+    return Identity.from_json(doc, str(path))
+
+
+def describe_changes(old: Identity, new: Command, job_name: str | None) -> list[str]:
+    """What differs between the job's recorded command and ``new``, one phrase each:
+    ``script edited (sha256 ...)``, ``script /a/t.py -> /b/u.py``, ``argument --lr: 0.1 -> 0.2``,
+    ``world size 2 -> 4``, ``job name a -> b`` (``job_name``: given by ``--job-name``)."""
+    out: list[str] = []
+    was = old.command
+    if Path(was.script) != Path(new.script):
+        same = was.script_sha256 == new.script_sha256
+        out.append(f"script {was.script} -> {new.script}"
+                   f"{' (moved, the same bytes)' if same else ''}")
+    elif was.script_sha256 != new.script_sha256:
+        out.append(f"script edited (sha256 {was.script_sha256[:12]} -> "
+                   f"{new.script_sha256[:12]})")
+    if was.script_args != new.script_args:
+        out.append(_describe_args(list(was.script_args), list(new.script_args)))
+    if was.world_size != new.world_size:
+        out.append(f"world size {was.world_size} -> {new.world_size}")
+    if job_name is not None and job_name != old.job_name:
+        out.append(f"job name {old.job_name} -> {job_name}")
+    return out
+
+
+def _describe_args(old: list[str], new: list[str]) -> str:
+    """``argument --lr: 0.1 -> 0.2`` (the differing run, named by the option before it when
+    there is one), else ``arguments A -> B``."""
+    import shlex
+
+    head = 0
+    while head < min(len(old), len(new)) and old[head] == new[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(old), len(new)) - head and old[-1 - tail] == new[-1 - tail]:
+        tail += 1
+    a, b = old[head:len(old) - tail], new[head:len(new) - tail]
+    a_s, b_s = shlex.join(a) or "(none)", shlex.join(b) or "(none)"
+    if head and old[head - 1].startswith("-") and not any(x.startswith("-") for x in a + b):
+        return f"argument {old[head - 1]}: {a_s} -> {b_s}"
+    return f"arguments {a_s} -> {b_s}"
+
+
+def check_identity(path: Path, command: Command, *, job_name: str | None,
+                   accept_changed: bool) -> tuple[Identity, list[str], bool]:
+    """Decide whether ``command`` may run in the job dir whose identity is at ``path``.
+
+    Called by the supervisor before it creates, locks or writes anything in the job dir. Reads
+    only. Returns ``(identity, changes, write)``: the identity the job runs under, the changes
+    accepted (empty: none), and whether ``identity.json`` must be written (new or changed).
+
+    A new job dir gets a new identity (named ``job_name`` or :func:`default_job_name`); the
+    same command keeps the recorded identity; a changed one (script edited or moved, other
+    arguments, another world size, another ``--job-name``) is refused unless
+    ``accept_changed``, which keeps the job's id and name and adds the new fingerprint.
+
+    Raises:
+        BadInputError: the command changed and ``accept_changed`` is False (one line naming
+            what changed and the two ways on), or ``identity.json`` is unreadable.
+    """
+    old = read_identity(path)
+    if old is None:
+        name = job_name or default_job_name(path.parent, command)
+        return Identity.new(command, name), [], True
+    changes = describe_changes(old, command, job_name)
+    if not changes:
+        return old, [], False
+    if not accept_changed:
+        raise BadInputError(
+            f"job dir {str(path.parent)!r} holds a job run with another command: "
+            f"{'; '.join(changes)}. To start a new job give a new --job-dir; to go on from "
+            "its checkpoints with the change add --accept-changed-command before the script")
+    import time
+
+    prints = old.fingerprints + (() if command.fingerprint in old.fingerprints
+                                 else (command.fingerprint,))
+    record = {"t_unix_s": round(time.time(), 3), "changed": changes,
+              "fingerprint": command.fingerprint}
+    name = job_name or old.job_name
+    job_id = old.job_id if name == old.job_name else job_id_of(name)
+    old_ids = old.previous_job_ids + (() if job_id == old.job_id else (old.job_id,))
+    return Identity(job_id, name, command, prints, (*old.changes, record), old.created_unix_s,
+                    old_ids), changes, True
+
+
+def job_identity(job_dir: Path | str) -> Identity | None:
+    """The identity in ``job_dir``'s ``identity.json`` for the persist agent (which stamps
+    :meth:`Identity.meta` into every manifest and installs only this job's checkpoints); None
+    when there is none (``cfrun profile``) or it is unreadable (said by the supervisor)."""
+    from cfrun.contract.jobdir import JobDir
+
+    try:
+        return read_identity(JobDir(job_dir).identity_path)
+    except BadInputError:
+        return None

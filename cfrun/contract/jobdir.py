@@ -6,6 +6,7 @@ Layout::
       job.lock                  filelock held by the live supervisor (released by the OS on death)
       agent.json                the persist agent's pid, socket name, slot dir (contract.ipc)
       config.json               resolved RunConfig, cfrun version, format version
+      identity.json             job id, job name, command fingerprint (contract.config.Identity)
       events.jsonl              one JSON object per line (kinds: cfrun.contract.events.EVENTS)
       strategy.json             the policy's current interval (rank 0's tuner)
       profiles/<fingerprint>.json  the policy's cached profiles
@@ -48,6 +49,10 @@ CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
 """The policy's cached profiles (cfrun.rank.tuner)."""
 EVENTS = "events.jsonl"
+IDENTITY = "identity.json"
+"""The job's identity, shared by every node (:class:`cfrun.contract.config.Identity`)."""
+FOREIGN_PREFIX = "foreign-"
+"""A checkpoint of another job found in ``checkpoints/``, set aside by the supervisor."""
 STRATEGY = "strategy.json"
 """Rank 0's current interval decision (cfrun.rank.tuner), read by the other ranks and the CLI."""
 CONFIG_STEM, AGENT_STEM, LOCK_STEM = "config", "agent", "job"
@@ -141,6 +146,11 @@ class JobDir:
         """The config of the node whose :func:`~cfrun.contract.settings.node_suffix` is
         ``suffix`` (``cfrun resume --node-rank``)."""
         return self.root / f"{CONFIG_STEM}{suffix}.json"
+
+    @property
+    def identity_path(self) -> Path:
+        """``identity.json`` (:data:`IDENTITY`)."""
+        return self.root / IDENTITY
 
     @property
     def events_path(self) -> Path:

@@ -84,7 +84,10 @@ def _declare(name: str, type: str, default: str | None, meaning: str, *, set_by:
 # ----------------------------------------------------------------- options of `cfrun [run]`
 
 JOB_DIR = _declare("CFRUN_JOB_DIR", "path", None, "job directory: checkpoints, events, config",
-                   unset="./cfrun-jobs/<script name>")
+                   unset="./cfrun-jobs/<script name>-<hash>")
+JOB_NAME = _declare("CFRUN_JOB_NAME", "str", None,
+                    "the job's name at a peer and at level 2 (letters, digits, '.', '_', '-')",
+                    unset="job dir name and a hash of its path and the command")
 INTERVAL = _declare("CFRUN_INTERVAL", "int", None,
                     "checkpoint every K optimizer steps (turns the overhead policy off)",
                     unset="policy")
@@ -148,7 +151,8 @@ DEBUG = _declare("CFRUN_DEBUG", "flag", "0",
 PROGRESS_S = _declare("CFRUN_PROGRESS_S", "float", "30",
                       "seconds between the supervisor's progress lines on a terminal (0: none)")
 PEER_JOB = _declare("CFRUN_PEER_JOB", "str", None,
-                    "the job's name at the peer and at level 2", unset="job dir name")
+                    "older name of CFRUN_JOB_NAME (read when that is not set)",
+                    unset="CFRUN_JOB_NAME")
 S3_ENDPOINT_URL = _declare("CFRUN_S3_ENDPOINT_URL", "url", None,
                            "endpoint of s3:// level-2 stores (e.g. a MinIO server)",
                            unset="the AWS configuration")

@@ -44,10 +44,10 @@ from cfrun import __version__
 from cfrun.contract import coordination, ipc, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
-from cfrun.contract.config import RunConfig
-from cfrun.contract.errors import FatalJobError
-from cfrun.contract.jobdir import JobDir, atomic_write_json
-from cfrun.contract.manifest import FORMAT_VERSION
+from cfrun.contract.config import Command, Identity, RunConfig, check_identity
+from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
+from cfrun.contract.jobdir import FOREIGN_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
 from cfrun.supervisor.launcher import (
     die_with_parent,
     kill_job_processes,
@@ -89,6 +89,26 @@ def _become_subreaper() -> None:
         pass
 
 
+def _lock_held(path: Path) -> bool:
+    """True when a live process holds the job dir's lock at ``path``; probed with a shared
+    ``flock`` on a read-only descriptor, so the file is neither created nor truncated."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 class SignalReceived(Exception):
     """SIGTERM or SIGINT arrived; ``signum`` says which."""
 
@@ -101,12 +121,15 @@ class Supervisor:
     """Runs one job to completion. Construct, then :meth:`run` on the main thread.
 
     ``spawn_fn`` starts torchrun (tests pass fakes); ``backoff_s`` is the wait before the first
-    restart (doubled per restart, at most 30 s)."""
+    restart (doubled per restart, at most 30 s); ``accept_changed_command``
+    (``--accept-changed-command``) lets a job dir's job go on under a changed command."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
-                 backoff_s: float = 0.5) -> None:
+                 backoff_s: float = 0.5, accept_changed_command: bool = False) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
+        self.accept_changed_command = accept_changed_command
+        self.identity: Identity | None = None  # the job's (None: cfrun profile)
         self.state = SupervisorState.STARTING
         self.agent: subprocess.Popen[bytes] | None = None
         self.slot_dir: Path | None = None  # the job's private slot directory (contract.slots)
@@ -138,14 +161,31 @@ class Supervisor:
         """Run until success, preemption, or failure. Returns the exit code.
 
         Raises:
+            BadInputError: the job dir holds a job run with another command (nothing in the
+                job dir changed; exit 2).
             JobDirLockedError: another cfrun owns the job dir.
             JobFailedError: restarts ran out (exit 4).
             FatalJobError: a rank reported that resuming would be wrong, or a crash loop (exit 5).
         """
         jd = self.jobdir
         jd.check_usable()
+        identity: Identity | None = None
+        changes: list[str] = []
+        write = False
+        if not self.cfg.profile_only:  # reads only: a refused command changes nothing
+            try:
+                identity, changes, write = check_identity(
+                    jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
+                    accept_changed=self.accept_changed_command)
+            except BadInputError:
+                if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
+                    raise JobDirLockedError(
+                        f"job dir {str(jd.root)!r} is in use by another cfrun") from None
+                raise
         jd.create()
         jd.lock()
+        if identity is not None:
+            self._take_identity(identity, changes, write)
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
@@ -172,6 +212,47 @@ class Supervisor:
                     signal.signal(s, h)
                 jd.unlock()
                 self._stop_reaper()
+
+    def _take_identity(self, identity: Identity, changes: list[str], write: bool) -> None:
+        """With the lock held: record the job's identity (new, or a change accepted with
+        ``--accept-changed-command``: a ``command_changed`` event and a warning) and set aside
+        checkpoints of another job found in ``checkpoints/`` (never resumed from)."""
+        self.identity = identity
+        if write:
+            atomic_write_json(self.jobdir.identity_path, identity.to_json())
+        if changes:
+            logger.warning("cfrun: going on with a changed command (--accept-changed-command): "
+                           "%s", "; ".join(changes))
+            self.jobdir.emit_event("command_changed", changed=changes,
+                                   fingerprint=identity.command.fingerprint)
+        self._set_aside_foreign(identity)
+
+    def _set_aside_foreign(self, identity: Identity) -> None:
+        """Move committed checkpoints whose manifest names another job id aside
+        (``foreign-step-N-<ms>``), with a ``foreign_checkpoint`` event each. Checkpoints without
+        a job id (an older cfrun wrote them into this job dir) stay."""
+        checkpoints = self.jobdir.checkpoints
+        for step in committed_steps(checkpoints):
+            src = checkpoints / step_dir_name(step)
+            try:
+                job_id = read_manifest(src).meta.get("job_id")
+            except Exception:  # an unreadable one is the resume's to judge and set aside
+                continue
+            if job_id is None or identity.owns(job_id):
+                continue
+            dst = checkpoints / f"{FOREIGN_PREFIX}{src.name}-{int(time.time() * 1000)}"
+            try:
+                os.rename(src, dst)
+            except FileNotFoundError:  # another node's supervisor moved it
+                continue
+            except OSError as e:
+                raise FatalJobError(f"checkpoint {src} is another job's (job id {job_id}) and "
+                                    f"cannot be moved aside ({e.strerror}); remove it") from None
+            logger.warning("cfrun: %s is another job's checkpoint (job id %s, this job %s); "
+                           "moved aside to %s, never resumed from", src, job_id,
+                           identity.job_id, dst.name)
+            self.jobdir.emit_event("foreign_checkpoint", step=step, job_id=str(job_id),
+                                   path=str(dst))
 
     def _queue_forward(self, signum: int, frame: Any) -> None:
         """Handler of :func:`forwarded_signals`: forwarded by the attempt's loop (≤ 0.1 s)."""
@@ -242,7 +323,11 @@ class Supervisor:
         """The loop: monitor one attempt, decide, act, until an action stops the job."""
         jd = self.jobdir
         cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
-                    "format_version": FORMAT_VERSION}
+                    "format_version": FORMAT_VERSION, **self._liveness()}
+        if self.identity is not None:
+            cfg_json.update(job_id=self.identity.job_id, job_name=self.identity.job_name,
+                            command_fingerprint=self.identity.command.fingerprint,
+                            command_changes=list(self.identity.changes))
         atomic_write_json(jd.config_path, cfg_json)
         for stale in coordination.STALE_AT_START:
             (jd.root / stale).unlink(missing_ok=True)
@@ -258,6 +343,15 @@ class Supervisor:
             if code is not None:
                 return code
             attempt = action.attempt
+
+    @staticmethod
+    def _liveness() -> dict[str, Any]:
+        """``supervisor_pid`` and its start time (``supervisor_start_s``, psutil's
+        ``create_time``): ``cfrun status`` tells a live supervisor from a dead one by them."""
+        import psutil
+
+        return {"supervisor_pid": os.getpid(),
+                "supervisor_start_s": psutil.Process().create_time()}
 
     def _act(self, action: Action) -> int | None:
         """Carry out ``action``: its events, its report lines (warnings), the state; then
@@ -322,9 +416,8 @@ class Supervisor:
         if self.cfg.peer:
             argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
                      "--peer-streams", str(self.cfg.peer_streams)]
-            peer_job = E.get_str(E.PEER_JOB)
-            if peer_job:
-                argv += ["--peer-job", peer_job]
+        if self.identity is not None:
+            argv += ["--peer-job", self.identity.job_name]
         if self.cfg.persist_to:
             argv += ["--persist-to", self.cfg.persist_to]
         if self.cfg.nnodes > 1:

@@ -86,7 +86,7 @@ def test_script_args_pass_through_untouched_and_env_sets_options(tmp_path):
                     env={"CFRUN_INTERVAL": "3", "CFRUN_MAX_RESTARTS": "2"})
     assert run.returncode == 0, run.stderr
     assert f"ARGV {json.dumps(passthrough)}" in run.stdout.splitlines()
-    job = tmp_path / "cfrun-jobs" / "print_argv"  # the default job dir
+    [job] = (tmp_path / "cfrun-jobs").glob("print_argv-*")  # the default job dir
     config = json.loads((job / "config.json").read_text())
     assert config["interval"] == 3 and config["max_restarts"] == 2
     assert config["script_args"] == passthrough
@@ -124,8 +124,9 @@ def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
             first.kill()
     assert first.returncode == 0, err
     assert "done waiting" in out
-    # the lock died with its owner: a new run on the same job dir is accepted
-    again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "print_argv.py")], cwd=tmp_path)
+    # the lock died with its owner: a new run of the job on the same job dir is accepted
+    again = run_cfrun(["--job-dir", "j", str(SCRIPTS / "wait_for_file.py"), str(release),
+                       str(started)], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
 

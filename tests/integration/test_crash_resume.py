@@ -196,7 +196,8 @@ def test_a_changed_training_loader_is_refused(tmp_path):
     before = sorted(p.name for p in ckpts.iterdir())
     newest = max(int(n[5:]) for n in before if n.startswith("step-"))
     assert 16 < newest <= 31  # in epoch 1 (16 batches per epoch)
-    again = run_cfrun(["--interval", "6", "--job-dir", "j", script, "32", "b.pt"], cwd=tmp_path)
+    again = run_cfrun(["--interval", "6", "--job-dir", "j", "--accept-changed-command", script,
+                       "32", "b.pt"], cwd=tmp_path)  # accepted: the ranks' own check refuses
     assert again.returncode == 5, again.stderr[-3000:]
     [line] = [l for l in again.stderr.splitlines() if l.startswith("cfrun: error:")]
     assert "training DataLoader" in line and "batch_size 16 -> 32" in line, line

@@ -169,8 +169,8 @@ def test_a_changed_world_size_is_refused_and_the_checkpoints_kept(tmp_path):
     ckpts = tmp_path / "j" / "checkpoints"
     before = sorted(p.name for p in ckpts.iterdir())
     assert any(n.startswith("step-") for n in before)
-    one = run_cfrun(["--nproc-per-node", "1", "--interval", "10", "--job-dir", "j", DDP, "x.pt"],
-                    cwd=tmp_path)
+    one = run_cfrun(["--nproc-per-node", "1", "--interval", "10", "--job-dir", "j",
+                     "--accept-changed-command", DDP, "x.pt"], cwd=tmp_path)  # past exit 2
     assert one.returncode == 5, one.stderr[-3000:]
     [line] = [l for l in one.stderr.splitlines() if l.startswith("cfrun: error:")]
     assert "written by 2 ranks, this run has 1" in line

@@ -164,8 +164,8 @@ def test_checkpoints_are_protected_in_peer_ram_then_durable_in_the_flush_dir(tmp
     ref_run, ref_state = reference
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token)
-    run = run_cfrun(["--interval", str(K), "--job-dir", "j", "--peer", peer.address,
-                     "--peer-token-file", str(token), "--peer-streams", "3", *TINY,
+    run = run_cfrun(["--interval", str(K), "--job-dir", "j", "--job-name", "j", "--peer",
+                     peer.address, "--peer-token-file", str(token), "--peer-streams", "3", *TINY,
                      "--out", "got.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoints = run.events("checkpoint")
@@ -198,7 +198,8 @@ def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_
     ref, ref_state = ddp_reference(tmp_path_factory)  # shared with other modules
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "3"])
-    first = run_cfrun([*common, "--job-dir", "j", "--max-restarts", "0", "--inject-crash", "55",
+    first = run_cfrun([*common, "--job-dir", "j", "--job-name", "j", "--max-restarts", "0",
+                       "--inject-crash", "55",
                        "--peer", peer.address, "--peer-token-file", str(token), script,
                        "got.pt"], cwd=tmp_path)
     assert first.returncode == 4, first.stderr[-3000:]
@@ -222,8 +223,9 @@ def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_use
     ref_run, ref_state = reference
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "3"])
-    run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", "--peer",
-                     peer.address, "--peer-token-file", str(token), *TINY, "--out", "got.pt"],
+    run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", "--job-name", "j",
+                     "--peer", peer.address, "--peer-token-file", str(token), *TINY, "--out",
+                     "got.pt"],
                     cwd=tmp_path, env=faults.arm({}, **{"agent.kill_at_step": 20}))
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("agent_restart")) == 1
@@ -243,8 +245,8 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
     l2_url = f"file://{tmp_path / 'l2'}"
     slow = peers(tmp_path, l2_url, token, env=faults.arm({}, **{"peer.flush_delay_s": 60}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--peer",
-         slow.address, "--peer-token-file", str(token), SLOW, "240", "out.pt", "0.04"],
+        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--job-name", "j",
+         "--peer", slow.address, "--peer-token-file", str(token), SLOW, "240", "out.pt", "0.04"],
         cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
@@ -486,7 +488,7 @@ def test_flush_to_s3_then_resume_from_s3_with_the_peer_gone(tmp_path, peers, ref
     token = write_token(tmp_path / "token")
     url = "s3://ckpt/runs"
     peer = peers(tmp_path, url, token, env=s3_endpoint)
-    args = ["--interval", str(K), "--job-dir", "j", "--peer", peer.address,
+    args = ["--interval", str(K), "--job-dir", "j", "--job-name", "j", "--peer", peer.address,
             "--peer-token-file", str(token), "--persist-to", url]
     first = run_cfrun([*args, "--max-restarts", "0", "--inject-crash", "35", *TINY,
                        "--out", "got.pt"], cwd=tmp_path, env=s3_endpoint)
@@ -553,8 +555,9 @@ def test_run_with_peer_but_no_token_file_or_a_bad_job_name_is_refused(tmp_path):
     assert run.returncode == 2 and "--peer-token-file" in run.stderr
     token = write_token(tmp_path / "token")
     run = run_cfrun(["--peer", "127.0.0.1:7077", "--peer-token-file", str(token), "--job-dir",
-                     "my job", SLOW, "3", "out.pt", "0"], cwd=tmp_path, timeout=60)
-    assert run.returncode == 2 and "CFRUN_PEER_JOB" in run.stderr, run.stderr
+                     "my job", "--job-name", "my job", SLOW, "3", "out.pt", "0"], cwd=tmp_path,
+                    timeout=60)
+    assert run.returncode == 2 and "--job-name 'my job'" in run.stderr, run.stderr
     assert not (tmp_path / "cfrun-jobs").exists() and not (tmp_path / "my job").exists()
 
 

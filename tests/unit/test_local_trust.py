@@ -79,7 +79,7 @@ def test_resume_ignores_an_edited_pythonpath_and_prints_the_command(tmp_path, mo
     for k in ("OMP_NUM_THREADS", "PYTHONPATH", "LD_PRELOAD"):
         monkeypatch.delenv(k, raising=False)
     seen: dict = {}
-    monkeypatch.setattr(A, "_run", lambda c: seen.update(
+    monkeypatch.setattr(A, "_run", lambda c, **kw: seen.update(
         cfg=c, env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH",
                                                      "LD_PRELOAD")}))
     result = CliRunner().invoke(A.app, ["resume", str(jd.root)])

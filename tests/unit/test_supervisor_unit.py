@@ -53,6 +53,7 @@ def test_lock_of_a_sigkilled_holder_is_taken_by_the_next(tmp_path: Path) -> None
 
 
 def _cfg(tmp_path: Path, **kw) -> RunConfig:
+    (tmp_path / "train.py").touch()  # the supervisor hashes it (the job's identity)
     return RunConfig(script=str(tmp_path / "train.py"), script_args=[],
                      job_dir=str(tmp_path / "job"), cwd=str(tmp_path), **kw)
 

@@ -1,0 +1,301 @@
+"""Job identity (issue 13, item 4) and a dead supervisor in ``cfrun status`` (item 8), with real
+processes: a changed command is refused with one line and exit 2 and nothing in the job dir
+changes; ``--accept-changed-command`` goes on and records it; the default job dir and the job's
+name at a peer and at level 2 keep jobs apart; a checkpoint of another job id is never
+installed; ``status`` after a SIGKILL of cfrun says the supervisor is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import SCRIPTS, clean_env, run_cfrun
+from test_peer import Peer, wait_event, write_token
+
+from cfrun.codec.checkpoint import committed_steps
+from cfrun.contract.errors import EXIT_BAD_INPUT
+from cfrun.contract.jobdir import step_dir_name
+
+pytestmark = pytest.mark.timeout(300)
+
+TRAIN = """\
+import argparse
+import torch
+import torch.nn as nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--out", default="out.pt")
+a = p.parse_args()
+torch.manual_seed(0)
+model = nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+for it in range(a.steps):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+torch.save(model.state_dict(), a.out)
+print("FINAL done")
+"""
+
+
+def _script(directory: Path, name: str = "train.py") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(TRAIN)
+    return path
+
+
+def _listing(root: Path) -> list[tuple[str, int, int, int]]:
+    """Every path under ``root`` with its mode, size and modification time (ns)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out.append((str(p.relative_to(root)), st.st_mode, st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("cfrun: error:")]
+
+
+def _one_job_dir(cwd: Path) -> Path:
+    [job] = (cwd / "cfrun-jobs").iterdir()
+    return job
+
+
+def _events(job: Path, kind: str) -> list[dict]:
+    path = job / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+
+
+def _identity(job: Path) -> dict:
+    return json.loads((job / "identity.json").read_text())
+
+
+# ---------------------------------------------------------------------- a changed command
+
+
+def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(tmp_path):
+    script = _script(tmp_path)
+    first = run_cfrun(["--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = _one_job_dir(tmp_path)  # the default job dir
+    assert committed_steps(job / "checkpoints")
+    before = _listing(job)
+    again = run_cfrun(["--interval", "5", str(script), "--lr", "0.2"], cwd=tmp_path)
+    assert again.returncode == EXIT_BAD_INPUT == 2, again.stderr[-3000:]
+    [line] = _errors(again.stderr)
+    assert "argument --lr: 0.1 -> 0.2" in line, line
+    assert "new --job-dir" in line and "--accept-changed-command" in line, line
+    assert "FINAL" not in again.stdout
+    assert _listing(job) == before  # nothing created, written or touched
+    # the same command still resumes, as before
+    same = run_cfrun(["--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert _events(job, "resumed")
+
+
+def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(tmp_path):
+    script = _script(tmp_path)
+    first = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
+                      cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = tmp_path / "j"
+    newest = committed_steps(job / "checkpoints")[0]
+    script.write_text(TRAIN.replace("lr=a.lr", "lr=a.lr * 2"))
+    before = _listing(job)
+    edited = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
+                       cwd=tmp_path)
+    assert edited.returncode == 2, edited.stderr[-3000:]
+    [line] = _errors(edited.stderr)
+    assert "script edited" in line, line
+    assert _listing(job) == before
+    accepted = run_cfrun(["--interval", "5", "--job-dir", "j", "--accept-changed-command",
+                          str(script), "--steps", "12"], cwd=tmp_path)
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert [e["step"] for e in _events(job, "resumed")] == [newest]
+    [changed] = _events(job, "command_changed")
+    assert changed["changed"][0].startswith("script edited")
+    identity = _identity(job)
+    assert len(identity["fingerprints"]) == 2 and identity["fingerprint"] == changed["fingerprint"]
+    config = json.loads((job / "config.json").read_text())
+    assert config["command_changes"][0]["changed"] == changed["changed"]
+    assert config["job_id"] == identity["job_id"]
+    # the accepted command is now the job's: it resumes without the flag
+    after = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
+                      cwd=tmp_path)
+    assert after.returncode == 0, after.stderr[-3000:]
+    assert len(_events(job, "command_changed")) == 1
+
+
+def test_two_scripts_with_one_file_name_get_two_default_job_dirs(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        shutil.copy(SCRIPTS / "print_argv.py", tmp_path / d / "train.py")
+    for d in ("a", "b", "a"):  # the same script again: the same job dir
+        run = run_cfrun([f"{d}/train.py", "x"], cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+    jobs = sorted((tmp_path / "cfrun-jobs").iterdir())
+    assert len(jobs) == 2 and all(j.name.startswith("train-") for j in jobs)
+    scripts = {json.loads((j / "config.json").read_text())["script"] for j in jobs}
+    assert scripts == {str(tmp_path / "a" / "train.py"), str(tmp_path / "b" / "train.py")}
+    assert sum(len(_events(j, "attempt_start")) for j in jobs) == 3
+
+
+# ---------------------------------------------------------------------- peer and level 2
+
+
+@pytest.fixture
+def peer(tmp_path):
+    token = write_token(tmp_path / "token")
+    p = Peer(tmp_path, str(tmp_path / "l2"), token)
+    yield p, token
+    p.kill()
+
+
+def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
+    """Job A in x/j and job B in y/j (another learning rate) on one peer: two names, two
+    level-2 prefixes, B never installs A's checkpoint; B on a fresh node (its job dir gone)
+    finds its own."""
+    p, token = peer
+    script = _script(tmp_path)
+    common = ["--interval", "5", "--peer", p.address, "--peer-token-file", str(token)]
+    a = run_cfrun([*common, "--job-dir", "x/j", str(script), "--lr", "0.1"], cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-3000:]
+    b_argv = [*common, "--job-dir", "y/j", str(script), "--lr", "0.2"]
+    b = run_cfrun(b_argv, cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    ida, idb = _identity(tmp_path / "x" / "j"), _identity(tmp_path / "y" / "j")
+    assert ida["job_name"] != idb["job_name"] and ida["job_id"] != idb["job_id"]
+    assert ida["job_name"].startswith("j-") and idb["job_name"].startswith("j-")
+    assert not _events(tmp_path / "y" / "j", "fetched")  # B did not take A's checkpoint
+    assert not _events(tmp_path / "y" / "j", "resumed")
+    for ident in (ida, idb):
+        wait_event(tmp_path / ("x" if ident is ida else "y") / "j", "durable")
+        steps = committed_steps(tmp_path / "l2" / ident["job_name"])
+        assert steps
+        for step in steps:
+            manifest = json.loads((tmp_path / "l2" / ident["job_name"] / step_dir_name(step)
+                                   / "manifest.json").read_text())
+            assert manifest["meta"]["job_id"] == ident["job_id"]
+    # B's node is lost with its job dir: the same command finds B's checkpoint, not A's
+    shutil.rmtree(tmp_path / "y")
+    again = run_cfrun(b_argv, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _identity(tmp_path / "y" / "j")["job_id"] == idb["job_id"]
+    [fetched] = _events(tmp_path / "y" / "j", "fetched")
+    assert [e["step"] for e in _events(tmp_path / "y" / "j", "resumed")] == [fetched["step"]]
+
+
+def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
+    """Job a's flushed checkpoints copied under job b's name at level 2 (a mixed-up store):
+    b's agent refuses each with a fetch_failed event naming the job ids, and b trains from
+    scratch."""
+    p, token = peer
+    script = _script(tmp_path)
+    a = run_cfrun(["--interval", "5", "--job-dir", "ja", "--job-name", "a", "--peer",
+                   p.address, "--peer-token-file", str(token), str(script)], cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-3000:]
+    wait_event(tmp_path / "ja", "durable")
+    p.stop()  # flushed what it held
+    steps = committed_steps(tmp_path / "l2" / "a")
+    assert steps
+    shutil.copytree(tmp_path / "l2" / "a", tmp_path / "l2" / "b")
+    b = run_cfrun(["--interval", "5", "--job-dir", "jb", "--job-name", "b", "--persist-to",
+                   str(tmp_path / "l2"), str(script)], cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    failed = _events(tmp_path / "jb", "fetch_failed")
+    assert [e["step"] for e in failed] == steps  # each refused, newest first
+    ida = _identity(tmp_path / "ja")["job_id"]
+    assert all(f"another job (job id {ida}" in e["error"] for e in failed), failed
+    assert all(e["source"] == "level2" for e in failed)
+    assert not _events(tmp_path / "jb", "fetched") and not _events(tmp_path / "jb", "resumed")
+
+
+def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp_path):
+    """Job a's newer checkpoint copied into job b's job dir: b moves it aside
+    (``foreign-step-*``, a foreign_checkpoint event) and resumes from its own."""
+    script = _script(tmp_path)
+    a = run_cfrun(["--interval", "5", "--job-dir", "ja", "--job-name", "a", str(script),
+                   "--steps", "12"], cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-3000:]
+    b_argv = ["--interval", "5", "--job-dir", "jb", "--job-name", "b", str(script), "--steps",
+              "7"]
+    b = run_cfrun(b_argv, cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    theirs = committed_steps(tmp_path / "ja" / "checkpoints")[0]
+    ours = committed_steps(tmp_path / "jb" / "checkpoints")[0]
+    assert theirs > ours
+    shutil.copytree(tmp_path / "ja" / "checkpoints" / step_dir_name(theirs),
+                    tmp_path / "jb" / "checkpoints" / step_dir_name(theirs))
+    again = run_cfrun(b_argv, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    [foreign] = _events(tmp_path / "jb", "foreign_checkpoint")
+    assert foreign["step"] == theirs and foreign["job_id"] == _identity(tmp_path / "ja")["job_id"]
+    assert Path(foreign["path"]).name.startswith(f"foreign-{step_dir_name(theirs)}-")
+    assert Path(foreign["path"]).is_dir()
+    assert [e["step"] for e in _events(tmp_path / "jb", "resumed")] == [ours]
+
+
+# ---------------------------------------------------------------------- status
+
+
+def test_status_after_a_sigkill_of_cfrun_says_the_supervisor_is_gone(tmp_path):
+    argv = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",
+            str(SCRIPTS / "slow_steps.py"), "100000", "out.pt", "0.05"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    job = tmp_path / "j"
+    try:
+        wait_event(job, "checkpoint", timeout_s=120, proc=proc)
+        live = run_cfrun(["status", "--json", "j"], cwd=tmp_path)
+        assert live.returncode == 0, live.stderr
+        assert json.loads(live.stdout)["state"] == "running"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        dead = run_cfrun(["status", "--json", "j"], cwd=tmp_path)
+        assert dead.returncode == 0, dead.stderr
+        st = json.loads(dead.stdout)
+        assert st["is_running"] is False
+        assert st["state"] == f"dead (supervisor pid {proc.pid} gone)", st["state"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_leftovers(tmp_path)
+
+
+def _kill_leftovers(cwd: Path) -> None:
+    """Processes of this test's job still running after cfrun's SIGKILL (none expected: the
+    launcher's parent-death signal and reaper end them) are killed, so none outlives the test."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = []
+        for proc in psutil.process_iter(["cwd"]):
+            try:
+                if proc.info["cwd"] == str(cwd) and proc.pid != os.getpid():
+                    left.append(proc)
+            except psutil.Error:
+                continue
+        if not left:
+            return
+        time.sleep(0.2)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass

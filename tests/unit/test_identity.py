@@ -1,0 +1,105 @@
+"""Unit tests for the job's identity (cfrun.contract.config): the command's fingerprint, the
+default job dir and job name, and check_identity's decisions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cfrun.contract.config import (
+    Command,
+    Identity,
+    RunConfig,
+    check_identity,
+    check_job_name,
+    default_job_dir,
+    default_job_name,
+    job_id_of,
+)
+from cfrun.contract.errors import BadInputError
+from cfrun.storage.tiers import check_job_name as storage_job_name
+
+
+def _command(tmp_path: Path, args: list[str], *, text: str = "print(1)\n", nproc: int = 1,
+             name: str = "train.py") -> Command:
+    script = tmp_path / name
+    script.write_text(text)
+    return Command.of(RunConfig(script=str(script), script_args=args,
+                                job_dir=str(tmp_path / "j"), cwd=str(tmp_path),
+                                nproc_per_node=nproc))
+
+
+def test_default_job_dir_differs_for_one_file_name_in_two_directories(tmp_path: Path) -> None:
+    a = default_job_dir("a/train.py", tmp_path)
+    b = default_job_dir("b/train.py", tmp_path)
+    assert a != b and a.parent == b.parent == tmp_path / "cfrun-jobs"
+    assert a.name.startswith("train-") and b.name.startswith("train-")
+    assert default_job_dir(str(tmp_path / "a" / "train.py"), tmp_path) == a  # stable
+
+
+@pytest.mark.parametrize("job_dir", ["j", "my job", "..x", "-lead", "ünï", "a" * 300])
+def test_default_job_name_is_a_valid_storage_name(tmp_path: Path, job_dir: str) -> None:
+    name = default_job_name(tmp_path / job_dir, _command(tmp_path, []))
+    assert storage_job_name(name) == name and check_job_name(name) == name
+
+
+def test_default_job_name_keeps_apart_job_dirs_with_one_name_and_changed_commands(
+        tmp_path: Path) -> None:
+    cmd = _command(tmp_path, ["--lr", "0.1"])
+    x, y = default_job_name(tmp_path / "x" / "j", cmd), default_job_name(tmp_path / "y" / "j", cmd)
+    assert x != y and x.startswith("j-") and y.startswith("j-")
+    assert default_job_name(tmp_path / "x" / "j", cmd) == x  # a fresh node: the same
+    other = _command(tmp_path, ["--lr", "0.2"])
+    assert default_job_name(tmp_path / "x" / "j", other) != x
+
+
+def test_check_identity_new_same_changed_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "j" / "identity.json"
+    path.parent.mkdir()
+    cmd = _command(tmp_path, ["--lr", "0.1", "--out", "o.pt"])
+    ident, changes, write = check_identity(path, cmd, job_name=None, accept_changed=False)
+    assert write and not changes and ident.job_id == job_id_of(ident.job_name)
+    path.write_text(json.dumps(ident.to_json()))
+    assert check_identity(path, cmd, job_name=None, accept_changed=False) == (ident, [], False)
+    lr = _command(tmp_path, ["--lr", "0.2", "--out", "o.pt"])
+    with pytest.raises(BadInputError, match=r"argument --lr: 0\.1 -> 0\.2\. To start a new job"):
+        check_identity(path, lr, job_name=None, accept_changed=False)
+    edited = _command(tmp_path, ["--lr", "0.1", "--out", "o.pt"], text="print(2)\n")
+    with pytest.raises(BadInputError, match=r"script edited \(sha256"):
+        check_identity(path, edited, job_name=None, accept_changed=False)
+    wider = _command(tmp_path, ["--lr", "0.1", "--out", "o.pt"], nproc=2)
+    with pytest.raises(BadInputError, match="world size 1 -> 2"):
+        check_identity(path, wider, job_name=None, accept_changed=False)
+    with pytest.raises(BadInputError, match="job name .* -> other"):
+        check_identity(path, cmd, job_name="other", accept_changed=False)
+    new, changes, write = check_identity(path, lr, job_name=None, accept_changed=True)
+    assert write and changes == ["argument --lr: 0.1 -> 0.2"]
+    assert (new.job_id, new.job_name) == (ident.job_id, ident.job_name)
+    assert new.fingerprints == (cmd.fingerprint, lr.fingerprint)
+    assert new.refusal({"job_id": ident.job_id, "command": cmd.fingerprint}) is None
+    assert "another job" in str(new.refusal({"job_id": "0" * 32, "command": cmd.fingerprint}))
+    assert "another command" in str(new.refusal({"job_id": ident.job_id, "command": "f" * 64}))
+    assert "another job (job id none" in str(new.refusal({}))
+    assert Identity.from_json(new.to_json(), "x") == new
+
+
+def test_an_accepted_rename_keeps_the_old_checkpoints_the_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "identity.json"
+    cmd = _command(tmp_path, [])
+    ident, _, _ = check_identity(path, cmd, job_name="a", accept_changed=False)
+    path.write_text(json.dumps(ident.to_json()))
+    renamed, changes, _ = check_identity(path, cmd, job_name="b", accept_changed=True)
+    assert changes == ["job name a -> b"] and renamed.job_id == job_id_of("b")
+    assert renamed.owns(ident.job_id) and renamed.owns(renamed.job_id)
+
+
+def test_an_unreadable_identity_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "identity.json"
+    path.write_text("{not json")
+    with pytest.raises(BadInputError, match="identity.json is unreadable"):
+        check_identity(path, _command(tmp_path, []), job_name=None, accept_changed=False)
+    path.write_text(json.dumps({"format": 1, "job_id": "x"}))
+    with pytest.raises(BadInputError, match="new --job-dir"):
+        check_identity(path, _command(tmp_path, []), job_name=None, accept_changed=False)
