@@ -360,9 +360,13 @@ class Monitor:
         interrupted too).
         """
         deadline_unix_s = time.time() + max(0.0, deadline_s - time.monotonic())
-        co.write(co.stop_request_path(self.jobdir.root),
-                 co.StopRequest(deadline_unix_s=deadline_unix_s,
-                                signal=signal.Signals(signum).name))
+        try:
+            co.write(co.stop_request_path(self.jobdir.root),
+                     co.StopRequest(deadline_unix_s=deadline_unix_s,
+                                    signal=signal.Signals(signum).name))
+        except OSError as e:  # a full disk: the ranks cannot hear it; they stop at the deadline
+            logger.warning("cfrun: cannot write the stop request (%s); the ranks will be "
+                           "stopped at the deadline without a final checkpoint", e)
         proc = self.proc
         if proc is not None:
             while time.monotonic() < deadline_s and not self.second_signal():
