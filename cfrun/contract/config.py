@@ -293,14 +293,15 @@ class Command:
         return hashlib.sha256(doc.encode()).hexdigest()
 
 
-def default_job_name(job_dir: Path | str, command: Command) -> str:
+def default_job_name(job_dir: Path | str) -> str:
     """The job's name at a peer and at level 2 when ``--job-name`` is not given:
-    ``<job dir's name>-<12 hex digits>``, the digits from the job dir's absolute path and the
-    command's fingerprint. The same command with the same job dir path (a restarted pod, a
-    fresh node with an empty job dir) finds its checkpoints there again; another job dir or
-    another command is another job, even where the job dirs' names are alike."""
+    ``<job dir's name>-<12 hex digits of the job dir's absolute path>``. The same job dir path
+    (a restarted pod, a fresh node with an empty job dir) finds its checkpoints there again;
+    another job dir is another job, even where the job dirs' names are alike. The name does not
+    depend on the command (the nodes of a job may run different arguments); a checkpoint of
+    another command is refused at install by its fingerprint (:meth:`Identity.refusal`)."""
     root = Path(job_dir).absolute()
-    digits = hashlib.sha256(f"{root}\0{command.fingerprint}".encode()).hexdigest()[:12]
+    digits = hashlib.sha256(str(root).encode()).hexdigest()[:12]
     stem = _NAME_CHARS_RE.sub("-", root.name).replace("..", "-").lstrip("._-")[:80] or "job"
     return f"{stem}-{digits}"
 
@@ -345,17 +346,20 @@ class Identity:
     changes: tuple[dict[str, Any], ...] = ()
     """Accepted changes: ``{t_unix_s, changed: [...], fingerprint}``, oldest first."""
     created_unix_s: float = 0.0
+    nnodes: int = 1
+    """Nodes in the job: with several, each node's arguments may differ, so only the job id of
+    a checkpoint is checked, not the command it was taken under."""
     previous_job_ids: tuple[str, ...] = ()
     """Ids the job had before an accepted ``--job-name`` change: its checkpoints from then are
     still its own."""
 
     @classmethod
-    def new(cls, command: Command, job_name: str) -> Identity:
+    def new(cls, command: Command, job_name: str, nnodes: int = 1) -> Identity:
         """The identity of a job that starts now."""
         import time
 
         return cls(job_id_of(job_name), job_name, command, (command.fingerprint,),
-                   created_unix_s=round(time.time(), 3))
+                   created_unix_s=round(time.time(), 3), nnodes=nnodes)
 
     def to_json(self) -> dict[str, Any]:
         """The ``identity.json`` document."""
@@ -364,7 +368,7 @@ class Identity:
                 "script_args": list(self.command.script_args),
                 "world_size": self.command.world_size, "fingerprint": self.command.fingerprint,
                 "fingerprints": list(self.fingerprints), "changes": list(self.changes),
-                "created_unix_s": self.created_unix_s,
+                "created_unix_s": self.created_unix_s, "nnodes": self.nnodes,
                 "previous_job_ids": list(self.previous_job_ids)}
 
     @classmethod
@@ -392,7 +396,8 @@ class Identity:
             if not isinstance(old_ids, list) or not all(isinstance(i, str) for i in old_ids):
                 raise TypeError("previous_job_ids is not a list of strings")
             return cls(str(d["job_id"]), str(d["job_name"]), command, tuple(prints),
-                       tuple(changes), float(d.get("created_unix_s", 0.0)), tuple(old_ids))
+                       tuple(changes), float(d.get("created_unix_s", 0.0)),
+                       int(d.get("nnodes", 1)), tuple(old_ids))
         except (KeyError, TypeError, ValueError) as e:
             raise BadInputError(f"{where} is unreadable ({e}); restore it, or start the job "
                                 "again in a new --job-dir") from None
@@ -418,7 +423,7 @@ class Identity:
             return (f"checkpoint of another job (job id {job_id or 'none'}, this job "
                     f"{self.job_id})")
         command = meta.get("command")
-        if command not in self.fingerprints:
+        if self.nnodes == 1 and command not in self.fingerprints:
             return (f"checkpoint of another command (fingerprint {str(command)[:12]}, this "
                     f"job ran {', '.join(p[:12] for p in self.fingerprints)})")
         return None
@@ -488,7 +493,7 @@ def _describe_args(old: list[str], new: list[str]) -> str:
 
 
 def check_identity(path: Path, command: Command, *, job_name: str | None,
-                   accept_changed: bool) -> tuple[Identity, list[str], bool]:
+                   accept_changed: bool, nnodes: int = 1) -> tuple[Identity, list[str], bool]:
     """Decide whether ``command`` may run in the job dir whose identity is at ``path``.
 
     Called by the supervisor before it creates, locks or writes anything in the job dir. Reads
@@ -506,8 +511,8 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     """
     old = read_identity(path)
     if old is None:
-        name = job_name or default_job_name(path.parent, command)
-        return Identity.new(command, name), [], True
+        name = job_name or default_job_name(path.parent)
+        return Identity.new(command, name, nnodes), [], True
     changes = describe_changes(old, command, job_name)
     if not changes:
         return old, [], False
@@ -526,7 +531,7 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     job_id = old.job_id if name == old.job_name else job_id_of(name)
     old_ids = old.previous_job_ids + (() if job_id == old.job_id else (old.job_id,))
     return Identity(job_id, name, command, prints, (*old.changes, record), old.created_unix_s,
-                    old_ids), changes, True
+                    nnodes, old_ids), changes, True
 
 
 def job_identity(job_dir: Path | str) -> Identity | None:

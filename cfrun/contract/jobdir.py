@@ -6,7 +6,8 @@ Layout::
       job.lock                  filelock held by the live supervisor (released by the OS on death)
       agent.json                the persist agent's pid, socket name, slot dir (contract.ipc)
       config.json               resolved RunConfig, cfrun version, format version
-      identity.json             job id, job name, command fingerprint (contract.config.Identity)
+      identity.json             job id, job name, command fingerprint (contract.config.Identity),
+                                one per node (identity-node1.json ...)
       events.jsonl              one JSON object per line (kinds: cfrun.contract.events.EVENTS)
       strategy.json             the policy's current interval (rank 0's tuner)
       profiles/<fingerprint>.json  the policy's cached profiles
@@ -149,8 +150,11 @@ class JobDir:
 
     @property
     def identity_path(self) -> Path:
-        """``identity.json`` (:data:`IDENTITY`)."""
-        return self.root / IDENTITY
+        """``identity.json`` (:data:`IDENTITY`); one per node, as the config
+        (``identity-node1.json``): the nodes of a job may run different arguments."""
+        from cfrun.contract.settings import node_suffix
+
+        return self.root / f"{Path(IDENTITY).stem}{node_suffix()}.json"
 
     @property
     def events_path(self) -> Path:

@@ -176,7 +176,7 @@ class Supervisor:
             try:
                 identity, changes, write = check_identity(
                     jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
-                    accept_changed=self.accept_changed_command)
+                    accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes)
             except BadInputError:
                 if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
                     raise JobDirLockedError(

@@ -41,18 +41,24 @@ def test_default_job_dir_differs_for_one_file_name_in_two_directories(tmp_path: 
 
 @pytest.mark.parametrize("job_dir", ["j", "my job", "..x", "-lead", "ünï", "a" * 300])
 def test_default_job_name_is_a_valid_storage_name(tmp_path: Path, job_dir: str) -> None:
-    name = default_job_name(tmp_path / job_dir, _command(tmp_path, []))
+    name = default_job_name(tmp_path / job_dir)
     assert storage_job_name(name) == name and check_job_name(name) == name
 
 
-def test_default_job_name_keeps_apart_job_dirs_with_one_name_and_changed_commands(
-        tmp_path: Path) -> None:
-    cmd = _command(tmp_path, ["--lr", "0.1"])
-    x, y = default_job_name(tmp_path / "x" / "j", cmd), default_job_name(tmp_path / "y" / "j", cmd)
+def test_default_job_name_keeps_apart_job_dirs_with_one_name(tmp_path: Path) -> None:
+    x, y = default_job_name(tmp_path / "x" / "j"), default_job_name(tmp_path / "y" / "j")
     assert x != y and x.startswith("j-") and y.startswith("j-")
-    assert default_job_name(tmp_path / "x" / "j", cmd) == x  # a fresh node: the same
-    other = _command(tmp_path, ["--lr", "0.2"])
-    assert default_job_name(tmp_path / "x" / "j", other) != x
+    assert default_job_name(tmp_path / "x" / "j") == x  # a fresh node, the same path: the same
+
+
+def test_several_nodes_check_only_the_job_id(tmp_path: Path) -> None:
+    """The nodes of a job may run other arguments (an output file per node): any node's
+    fingerprint in a manifest is the job's."""
+    cmd = _command(tmp_path, ["got0.pt"])
+    ident, _, _ = check_identity(tmp_path / "identity.json", cmd, job_name="m",
+                                 accept_changed=False, nnodes=2)
+    assert ident.refusal({"job_id": ident.job_id, "command": "node 1's"}) is None
+    assert ident.refusal({"job_id": job_id_of("other"), "command": cmd.fingerprint})
 
 
 def test_check_identity_new_same_changed_accepted(tmp_path: Path) -> None:
