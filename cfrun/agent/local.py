@@ -32,11 +32,10 @@ from cfrun.contract import faults, slots
 from cfrun.contract.checkpoints import (
     FileEntry,
     committed_steps,
-    read_manifest,
+    good_steps,
     shard_names,
     staging_dir,
 )
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import open_new, write_atomic
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.contract.manifest import dumps_json
@@ -134,21 +133,15 @@ class SpaceGuard:
         return None
 
     def _prune(self, step: int, need: int, free: int) -> int:
-        """Delete committed checkpoints older than the newest one whose manifest reads (never
-        that one), oldest first, until ``need`` bytes are free; returns the bytes free then."""
+        """Delete committed checkpoints older than the newest good one
+        (:func:`cfrun.contract.checkpoints.good_steps`; never that one), oldest first, until
+        ``need`` bytes are free; returns the bytes free then."""
         checkpoints = self.jobdir.checkpoints
         steps = committed_steps(checkpoints)  # newest first
-        newest_good = None
-        for i, s in enumerate(steps):
-            try:
-                read_manifest(checkpoints / step_dir_name(s))
-            except (CheckpointCorruptError, IncompatibleFormatError, OSError):
-                continue
-            newest_good = i
-            break
-        if newest_good is None:
+        good = good_steps(checkpoints)
+        if not good:
             return free
-        for old in reversed(steps[newest_good + 1:]):
+        for old in reversed([s for s in steps if s < good[0]]):
             path = checkpoints / step_dir_name(old)
             nbytes = tree_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
