@@ -3,12 +3,13 @@ runs between tests and xdist workers, compare saved states bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,25 @@ def final_line(stdout: str) -> str:
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A fresh tmpfs of ``size`` (``"4m"``) at ``tmp_path/mnt``, mode 0700, unmounted at the
+    end. Skips the test, printing why, where mounting is not permitted (CI runs as root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                        str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        reason = f"cannot mount a tmpfs (needs root): {(p.stderr or p.stdout).strip()}"
+        print(reason)
+        pytest.skip(reason)
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 # ---------------------------------------------------------------------- shared reference runs

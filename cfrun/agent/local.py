@@ -36,7 +36,7 @@ from cfrun.contract.checkpoints import (
     shard_names,
     staging_dir,
 )
-from cfrun.contract.fsio import open_new, write_atomic
+from cfrun.contract.fsio import open_new, tree_bytes, write_atomic
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.contract.manifest import dumps_json
 from cfrun.contract.messages import PersistRequest
@@ -58,19 +58,6 @@ def free_bytes(path: Path) -> int:
     ``f_bavail * f_frsize``: what ``df`` shows as available)."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links not followed; vanished ones skipped)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue
-            total += st.st_size
-    return total
 
 
 class SpaceGuard:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
-from cfrun.contract.fsio import UnsafeFileError, read_regular
+from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
 from cfrun.contract.jobdir import JobDir, step_dir_name
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -100,20 +99,6 @@ def _stats(values: list[float]) -> dict[str, float | int | None]:
     return {"count": len(values), "median": round(statistics.median(ordered), 6),
             "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 6),
             "max": round(ordered[-1], 6)}
-
-
-def _dir_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links not followed)."""
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
 
 
 def _newest_readable(jd: JobDir) -> int | None:
@@ -216,7 +201,7 @@ def status(jd: JobDir) -> dict[str, Any]:
                      for e in events if e.get("event") == "failure"],
         "preempted": [{"step": e.get("step"), "final_checkpoint": e.get("final_checkpoint")}
                       for e in events if e.get("event") == "preempted"],
-        "disk_bytes": _dir_bytes(jd.checkpoints),
+        "disk_bytes": tree_bytes(jd.checkpoints),
     }
 
 

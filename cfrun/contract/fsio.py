@@ -222,3 +222,19 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return f"mode {oct(mode)}"
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (links not followed, files that vanish while
+    walking skipped); 0 for a missing ``path``. Used for disk accounting: ``cfrun status`` and
+    the agent's pruning for free space."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total

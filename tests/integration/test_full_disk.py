@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
+from conftest import (
+    SCRIPTS,
+    assert_bit_identical,
+    clean_env,
+    final_line,
+    mounted_tmpfs,
+    run_cfrun,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -45,19 +52,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def tmpfs(tmp_path: Path):
     """A fresh 50 MiB tmpfs, unmounted at the end (skips when mounting is not permitted)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs",
-                        str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        reason = f"cannot mount a tmpfs (needs root): {(p.stderr or p.stdout).strip()}"
-        print(reason)
-        pytest.skip(reason)
-    try:
+    with mounted_tmpfs(tmp_path, TMPFS_SIZE) as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _events(job: Path, kind: str | None = None) -> list[dict]:

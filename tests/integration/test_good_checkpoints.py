@@ -74,12 +74,21 @@ def _plant_foreign(ckpts: Path, step: int, source: Path | None = None) -> Path:
     return dst
 
 
-def _crash_job(cwd: Path, crash_at: int = 55) -> Path:
-    """train_tiny.py killed at step ``crash_at`` with no restart left: checkpoints 40 and 50."""
+def _crash_job(cwd: Path, crash_at: int = 58) -> Path:
+    """train_tiny.py killed at step ``crash_at`` with no restart left: its two newest
+    checkpoints are kept (40 and 50, or 41 and 51 when a persist was still busy at the
+    interval: at most one checkpoint is in flight; :func:`_two_newest`)."""
     run = run_cfrun(["--interval", "10", "--max-restarts", "0", "--job-dir", "j",
                      "--inject-crash", str(crash_at), *TINY], cwd=cwd)
     assert run.returncode == 4, run.stderr[-3000:]
     return cwd / "j"
+
+
+def _two_newest(job: Path) -> tuple[int, int]:
+    """The crashed job's newest committed step and the one before it."""
+    steps = committed_steps(job / "checkpoints")
+    assert len(steps) == 2 and 40 <= steps[1] < steps[0] <= 58, steps
+    return steps[0], steps[1]
 
 
 # ---------------------------------------------------------------------- 1. retention
@@ -92,12 +101,12 @@ def test_foreign_higher_steps_neither_count_nor_cost_the_resumed_step(tiny_ref, 
     ref_run, ref_state = tiny_ref
     job = _crash_job(tmp_path)
     ckpts = job / "checkpoints"
-    assert committed_steps(ckpts) == [50, 40]
+    newest, _ = _two_newest(job)
     for step in (900, 901):
-        _plant_foreign(ckpts, step, ckpts / step_dir_name(50))
+        _plant_foreign(ckpts, step, ckpts / step_dir_name(newest))
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [e["step"] for e in _events(job, "resumed")] == [50]
+    assert [e["step"] for e in _events(job, "resumed")] == [newest]
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
     commits = [e["step"] for e in _events(job, "commit")]
@@ -236,16 +245,17 @@ def test_a_bad_checkpoint_is_moved_aside_and_every_rank_falls_back(tiny_ref, cra
     ref_run, ref_state = tiny_ref
     job = _copy_job(crashed, tmp_path, max_restarts=2)
     ckpts = job / "checkpoints"
-    BAD[case](ckpts / step_dir_name(50))
+    newest, previous = _two_newest(job)
+    BAD[case](ckpts / step_dir_name(newest))
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "UNPROTECTED" not in again.stderr, again.stderr[-3000:]
-    assert [e["step"] for e in _events(job, "checkpoint_corrupt")] == [50]  # said once, seen once
-    assert _events(job, "resumed")[-1]["step"] == 40
+    assert [e["step"] for e in _events(job, "checkpoint_corrupt")] == [newest]  # said once
+    assert _events(job, "resumed")[-1]["step"] == previous
     assert not _events(job, "unprotected")
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
-    warnings = [l for l in again.stderr.splitlines() if "checkpoint step 50" in l
+    warnings = [l for l in again.stderr.splitlines() if f"checkpoint step {newest}" in l
                 and "WARNING" in l]
     assert len(warnings) == 1 and "moved aside" in warnings[0], again.stderr[-3000:]
     moved = [p for p in ckpts.iterdir() if p.name.startswith("corrupt-step-000050-")]

@@ -19,10 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import mounted_tmpfs
 
-from cfrun.agent.local import SPACE_MARGIN_BYTES, SpaceGuard, tree_bytes
+from cfrun.agent.local import SPACE_MARGIN_BYTES, SpaceGuard
 from cfrun.contract import ipc
 from cfrun.contract.checkpoints import commit, committed_steps, staging_dir, write_file
+from cfrun.contract.fsio import tree_bytes
 from cfrun.contract.jobdir import JobDir
 from cfrun.contract.messages import PersistRequest
 
@@ -38,19 +40,8 @@ def _env() -> dict[str, str]:
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs, unmounted at the end (skips when mounting is not permitted)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        reason = f"cannot mount a tmpfs (needs root): {(p.stderr or p.stdout).strip()}"
-        print(reason)
-        pytest.skip(reason)
-    try:
+    with mounted_tmpfs(tmp_path, "4m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 # ---------------------------------------------------------------- best-effort events
