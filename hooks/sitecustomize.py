@@ -1,7 +1,8 @@
 """cfrun's hook, on the PYTHONPATH of rank processes only (see cfrun.supervisor.launcher).
 
 Activates cfrun's runtime in torchrun's worker processes and nowhere else: only where the
-supervisor set CFRUN_RANK_SETTINGS (cfrun.rank.settings), not in torchrun's own agent (no RANK),
+supervisor set CFRUN_RANK_SETTINGS (cfrun.rank.settings), not in torchrun's own agent (no RANK;
+with --launcher python there is no agent: the script's process, without RANK, is the rank),
 not in DataLoader workers or other subprocesses of a rank (they inherit
 CFRUN_HOOK_OWNER_PID, which names their parent). Imports nothing heavy: the runtime installs
 itself only once the script imports torch. Then it runs the sitecustomize that this one shadows,
@@ -14,7 +15,11 @@ import sys
 
 def _cfrun_activate():
     env = os.environ
-    if "CFRUN_RANK_SETTINGS" not in env or "RANK" not in env or "LOCAL_RANK" not in env:
+    if "CFRUN_RANK_SETTINGS" not in env:
+        return
+    # torchrun's ranks have RANK; --launcher python's one process is the rank itself
+    if ("RANK" not in env or "LOCAL_RANK" not in env) and \
+            '"launcher": "python"' not in env["CFRUN_RANK_SETTINGS"]:
         return
     owner = env.get("CFRUN_HOOK_OWNER_PID")
     if owner and owner != str(os.getpid()):

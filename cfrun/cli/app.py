@@ -188,6 +188,11 @@ def run_cmd(
         help="Overhead budget: 3.5%, 3.5 (percent) or 0.035 (fraction).")] = "3.5%",
     nproc_per_node: Annotated[str, typer.Option(
         "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node (torchrun).")] = "1",
+    launcher: Annotated[str, typer.Option(
+        "--launcher", envvar=E.LAUNCHER,
+        help="torchrun, or python: one process run as `python SCRIPT` would be (no RANK, "
+             "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
+    )] = "torchrun",
     max_restarts: Annotated[str, typer.Option(
         "--max-restarts", envvar=E.MAX_RESTARTS,
         help="Restarts after failures before giving up (exit code 4).")] = "5",
@@ -244,7 +249,7 @@ def run_cmd(
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                        job_name=job_name)
+                        job_name=job_name, launcher=launcher)
     _run(cfg, accept_changed_command=accept_changed_command)
 
 
@@ -255,7 +260,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   peer_token_file: str | None = None, peer_streams: str = "4",
                   persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                  job_name: str | None = None) -> RunConfig:
+                  job_name: str | None = None, launcher: str = "torchrun") -> RunConfig:
     script_path = _resolve_script(script)
     option = "--job-name"
     if job_name is None and E.get_str(E.PEER_JOB):  # the older name of CFRUN_JOB_NAME
@@ -292,6 +297,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         interval=parse_interval(interval) if interval is not None else None,
         overhead=parse_overhead(overhead),
         nproc_per_node=parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1),
+        launcher=launcher.strip() or "torchrun",
         max_restarts=parse_positive_int("--max-restarts", max_restarts, minimum=0),
         keep=parse_positive_int("--keep", keep, minimum=1),
         grace_s=grace_s,

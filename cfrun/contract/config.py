@@ -119,6 +119,10 @@ def parse_bytes(name: str, text: str) -> int:
     return value
 
 
+LAUNCHERS = ("torchrun", "python")
+"""The values of ``--launcher`` (:attr:`RunConfig.launcher`)."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs, resolved from flags, environment and defaults.
@@ -140,6 +144,11 @@ class RunConfig:
     """Overhead budget as a fraction of baseline iteration time (0.035 = 3.5%)."""
     nproc_per_node: int = 1
     """Ranks started on this node (torchrun ``--nproc-per-node``)."""
+    launcher: str = "torchrun"
+    """How the ranks start (``--launcher``): ``torchrun``, or ``python`` (one process, as
+    ``python SCRIPT`` would run it: no ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its environment).
+    A launch option, not part of the job's command (:class:`Command`): changing it between runs
+    is no changed command."""
     max_restarts: int = 5
     """Restarts after failures before cfrun gives up with exit code 4."""
     keep: int = 2
@@ -185,6 +194,14 @@ class RunConfig:
             raise BadInputError(f"overhead {self.overhead} must lie in (0, 1)")
         if self.nproc_per_node < 1:
             raise BadInputError(f"--nproc-per-node {self.nproc_per_node} must be at least 1")
+        if self.launcher not in LAUNCHERS:
+            raise BadInputError(f"--launcher {self.launcher!r} must be one of "
+                                f"{', '.join(LAUNCHERS)}")
+        if self.launcher == "python" and (self.nproc_per_node > 1 or self.nnodes > 1):
+            raise BadInputError(
+                f"--launcher python runs one process; it cannot run --nproc-per-node "
+                f"{self.nproc_per_node} --nnodes {self.nnodes}: drop --launcher python (torchrun "
+                f"starts several ranks) or run one rank")
         if self.max_restarts < 0:
             raise BadInputError(f"--max-restarts {self.max_restarts} must be at least 0")
         if self.keep < 1:

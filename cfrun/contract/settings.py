@@ -97,6 +97,10 @@ MTBF = _declare("CFRUN_MTBF", "duration", None,
                 "mean time between failures (90s, 30m, 6h, 2d) for the Young/Daly limit",
                 unset="learned")
 NPROC_PER_NODE = _declare("CFRUN_NPROC_PER_NODE", "int", "1", "ranks on this node (torchrun)")
+LAUNCHER = _declare("CFRUN_LAUNCHER", "choice", "torchrun",
+                    "torchrun: the ranks run under torchrun (RANK, WORLD_SIZE, MASTER_* set); "
+                    "python: one process run as `python SCRIPT` would be, none of them set",
+                    choices=("torchrun", "python"))
 NNODES = _declare("CFRUN_NNODES", "int", "1",
                   "nodes in the job; one cfrun per node, same job dir on a shared file system")
 NODE_RANK = _declare("CFRUN_NODE_RANK", "int", "0",

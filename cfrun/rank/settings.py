@@ -61,6 +61,9 @@ class RankSettings:
     """Pid of the supervisor that started this attempt."""
     node_rank: int = 0
     """This node's index in a multi-node job."""
+    launcher: str = "torchrun"
+    """``torchrun``, or ``python``: this process is the job's one rank, started as
+    ``python SCRIPT`` without torchrun's variables (rank 0 of world 1; ``--launcher``)."""
     rank: int = 0
     """torchrun's ``RANK`` (not in the JSON)."""
     world_size: int = 1
@@ -80,6 +83,12 @@ class RankSettings:
         if self.ff_eval not in ("one", "run"):
             raise BadInputError(f"{ENV}: ff_eval {self.ff_eval!r} must be 'one' or 'run' "
                                 "(CFRUN_FF_EVAL)")
+        if self.launcher not in ("torchrun", "python"):
+            raise BadInputError(f"{ENV}: launcher {self.launcher!r} must be 'torchrun' or "
+                                "'python' (CFRUN_LAUNCHER)")
+        if self.launcher == "python" and self.world_size != 1:
+            raise BadInputError(f"{ENV}: launcher 'python' runs one rank, not WORLD_SIZE "
+                                f"{self.world_size}")
         for name in ("attempt", "supervisor_pid", "node_rank", "rank", "local_rank"):
             if getattr(self, name) < 0:
                 raise BadInputError(f"{ENV}: {name} {getattr(self, name)} must not be negative")
@@ -133,7 +142,8 @@ class RankSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RankSettings:
         """This rank's settings: ``CFRUN_RANK_SETTINGS`` plus torchrun's ``RANK``,
-        ``WORLD_SIZE`` and ``LOCAL_RANK`` (rank process, at install).
+        ``WORLD_SIZE`` and ``LOCAL_RANK`` (rank process, at install); with ``--launcher
+        python`` (no torchrun) rank 0 of world 1.
 
         Raises:
             BadInputError: the variable is missing or invalid (the rank then runs unprotected).
@@ -141,6 +151,8 @@ class RankSettings:
         env = os.environ if env is None else env
         if ENV not in env:
             raise BadInputError(f"{ENV} is not set (cfrun's supervisor sets it for the ranks)")
+        if '"launcher": "python"' in env[ENV]:  # no torchrun: rank 0 of 1, whatever RANK says
+            return cls.from_json(env[ENV])
         try:
             ids = {name: int(env.get(var, default)) for name, var, default in (
                 ("rank", "RANK", "0"), ("world_size", "WORLD_SIZE", "1"),

@@ -1,5 +1,9 @@
 """Build the torchrun command line and the ranks' environment (pure), then start torchrun.
 
+With ``--launcher python`` the one rank is the script run as ``python SCRIPT ARGS`` instead
+(:func:`build_launch_argv`): the attempt's process *is* the rank, with torchrun's variables
+kept out of its environment; everything else below holds for it too.
+
 The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` (one node) or
 with torchrun's c10d rendezvous (``--nnodes N``) with the same
 interpreter as cfrun. cfrun restarts torchrun itself (``--max-restarts 0`` to torchrun) so that
@@ -60,9 +64,26 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list
     ]
 
 
+def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable) -> list[str]:
+    """The command of one attempt (no I/O): :func:`build_torchrun_argv`, or with
+    ``--launcher python`` the script itself, ``python SCRIPT ARGS``, as its user would run it
+    (one process; :class:`RunConfig` refuses it with several ranks or nodes)."""
+    if cfg.launcher == "python":
+        return [python, cfg.script, *cfg.script_args]
+    return build_torchrun_argv(cfg, python=python)
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+"""What torchrun sets in its ranks' environment (and every ``TORCHELASTIC_*``): kept out of a
+``--launcher python`` script's environment, where a script reads them as "go distributed"."""
+
+
 def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
                      mtbf_s: float | None = None) -> dict[str, str]:
-    """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O).
+    """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O). With
+    ``--launcher python`` the script's own, without any of :data:`TORCHRUN_VARIABLES`.
 
     ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched). The
     ranks' settings travel as one JSON value, ``CFRUN_RANK_SETTINGS``
@@ -78,6 +99,9 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
 
     env = dict(os.environ if base is None else base)
     env.pop(E.HOOK_OWNER_PID, None)
+    if cfg.launcher == "python":  # cfrun itself may run under torchrun: none of it leaks
+        for name in [k for k in env if k in TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]:
+            del env[name]
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks_dir()), old) if p)
     settings = RankSettings(
@@ -85,7 +109,7 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         overhead=cfg.overhead, mtbf_s=mtbf_s or None, profile_only=cfg.profile_only,
         inject_crash=tuple(parse_inject_crash(cfg.inject_crash)),
         ff_eval=env.get(E.FF_EVAL, "one"), supervisor_pid=os.getpid(),
-        node_rank=cfg.node_rank)
+        node_rank=cfg.node_rank, launcher=cfg.launcher)
     env.update({
         E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,

@@ -31,7 +31,7 @@ from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
 from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
-from cfrun.supervisor.launcher import build_torchrun_argv, build_worker_env
+from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome, RankError
 
 logger = logging.getLogger("cfrun")
@@ -129,7 +129,7 @@ class Monitor:
             SignalReceived: from the supervisor's handler (SIGTERM/SIGINT); the supervisor then
                 calls :meth:`shutdown`.
         """
-        argv = build_torchrun_argv(self.cfg)
+        argv = build_launch_argv(self.cfg)
         env = build_worker_env(self.cfg, attempt, mtbf_s=self.mtbf_s())
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
@@ -206,10 +206,12 @@ class Monitor:
 
         while self._pending_signals:
             signum = self._pending_signals.pop(0)
-            ranks = []
+            ranks: list[Any] = []
             if self.proc is not None:
                 try:
-                    ranks = psutil.Process(self.proc.pid).children()
+                    proc = psutil.Process(self.proc.pid)
+                    # --launcher python: the attempt's process is the rank itself
+                    ranks = [proc] if self.cfg.launcher == "python" else proc.children()
                 except psutil.Error:
                     ranks = []
             for r in ranks:

@@ -1,0 +1,121 @@
+"""``--launcher python``: one process run as ``python script.py`` would be (no RANK,
+WORLD_SIZE, MASTER_* in its environment), still checkpointed, supervised and resumable."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
+
+from cfrun.contract.config import Command, RunConfig
+
+pytestmark = pytest.mark.timeout(300)
+PLAIN = str(SCRIPTS / "train_plain_only.py")
+STEPS = "40"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The script run as plain ``python script.py``: its final model and optimizer."""
+    cwd = tmp_path_factory.mktemp("plain")
+    p = subprocess.run([sys.executable, PLAIN, STEPS, "ref.pt", "0"], cwd=cwd,
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return torch.load(cwd / "ref.pt", weights_only=True)
+
+
+def test_under_torchrun_the_script_refuses_to_run(tmp_path):
+    """Why the option exists: the default launcher sets RANK, and this script fails on it."""
+    run = run_cfrun(["--crash-loop", "1", "--max-restarts", "0", "--job-dir", "j", PLAIN,
+                     STEPS, "out.pt", "0"], cwd=tmp_path)
+    assert run.returncode != 0
+    assert "launched as a distributed rank" in run.stderr + run.stdout
+
+
+def test_crash_resumes_bit_identical_to_plain_python(reference, tmp_path):
+    run = run_cfrun(["--launcher", "python", "--interval", "5", "--inject-crash", "12",
+                     "--job-dir", "j", PLAIN, STEPS, "out.pt", "0"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    starts = run.events("attempt_start")
+    assert len(starts) == 2, run.stderr[-3000:]  # the injected crash restarted it
+    assert all("torch.distributed.run" not in s["argv"] for s in starts)
+    assert starts[0]["argv"][1:] == [PLAIN, STEPS, "out.pt", "0"]
+    [resumed] = run.events("resumed")
+    assert 0 < resumed["step"] <= 12
+    assert run.events("checkpoint")
+    assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
+    cfg = (tmp_path / "j" / "config.json").read_text()
+    assert '"launcher": "python"' in cfg
+
+
+def test_env_variable_selects_it(reference, tmp_path):
+    run = run_cfrun(["--interval", "10", "--job-dir", "j", PLAIN, STEPS, "out.pt", "0"],
+                    cwd=tmp_path, env={"CFRUN_LAUNCHER": "python"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+def test_sigterm_preempts_with_exit_75_then_resume_finishes(reference, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "cfrun", "--launcher", "python",
+                             "--interval", "5", "--job-dir", "j", PLAIN, STEPS, "out.pt",
+                             "0.1"], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    hb = tmp_path / "j" / "heartbeat-rank-00000"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "step 8 not reached"
+        try:
+            if int(hb.read_text().strip() or 0) >= 8:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    first = Run(proc.returncode, out, err, tmp_path / "j")
+    assert first.returncode == 75, err[-3000:]
+    [pre] = first.events("preempted")
+    assert pre["final_checkpoint"] == pre["step"] >= 8
+    assert not (tmp_path / "out.pt").exists()
+    run = run_cfrun(["resume", "j"], cwd=tmp_path)
+    run.job_dir = tmp_path / "j"
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [e["step"] for e in run.events("resumed")] == [pre["step"]]
+    assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("extra", [["--nproc-per-node", "2"],
+                                   ["--nnodes", "2", "--rdzv-endpoint", "localhost:29999"]])
+def test_several_ranks_or_nodes_are_refused_in_one_line(tmp_path, extra):
+    run = run_cfrun(["--launcher", "python", *extra, "--job-dir", "j", PLAIN, STEPS, "o.pt",
+                     "0"], cwd=tmp_path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cfrun: error:"), run.stderr
+    assert "--launcher python" in lines[0]
+    assert not (tmp_path / "j").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_launcher_is_refused(tmp_path):
+    run = run_cfrun(["--launcher", "mpirun", "--job-dir", "j", PLAIN, STEPS, "o.pt", "0"],
+                    cwd=tmp_path)
+    assert run.returncode == 2 and "--launcher 'mpirun'" in run.stderr
+    assert not (tmp_path / "j").exists()
+
+
+def test_launcher_is_not_part_of_the_command(tmp_path):
+    """Changing it between runs of a job is no changed command (identity.json)."""
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    base = dict(script=str(script), script_args=["a"], job_dir=str(tmp_path / "j"),
+                cwd=str(tmp_path))
+    python = Command.of(RunConfig(**base, launcher="python"))  # type: ignore[arg-type]
+    torchrun = Command.of(RunConfig(**base))  # type: ignore[arg-type]
+    assert python.fingerprint == torchrun.fingerprint
