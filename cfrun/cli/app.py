@@ -522,6 +522,10 @@ def status_cmd(
                                for r in st["restarts"]) or "none"),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
     ]
+    if st["unprotected"]:
+        rows.insert(1, ("UNPROTECTED", "; ".join(
+            f"attempt {u['attempt']}: {u['error']} ({u['where']}, step {u['step']})"
+            for u in st["unprotected"])))
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

@@ -159,7 +159,8 @@ def status(jd: JobDir) -> dict[str, Any]:
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
-    restarts ([{attempt, cause, step}]), disk_bytes.
+    restarts ([{attempt, cause, step}]), disk_bytes, unprotected ([{attempt, step, where,
+    error}]: a rank ran without cfrun's protection, e.g. no optimizer ever stepped).
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
@@ -202,6 +203,9 @@ def status(jd: JobDir) -> dict[str, Any]:
         "preempted": [{"step": e.get("step"), "final_checkpoint": e.get("final_checkpoint")}
                       for e in events if e.get("event") == "preempted"],
         "disk_bytes": tree_bytes(jd.checkpoints),
+        "unprotected": [{"attempt": e.get("attempt"), "step": e.get("step"),
+                         "where": e.get("where"), "error": e.get("error")}
+                        for e in events if e.get("event") == "unprotected"],
     }
 
 

@@ -41,6 +41,42 @@ from cfrun.rank.tuner import Tuner
 Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 """``Guard.wrap`` (:mod:`cfrun.rank.install`): a hook made safe for the user's script."""
 
+NO_OPTIMIZER_BACKWARDS = 100
+"""``backward()`` calls with no ``torch.optim`` optimizer step in between after which a rank
+says that its job is unprotected (a script that updates its parameters by hand: cfrun's steps
+and checkpoints are the optimizers' steps). Gradient accumulation rarely spans this many."""
+
+
+class BackwardWatch:
+    """Counts autograd backward passes (``torch.autograd.backward``, which ``Tensor.backward``
+    calls) until the first optimizer step; at ``limit`` of them with no step, calls
+    ``on_unprotected(count)`` once. Either way it then restores torch's own function, so a
+    training step pays for it only until the first optimizer step. Training thread.
+    """
+
+    def __init__(self, on_unprotected: Callable[[int], None],
+                 limit: int = NO_OPTIMIZER_BACKWARDS) -> None:
+        self.count = 0
+        self._limit = limit
+        self._on_unprotected = on_unprotected
+        self._orig = torch.autograd.backward
+        watch = self
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            watch.count += 1
+            if watch.count >= watch._limit:
+                watch.stop()
+                watch._on_unprotected(watch.count)
+            return watch._orig(*args, **kwargs)
+
+        self._counting = backward
+        torch.autograd.backward = backward
+
+    def stop(self) -> None:
+        """Put torch's ``autograd.backward`` back (idempotent; not if someone replaced ours)."""
+        if torch.autograd.backward is self._counting:
+            torch.autograd.backward = self._orig
+
 
 class Boundary:
     """Counts steps, triggers checkpoints and takes them at the boundary. Training thread,
@@ -86,6 +122,8 @@ class Boundary:
         self._hold_from = (int(kill_after) if kill_after is not None and settings.attempt == 0
                            else None)
         self._stall = _parse_stall(faults.value("rank.checkpoint_stall_s"))
+        self._backward_watch: BackwardWatch | None = BackwardWatch(
+            wrap("the backward() counter", self._no_optimizer))
 
     # ---------------------------------------------------------------- steps
 
@@ -98,6 +136,9 @@ class Boundary:
         """Global optimizer step post-hook (``register_optimizer_step_post_hook``)."""
         if self._preemption.preempted:
             self._preemption.end_now()
+        if self._backward_watch is not None:  # an optimizer steps: the watch is done
+            self._backward_watch.stop()
+            self._backward_watch = None
         count = opt.__dict__.get("_cfrun_steps", 0) + 1
         opt.__dict__["_cfrun_steps"] = count
         tuner = self._tuner
@@ -132,6 +173,22 @@ class Boundary:
         self._stopping = stop
         if self.mode == "loop":
             self._arm_loop_boundary()
+
+    def _no_optimizer(self, backwards: int) -> None:
+        """:class:`BackwardWatch`: ``backwards`` backward passes and no optimizer step. Says
+        once, on stderr and (rank 0) as an ``unprotected`` event, that no checkpoint will be
+        taken; the script goes on untouched."""
+        self._backward_watch = None
+        say(f"WARNING: no torch.optim optimizer stepped after {backwards} backward() calls: "
+            "this job is unprotected (no checkpoints, a restart starts over). cfrun counts "
+            "steps and checkpoints at optimizer.step(); update the parameters with a "
+            "torch.optim optimizer (e.g. torch.optim.SGD(params, lr)) instead of by hand")
+        if self.s.rank == 0:
+            self.jobdir.emit_event(
+                "unprotected", where="no optimizer",
+                error=f"no torch.optim optimizer stepped after {backwards} backward() calls "
+                      "(parameters updated by hand?): no checkpoints",
+                step=self.step, rank=self.s.rank, attempt=self.s.attempt)
 
     def restore(self, step: int, mode: str) -> None:
         """Resume: the checkpoint of ``step``, taken in ``mode``, was restored; count on."""
