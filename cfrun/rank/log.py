@@ -11,7 +11,7 @@ from cfrun.contract.jobdir import JobDir
 
 def say(msg: str) -> None:
     """A cfrun line on the rank's stderr, prefixed so it is told apart from the script's."""
-    rank = os.environ.get("RANK", "?")
+    rank = os.environ.get("RANK", "0")  # `--launcher python`: no RANK, the only rank is 0
     try:
         sys.__stderr__.write(f"[cfrun rank {rank}] {msg}\n")  # type: ignore[union-attr]
         sys.__stderr__.flush()  # type: ignore[union-attr]
