@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,3 +40,18 @@ def test_saved_state_dicts_carry_no_cfrun_mark(tmp_path: Path) -> None:
         ref = torch.load(plain / name, weights_only=True)
         assert not [s for s in _strings(mine) if "cfrun" in s], (name, mine)
         assert_bit_identical(mine, ref, name)
+
+
+def test_script_variables_of_common_types_survive_a_kill(tmp_path: Path) -> None:
+    """Issue 14, item 4: an Enum-holding meter, a dataclass, a namedtuple, collections
+    containers, a datetime and a Path as script variables come back after a SIGKILL."""
+    script = str(SCRIPTS / "script_vars.py")
+    p = subprocess.run([sys.executable, script], cwd=tmp_path, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_cfrun(["--interval", "5", "--job-dir", "job", "--inject-crash", "33", script],
+                    cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.events("resumed"), run.stderr[-3000:]
+    assert "cannot be stored" not in run.stdout + run.stderr
+    assert final_line(run.stdout) == final_line(p.stdout)
