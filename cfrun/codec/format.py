@@ -14,7 +14,13 @@ exist. Idea: DeepFreeze §IV-A ("lightweight, label-free serialization"); safete
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import datetime
+import enum
 import math
+import pathlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,9 +42,9 @@ from cfrun.contract.shard import (
 )
 
 __all__ = ["ALIGN_BYTES", "DTYPE_ITEMSIZE", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DIM",
-           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "UnsupportedValueError",
-           "check_layout", "decode", "dumps_json", "encode", "loads_doc", "meta_tensor",
-           "plan_layout", "tensor_bytes", "tensor_from_buffer"]
+           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "TypeRef",
+           "UnsupportedValueError", "check_layout", "decode", "dumps_json", "encode", "loads_doc",
+           "meta_tensor", "plan_layout", "resolve", "tensor_bytes", "tensor_from_buffer"]
 
 _NP_KINDS = "biuf"
 
@@ -56,22 +62,52 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
 if any(DTYPE_ITEMSIZE.get(k) != d.itemsize for k, d in _DTYPES.items()):  # pragma: no cover
     raise ImportError("cfrun.contract.shard.DTYPE_ITEMSIZE disagrees with this torch")
 
-_RESERVED = ("__t__", "__tuple__", "__dict__", "__nd__", "__np__")
+_RESERVED = ("__t__", "__tuple__", "__dict__", "__nd__", "__np__", "__enum__", "__nt__", "__dc__",
+             "__coll__", "__time__", "__path__")
+
+_FACTORIES: dict[str, type] = {t.__name__: t for t in (list, int, float, dict, str, tuple)}
+"""``defaultdict`` factories stored by name (a lambda or a custom factory is not stored)."""
+_PATHS: dict[str, type] = {t.__name__: t for t in (pathlib.PosixPath, pathlib.WindowsPath,
+                                                   pathlib.PurePosixPath, pathlib.PureWindowsPath)}
+_TIMES: dict[str, type] = {t.__name__: t for t in (datetime.datetime, datetime.date,
+                                                   datetime.time, datetime.timedelta)}
+_MAX_NAME = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TypeRef:
+    """A decoded value whose type is named by reference (an ``Enum`` member, a ``namedtuple``, a
+    dataclass instance): the type is looked up by :func:`resolve` only when the value is put back,
+    since a script's own classes do not exist yet when a rank decodes its checkpoint at install.
+    ``payload``: the member name, the tuple's items or the fields by name (already decoded)."""
+
+    tag: str
+    module: str
+    qualname: str
+    payload: Any
 
 
 class UnsupportedValueError(TypeError):
     """A value in the state cannot be stored without pickle (e.g. a lambda or a custom object)."""
 
 
-def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def encode(obj: Any, tensors: list[torch.Tensor], *, typed: bool = False) -> Any:
     """Turn ``obj`` into a JSON-able tree, appending its tensors to ``tensors``.
 
     Tuples, dicts with non-string keys and numpy values are tagged so :func:`decode` rebuilds
-    them with their types. Tensors are referenced by index and not copied here.
+    them with their types. Tensors are referenced by index and not copied here. So are
+    ``deque``/``defaultdict``/``Counter``, ``datetime``/``date``/``time``/``timedelta`` and
+    ``pathlib`` paths. With ``typed`` (script variables, put back through :func:`resolve`):
+    ``OrderedDict`` too, and ``Enum`` members, namedtuples and dataclass instances by reference
+    to their type (module, qualified name; see :class:`TypeRef`). Without it a module's
+    ``state_dict()`` stays a plain dict, an ``IntEnum`` its int, a namedtuple a tuple.
 
     Raises:
         UnsupportedValueError: ``obj`` holds something else (functions, custom objects...).
     """
+    if typed and isinstance(obj, enum.Enum):  # before str/int: StrEnum, IntEnum
+        cls = type(obj)
+        return {"__enum__": [cls.__module__, cls.__qualname__, obj.name]}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -89,15 +125,62 @@ def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
         if obj.dtype.kind not in "biuf":
             raise UnsupportedValueError(f"numpy {obj.dtype} arrays are not supported")
         return {"__nd__": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
+    tagged = _encode_typed(obj, tensors, typed)
+    if tagged is not None:
+        return tagged
     if isinstance(obj, list):
-        return [encode(v, tensors) for v in obj]
+        return [encode(v, tensors, typed=typed) for v in obj]
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode(v, tensors) for v in obj]}
+        return {"__tuple__": [encode(v, tensors, typed=typed) for v in obj]}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k not in _RESERVED for k in obj):
-            return {k: encode(v, tensors) for k, v in obj.items()}
-        return {"__dict__": [[encode(k, tensors), encode(v, tensors)] for k, v in obj.items()]}
+            return {k: encode(v, tensors, typed=typed) for k, v in obj.items()}
+        return {"__dict__": [[encode(k, tensors, typed=typed), encode(v, tensors, typed=typed)]
+                             for k, v in obj.items()]}
     raise UnsupportedValueError(f"cannot store a {type(obj).__name__} without pickle")
+
+
+def _encode_typed(obj: Any, tensors: list[torch.Tensor], typed: bool) -> Any:
+    """The tagged form of a namedtuple, dataclass instance, ``collections`` container, date/time
+    or path; None for anything else (including ``OrderedDict`` unless ``typed``)."""
+    cls = type(obj)
+    if not typed:  # by reference only for script variables, resolved when put back
+        pass
+    elif isinstance(obj, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+        return {"__nt__": [cls.__module__, cls.__qualname__],
+                "v": [encode(v, tensors, typed=typed) for v in obj]}
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"__dc__": [cls.__module__, cls.__qualname__],
+                "f": {f.name: encode(getattr(obj, f.name), tensors, typed=typed)
+                      for f in dataclasses.fields(obj)}}
+    if cls is collections.deque:
+        return {"__coll__": "deque", "maxlen": obj.maxlen,
+                "v": [encode(v, tensors, typed=typed) for v in obj]}
+    if cls is collections.defaultdict:
+        factory = obj.default_factory
+        if factory is not None and _FACTORIES.get(getattr(factory, "__name__", "")) is not factory:
+            raise UnsupportedValueError(f"a defaultdict with factory {factory!r} (only "
+                                        f"{', '.join(_FACTORIES)} or None are stored)")
+        return {"__coll__": "defaultdict", "factory": factory and factory.__name__,
+                "v": _pairs(obj, tensors, typed)}
+    if cls is collections.Counter or (typed and cls is collections.OrderedDict):
+        return {"__coll__": cls.__name__, "v": _pairs(obj, tensors, typed)}
+    if cls in (datetime.datetime, datetime.time) and not (
+            obj.tzinfo is None or type(obj.tzinfo) is datetime.timezone):
+        raise UnsupportedValueError(f"a {cls.__name__} with time zone {obj.tzinfo!r} (only "
+                                    "fixed offsets are stored)")
+    if cls is datetime.timedelta:
+        return {"__time__": "timedelta", "v": [obj.days, obj.seconds, obj.microseconds]}
+    if cls in (datetime.datetime, datetime.date, datetime.time):
+        return {"__time__": cls.__name__, "v": obj.isoformat(), "fold": getattr(obj, "fold", 0)}
+    if _PATHS.get(cls.__name__) is cls:
+        return {"__path__": cls.__name__, "v": str(obj)}
+    return None
+
+
+def _pairs(obj: dict[Any, Any], tensors: list[torch.Tensor], typed: bool) -> list[list[Any]]:
+    return [[encode(k, tensors, typed=typed), encode(v, tensors, typed=typed)]
+            for k, v in obj.items()]
 
 
 def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
@@ -129,7 +212,150 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return np.array(data, dtype=dtype).reshape(shape)
     if "__np__" in tree:
         return _np_dtype(tree["__np__"]).type(tree["v"])
+    for tag in ("__enum__", "__nt__", "__dc__"):
+        if tag in tree:
+            return _decode_ref(tag, tree, tensors)
+    if "__coll__" in tree:
+        return _decode_coll(tree, tensors)
+    if "__time__" in tree:
+        return _decode_time(tree["__time__"], tree["v"], tree.get("fold", 0))
+    if "__path__" in tree:
+        cls = _PATHS.get(tree["__path__"]) if isinstance(tree["__path__"], str) else None
+        if cls is None or not isinstance(tree["v"], str):
+            raise ValueError(f"path type {str(tree['__path__'])[:40]!r} is not one cfrun stores")
+        return cls(tree["v"])
     return {k: decode(v, tensors) for k, v in tree.items()}
+
+
+def _decode_ref(tag: str, tree: dict[str, Any], tensors: list[torch.Tensor]) -> TypeRef:
+    """A :class:`TypeRef` from a tagged tree; checks the names' shape only (no lookup here)."""
+    names = tree[tag]
+    if not (isinstance(names, list) and len(names) == (3 if tag == "__enum__" else 2)
+            and all(isinstance(n, str) and 0 < len(n) <= _MAX_NAME for n in names)):
+        raise ValueError(f"{tag} reference {str(names)[:60]!r} is not [module, qualname...]")
+    if not all(p.isidentifier() for p in names[0].split(".") + names[1].split(".")):
+        raise ValueError(f"{tag} reference {names[0]}:{names[1]} is not a module-level type")
+    if tag == "__enum__":
+        return TypeRef(tag, names[0], names[1], names[2])
+    if tag == "__nt__":
+        if not isinstance(tree["v"], list):
+            raise ValueError("namedtuple items are not a list")
+        return TypeRef(tag, names[0], names[1], [decode(v, tensors) for v in tree["v"]])
+    if not isinstance(tree["f"], dict):
+        raise ValueError("dataclass fields are not an object")
+    return TypeRef(tag, names[0], names[1], {k: decode(v, tensors) for k, v in tree["f"].items()})
+
+
+def _decode_coll(tree: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    kind, items = tree["__coll__"], tree["v"]
+    if not isinstance(items, list):
+        raise ValueError("collection items are not a list")
+    if kind == "deque":
+        maxlen = tree.get("maxlen")
+        if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
+            raise ValueError(f"deque maxlen {str(maxlen)[:20]} is not a count")
+        return collections.deque((decode(v, tensors) for v in items), maxlen=maxlen)
+    pairs = [(_hashable(decode(k, tensors)), decode(v, tensors)) for k, v in items]
+    if kind == "defaultdict":
+        name = tree.get("factory")
+        factory = None if name is None else _FACTORIES.get(name) if isinstance(name, str) else None
+        if name is not None and factory is None:
+            raise ValueError(f"defaultdict factory {str(name)[:40]!r} is not one cfrun stores")
+        return collections.defaultdict(factory, pairs)
+    if kind == "Counter":
+        return collections.Counter(dict(pairs))
+    if kind == "OrderedDict":
+        return collections.OrderedDict(pairs)
+    raise ValueError(f"collection {str(kind)[:40]!r} is not one cfrun stores")
+
+
+def _decode_time(kind: Any, value: Any, fold: Any) -> Any:
+    cls = _TIMES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"time type {str(kind)[:40]!r} is not one cfrun stores")
+    if cls is datetime.timedelta:
+        if not (isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)):
+            raise ValueError("timedelta is not [days, seconds, microseconds]")
+        return datetime.timedelta(*value)
+    if not isinstance(value, str) or len(value) > 64 or fold not in (0, 1):
+        raise ValueError(f"{kind} {str(value)[:40]!r} is not an ISO format string")
+    out = cls.fromisoformat(value)  # type: ignore[attr-defined]
+    return out.replace(fold=fold) if cls is not datetime.date else out
+
+
+def resolve(value: Any) -> Any:
+    """``value`` with each :class:`TypeRef` inside replaced by the object it names.
+
+    Called on the training thread when script variables are put back (the script's classes
+    exist by then). Types are looked up only among modules already imported in this process
+    (``sys.modules``, through their ``__dict__``: no import, no module ``__getattr__``) and must
+    be an ``Enum`` (the member by name), a namedtuple (items count checked) or a dataclass
+    (exactly its fields; built without calling ``__init__``), so a crafted checkpoint runs no
+    code of its choosing.
+
+    Raises:
+        ValueError: a type that is missing or not of the kind stored, a member or field that
+            does not exist.
+    """
+    if isinstance(value, TypeRef):
+        return _resolve_ref(value)
+    if isinstance(value, list):
+        return [resolve(v) for v in value]
+    if isinstance(value, tuple):  # a namedtuple here is a script value already restored
+        items = [resolve(v) for v in value]
+        return tuple(items) if type(value) is tuple else value
+    if isinstance(value, collections.deque):
+        return collections.deque((resolve(v) for v in value), maxlen=value.maxlen)
+    if isinstance(value, dict):
+        out = value.copy() if type(value) in (collections.defaultdict, collections.Counter,
+                                              collections.OrderedDict) else {}
+        for k, v in value.items():
+            out[resolve(k)] = resolve(v)
+        return out
+    return value
+
+
+def _lookup(ref: TypeRef) -> type:
+    obj: Any = sys.modules.get(ref.module)
+    if obj is None:
+        raise ValueError(f"module {ref.module!r} of a stored {ref.qualname} is not imported")
+    for part in ref.qualname.split("."):
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+        if obj is None:
+            raise ValueError(f"{ref.module}.{ref.qualname} no longer exists")
+    if not isinstance(obj, type):
+        raise ValueError(f"{ref.module}.{ref.qualname} is not a class")
+    return obj
+
+
+def _resolve_ref(ref: TypeRef) -> Any:
+    cls = _lookup(ref)
+    name = f"{ref.module}.{ref.qualname}"
+    if ref.tag == "__enum__":
+        if not issubclass(cls, enum.Enum):
+            raise ValueError(f"{name} is not an Enum")
+        member = cls.__members__.get(ref.payload) if isinstance(ref.payload, str) else None
+        if member is None:
+            raise ValueError(f"{name} has no member {str(ref.payload)[:40]!r}")
+        return member
+    if ref.tag == "__nt__":
+        fields = getattr(cls, "_fields", None)
+        if not (issubclass(cls, tuple) and isinstance(fields, tuple)):
+            raise ValueError(f"{name} is not a namedtuple")
+        if len(fields) != len(ref.payload):
+            raise ValueError(f"{name} has {len(fields)} fields, the checkpoint "
+                             f"{len(ref.payload)}")
+        return tuple.__new__(cls, [resolve(v) for v in ref.payload])
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"{name} is not a dataclass")
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(ref.payload) != names:
+        raise ValueError(f"{name} has fields {sorted(names)}, the checkpoint "
+                         f"{sorted(ref.payload)[:20]}")
+    obj = object.__new__(cls)
+    for k, v in ref.payload.items():
+        object.__setattr__(obj, k, resolve(v))
+    return obj
 
 
 def _np_dtype(name: Any) -> np.dtype[Any]:

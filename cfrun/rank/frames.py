@@ -18,12 +18,17 @@ the step-loop resume needs (README, "Resume semantics").
 from __future__ import annotations
 
 import ast
+import collections
 import ctypes
+import dataclasses
+import datetime
+import enum
 import functools
 import io
 import json
 import logging
 import os
+import pathlib
 import sys
 import types
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cfrun.codec.format import UnsupportedValueError, encode
+from cfrun.codec.format import UnsupportedValueError, encode, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +114,16 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
         raise UnsupportedValueError("an open file: its position is not restored")
     cls = type(value)
     if (cls.__module__ == "__main__" and hasattr(value, "__dict__")
-            and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler))):
+            and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler,
+                                       enum.Enum))):
         local = []
         attrs = {k: v for k, v in vars(value).items()
                  if not isinstance(v, _SKIP_TYPES + (torch.nn.Module,))}
-        enc = encode(_detach_tree(attrs), local)
+        enc = encode(_detach_tree(attrs), local, typed=True)
         return _with_tensors("object", enc, local, tensors, budget)
     if _is_plain(value):
         local = []
-        enc = encode(_detach_tree(value), local)
+        enc = encode(_detach_tree(value), local, typed=True)
         if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
@@ -125,14 +131,18 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
 
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str, np.generic)):
+    if value is None or isinstance(value, (bool, int, float, str, np.generic, enum.Enum,
+                                           datetime.date, datetime.time, datetime.timedelta,
+                                           pathlib.PurePath)):
         return True
     if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
         return True
     if depth > 4:
         return False
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, collections.deque)):
         return all(_is_plain(v, depth + 1) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return all(_is_plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value))
     if isinstance(value, dict):
         return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
     return False
@@ -143,10 +153,19 @@ def _detach_tree(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, list):
         return [_detach_tree(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_detach_tree(v) for v in value)
+    if isinstance(value, tuple):  # a namedtuple keeps its type (stored by reference)
+        items = [_detach_tree(v) for v in value]
+        if hasattr(type(value), "_fields"):
+            return tuple.__new__(type(value), items)
+        return tuple(items)
+    if type(value) is collections.deque:
+        return collections.deque((_detach_tree(v) for v in value), maxlen=value.maxlen)
     if isinstance(value, dict):
-        return {k: _detach_tree(v) for k, v in value.items()}
+        out = value.copy() if type(value) in (collections.defaultdict, collections.Counter,
+                                              collections.OrderedDict) else {}
+        for k, v in value.items():
+            out[k] = _detach_tree(v)
+        return out
     return value
 
 
@@ -224,6 +243,7 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
             kind, value = item["kind"], item["v"]
             current = f_locals.get(name)
             try:
+                value = resolve(value)  # Enum members, namedtuples, dataclasses by reference
                 if kind == "module":
                     if isinstance(current, torch.nn.Module):
                         current.load_state_dict(value)

@@ -12,11 +12,13 @@ job running unprotected, with a loud warning. Imports nothing heavy at module le
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -191,13 +193,38 @@ def _install() -> Any:
     return rt
 
 
+_REGISTERED: dict[int, Any] = {}
+"""Objects already handed to ``register``, by ``id``: a weak reference each (removed when the
+object dies), or the object itself where it takes no weak reference. Kept here, not as an
+attribute on the object, so nothing of cfrun reaches the user's ``state_dict()`` or saved files
+(an LR scheduler's ``state_dict()`` is its ``__dict__``)."""
+
+
+def _mark_registered(obj: Any) -> bool:
+    """Remember ``obj`` as registered; False if it already was (a subclass's ``__init__`` calling
+    its wrapped base's). Called on the thread that builds the object."""
+    key = id(obj)
+    held = _REGISTERED.get(key)
+    if held is not None and (held() if isinstance(held, weakref.ref) else held) is obj:
+        return False
+    try:
+        _REGISTERED[key] = weakref.ref(obj, functools.partial(_forget, key))
+    except TypeError:  # no weak references (``__slots__`` without ``__weakref__``): keep it
+        _REGISTERED[key] = obj
+    return True
+
+
+def _forget(key: int, ref: Any) -> None:
+    if _REGISTERED.get(key) is ref:
+        del _REGISTERED[key]
+
+
 def _wrap_init(cls: type, register: Any) -> None:
     orig = cls.__init__  # type: ignore[misc]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
-        if "_cfrun_registered" not in self.__dict__:
-            self.__dict__["_cfrun_registered"] = True
+        if _mark_registered(self):
             register(self)
 
     cls.__init__ = __init__  # type: ignore[misc]
