@@ -158,12 +158,13 @@ def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
 @pytest.mark.timing
 def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
-    about a second after the grace, and the newest committed checkpoint stays the resume point."""
+    a few seconds after the grace, and the newest committed checkpoint stays the resume point."""
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "1"], at_step=12,
-                                        env=faults.arm({}, **{"agent.commit_delay_s": 3}),
+                                        env=faults.arm({}, **{"agent.commit_delay_s": 8}),
                                         script=[SLOW, "60", "j.pt", "0.1"], during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
-    assert elapsed_s < 1.5, elapsed_s  # killed at the deadline, not when the persist ends
+    # killed at the 1 s deadline (plus teardown on a loaded machine), not when the 8 s persist ends
+    assert elapsed_s < 4.0, elapsed_s
     [pre] = run.events("preempted")
     newest = committed_steps(tmp_path / "j" / "checkpoints")[0]
     assert pre["final_checkpoint"] is None and pre["newest_committed"] == newest
