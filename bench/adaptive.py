@@ -157,7 +157,7 @@ def fmt(x, spec=".1f"):
 
 
 def parse_budget(text):
-    """``3.5%``, ``3.5`` (percent) or ``0.035`` (fraction), as cfrun reads it."""
+    """``3.5%`` or ``3.5`` (always percent), as cfrun reads it."""
     from cfrun.contract.config import parse_overhead
 
     return parse_overhead(text)

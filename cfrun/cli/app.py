@@ -1,6 +1,6 @@
 """The ``cfrun`` command line (typer).
 
-``cfrun [OPTIONS] SCRIPT [SCRIPT_ARGS]...`` runs a training script under cfrun; it is short for
+``cfrun [OPTIONS] SCRIPT [ARGS]...`` runs a training script under cfrun; it is short for
 ``cfrun run``. Everything after SCRIPT goes to the script untouched, even words that look like
 cfrun options. Every option can also be set by the environment variable shown in ``--help``;
 a flag wins over the environment.
@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from cfrun import __version__
+from cfrun.cli.helpfmt import HELP_OPTIONS, CfrunCommand, root_help
 from cfrun.contract import coordination, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
@@ -71,6 +72,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": HELP_OPTIONS},
 )
 
 SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export", "peer"}
@@ -88,15 +90,44 @@ WITHHELD = "<not recorded: looks like a credential>"
 log = logging.getLogger("cfrun")
 
 
-def _setup_logging() -> None:
-    if log.handlers:
-        return
-    from rich.console import Console
-    from rich.logging import RichHandler
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record (``--log-format json``): ``t_unix_s``, ``level``, ``logger``
+    and ``message``, for log collectors (Kubernetes, Loki, CloudWatch)."""
 
-    handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False,
-                          markup=False)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps({"t_unix_s": round(record.created, 3), "level": record.levelname,
+                           "logger": record.name, "message": record.getMessage()})
+
+
+def _setup_logging(log_format: str | None = None) -> None:
+    """Give the ``cfrun`` logger one stderr handler. ``log_format`` (``--log-format``, else
+    ``CFRUN_LOG_FORMAT``): ``auto`` is rich on a terminal and ``text`` elsewhere; ``text`` is
+    ``LEVEL message``, one line per record, never wrapped, no trailing blanks (CI, pod logs);
+    ``json`` is :class:`JsonLogFormatter`. Called again with a format, it replaces the handler.
+
+    Raises:
+        BadInputError: an unknown format.
+    """
+    fmt = (log_format or E.get_str(E.LOG_FORMAT) or "auto").strip().lower()
+    if fmt not in ("auto", "text", "json"):
+        raise BadInputError(f"--log-format {log_format!r} is not a log format; give auto, text "
+                            "or json")
+    if log.handlers and log_format is None:
+        return
+    for old in list(log.handlers):
+        log.removeHandler(old)
+    handler: logging.Handler
+    if fmt == "auto" and sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False,
+                              markup=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLogFormatter() if fmt == "json"
+                             else logging.Formatter("%(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -158,19 +189,25 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
 
 @app.command(
     "run",
+    cls=CfrunCommand,
+    hidden=True,  # `cfrun SCRIPT` is the documented spelling; `cfrun run SCRIPT` works too
     context_settings={"allow_interspersed_args": False},
+    help="Run SCRIPT under torchrun with checkpoints every few optimizer steps, and go on from "
+         "the newest one after a crash, a lost node or a SIGTERM. A job dir with checkpoints "
+         "of the same command resumes by itself.",
 )
 def run_cmd(
-    script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
+    script: Annotated[str, typer.Argument(metavar="SCRIPT",
+                                          help="The training script, run unchanged.")],
     script_args: Annotated[list[str] | None, typer.Argument(
-        help="Arguments for the script, passed through untouched.")] = None,
+        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
     job_dir: Annotated[str | None, typer.Option(
-        "--job-dir", envvar=E.JOB_DIR,
+        "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job directory (checkpoints, events, config). Default: "
              "./cfrun-jobs/<script name>-<hash of the script's path>."
     )] = None,
     job_name: Annotated[str | None, typer.Option(
-        "--job-name", envvar=E.JOB_NAME,
+        "--job-name", metavar="NAME", envvar=E.JOB_NAME,
         help="The job's name at a peer and at level 2 (letters, digits, '.', '_', '-'); give "
              "the scheduler's job name where a changed command must find its checkpoints on "
              "a fresh node. Default: the job dir's name and a hash of its path and the "
@@ -180,77 +217,91 @@ def run_cmd(
         help="Go on from the job dir's checkpoints although the script, its arguments or the "
              "world size changed (recorded as a command_changed event). Without it a changed "
              "command is refused (exit 2).")] = False,
+    rerun: Annotated[bool, typer.Option(
+        "--rerun",
+        help="Run a finished job's command again, from its newest checkpoint (the script's "
+             "tail after it runs again). Without it a finished job says so and exits 0.")
+    ] = False,
+    log_format: Annotated[str | None, typer.Option(
+        "--log-format", metavar="[auto|text|json]", envvar=E.LOG_FORMAT,
+        help="cfrun's own log lines: auto (rich on a terminal, text elsewhere), text (one line "
+             "per record, never wrapped) or json (JSON lines).")] = None,
     interval: Annotated[str | None, typer.Option(
-        "--interval", envvar=E.INTERVAL,
+        "--interval", metavar="INTEGER", envvar=E.INTERVAL,
         help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
     overhead: Annotated[str, typer.Option(
-        "--overhead", envvar=E.OVERHEAD,
-        help="Overhead budget: 3.5%, 3.5 (percent) or 0.035 (fraction).")] = "3.5%",
+        "--overhead", metavar="PERCENT", envvar=E.OVERHEAD,
+        help="Overhead budget in percent: 3.5% and 3.5 both mean 3.5% (from 0.1% to below "
+             "100%); ignored with --interval.")] = "3.5%",
     nproc_per_node: Annotated[str, typer.Option(
-        "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node (torchrun).")] = "1",
+        "--nproc-per-node", "--nproc_per_node", metavar="INTEGER", envvar=E.NPROC_PER_NODE,
+        help="Ranks on this node (torchrun).")] = "1",
     launcher: Annotated[str, typer.Option(
-        "--launcher", envvar=E.LAUNCHER,
-        help="torchrun, or python: one process run as `python SCRIPT` would be (no RANK, "
+        "--launcher", metavar="[torchrun|python]", envvar=E.LAUNCHER,
+        help="torchrun, or python: one process run as python SCRIPT would be (no RANK, "
              "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
     )] = "torchrun",
     max_restarts: Annotated[str, typer.Option(
-        "--max-restarts", envvar=E.MAX_RESTARTS,
+        "--max-restarts", "--max_restarts", metavar="INTEGER", envvar=E.MAX_RESTARTS,
         help="Restarts after failures before giving up (exit code 4).")] = "5",
     keep: Annotated[str, typer.Option(
-        "--keep", envvar=E.KEEP, help="Committed checkpoints to keep.")] = "2",
+        "--keep", metavar="INTEGER", envvar=E.KEEP, help="Committed checkpoints to keep.")] = "2",
     grace: Annotated[str, typer.Option(
-        "--grace", envvar=E.GRACE,
-        help="Seconds the ranks get after SIGTERM before SIGKILL.")] = "25",
+        "--grace", metavar="DURATION", envvar=E.GRACE,
+        help="Time the ranks get after SIGTERM before SIGKILL: seconds, or 30s, 2m.")] = "25",
     mtbf: Annotated[str | None, typer.Option(
-        "--mtbf", envvar=E.MTBF,
+        "--mtbf", metavar="DURATION", envvar=E.MTBF,
         help="Mean time between failures (e.g. 6h): never checkpoint more often than the "
              "Young/Daly optimum needs. Default: learned from this job's restarts.")] = None,
     hang_timeout: Annotated[str, typer.Option(
-        "--hang-timeout", envvar=E.HANG_TIMEOUT,
-        help="Seconds without an optimizer step before a rank counts as hung and the job "
-             "restarts (0: off).")] = "1800",
+        "--hang-timeout", metavar="DURATION", envvar=E.HANG_TIMEOUT,
+        help="Time without an optimizer step before a rank counts as hung and the job "
+             "restarts: seconds, or 30m, 1h (0: off).")] = "1800",
     crash_loop: Annotated[str, typer.Option(
-        "--crash-loop", envvar=E.CRASH_LOOP,
+        "--crash-loop", metavar="INTEGER", envvar=E.CRASH_LOOP,
         help="Stop (exit 5) after the same failure at the same step this many times in a row "
              "(0: off).")] = "3",
     inject_crash: Annotated[str, typer.Option(
-        "--inject-crash", envvar=E.INJECT_CRASH,
+        "--inject-crash", metavar="STEP[@ATTEMPT],...", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
     peer: Annotated[str | None, typer.Option(
-        "--peer", envvar=E.PEER,
-        help="HOST:PORT of a `cfrun peer`: checkpoints go to its RAM (protected), which "
+        "--peer", metavar="HOST:PORT", envvar=E.PEER,
+        help="HOST:PORT of a cfrun peer: checkpoints go to its RAM (protected), which "
              "flushes them to durable storage; the job dir takes them while it is down.")] = None,
     peer_token_file: Annotated[str | None, typer.Option(
-        "--peer-token-file", envvar=E.PEER_TOKEN_FILE,
+        "--peer-token-file", metavar="PATH", envvar=E.PEER_TOKEN_FILE,
         help="File with the peer's shared secret (mode 600).")] = None,
     peer_streams: Annotated[str, typer.Option(
-        "--peer-streams", envvar=E.PEER_STREAMS,
+        "--peer-streams", metavar="INTEGER", envvar=E.PEER_STREAMS,
         help="Parallel connections per rank to the peer (1..64).")] = "4",
     persist_to: Annotated[str | None, typer.Option(
-        "--persist-to", envvar=E.PERSIST_TO,
+        "--persist-to", metavar="PATH|URL", envvar=E.PERSIST_TO,
         help="Level-2 store (directory or URL such as s3://bucket/prefix) that a resume also "
              "searches: give the peer's --flush-to.")] = None,
     nnodes: Annotated[str, typer.Option(
-        "--nnodes", envvar=E.NNODES,
+        "--nnodes", metavar="INTEGER", envvar=E.NNODES,
         help="Nodes in the job; run one cfrun per node with the same --job-dir on a shared "
              "file system (torchrun c10d rendezvous).")] = "1",
     node_rank: Annotated[str, typer.Option(
-        "--node-rank", envvar=E.NODE_RANK, help="This node's index, 0..nnodes-1.")] = "0",
+        "--node-rank", "--node_rank", metavar="INTEGER", envvar=E.NODE_RANK,
+        help="This node's index, 0..nnodes-1.")] = "0",
     rdzv_endpoint: Annotated[str | None, typer.Option(
-        "--rdzv-endpoint", envvar=E.RDZV_ENDPOINT,
+        "--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT", envvar=E.RDZV_ENDPOINT,
         help="HOST:PORT of the rendezvous (required with --nnodes > 1).")] = None,
     rdzv_id: Annotated[str | None, typer.Option(
-        "--rdzv-id", envvar=E.RDZV_ID,
+        "--rdzv-id", "--rdzv_id", metavar="TEXT", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
+    if log_format is not None:
+        _setup_logging(log_format)
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher)
-    _run(cfg, accept_changed_command=accept_changed_command)
+    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun)
 
 
 def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,
@@ -321,31 +372,39 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
 
 
 def _parse_seconds(name: str, text: str, example: str) -> float:
+    """A DURATION option: plain seconds (``25``, ``0``) or a number with a unit (``30s``,
+    ``2m``, ``1h``, :func:`cfrun.policy.parse_duration`)."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
+        value = parse_duration(name, text) if text.strip()[-1:].isalpha() else -1.0
     if not value >= 0:
-        raise BadInputError(f"{name} {text!r} is not a number of seconds >= 0, "
-                            f"e.g. {name} {example}")
+        raise BadInputError(f"{name} {text!r} is not a duration; give seconds or a number with "
+                            f"s, m, h or d, e.g. {name} {example}")
     return value
 
 
-@app.command("profile", context_settings={"allow_interspersed_args": False})
+@app.command("profile", cls=CfrunCommand, context_settings={"allow_interspersed_args": False},
+             help="Profile SCRIPT: measure checkpoint costs, choose the snapshot mode and the "
+                  "interval, then stop.")
 def profile_cmd(
-    script: Annotated[str, typer.Argument(help="The training script, run unchanged.")],
+    script: Annotated[str, typer.Argument(metavar="SCRIPT",
+                                          help="The training script, run unchanged.")],
     script_args: Annotated[list[str] | None, typer.Argument(
-        help="Arguments for the script, passed through untouched.")] = None,
+        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
     job_dir: Annotated[str | None, typer.Option(
-        "--job-dir", envvar=E.JOB_DIR,
+        "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>); a later "
              "run with the same script and arguments reuses the profile.")] = None,
     overhead: Annotated[str, typer.Option(
-        "--overhead", envvar=E.OVERHEAD, help="Overhead budget: 3.5%, 3.5 or 0.035.")] = "3.5%",
+        "--overhead", metavar="PERCENT", envvar=E.OVERHEAD,
+        help="Overhead budget in percent: 3.5% and 3.5 both mean 3.5%.")] = "3.5%",
     nproc_per_node: Annotated[str, typer.Option(
-        "--nproc-per-node", envvar=E.NPROC_PER_NODE, help="Ranks on this node.")] = "1",
+        "--nproc-per-node", "--nproc_per_node", metavar="INTEGER", envvar=E.NPROC_PER_NODE,
+        help="Ranks on this node.")] = "1",
     mtbf: Annotated[str | None, typer.Option(
-        "--mtbf", envvar=E.MTBF, help="Mean time between failures, e.g. 6h.")] = None,
+        "--mtbf", metavar="DURATION", envvar=E.MTBF,
+        help="Mean time between failures, e.g. 6h.")] = None,
 ) -> None:
     """Profile SCRIPT: measure checkpoint costs, choose snapshot mode and interval, stop."""
     import shutil
@@ -404,17 +463,23 @@ def profile_cmd(
     print(f"strategy written to {strategy}")
 
 
-@app.command("resume")
+@app.command("resume", cls=CfrunCommand,
+             help="Continue a stopped, failed or preempted job with the command, options and "
+                  "working directory recorded in its job dir (config.json); only --node-rank "
+                  "is taken from this command line.")
 def resume_cmd(
-    job_dir: Annotated[str, typer.Argument(help="A job dir written by an earlier cfrun run.")],
+    job_dir: Annotated[str, typer.Argument(
+        metavar="JOB_DIR", help="A job dir written by an earlier cfrun run.")],
     node_rank: Annotated[str, typer.Option(
-        "--node-rank", envvar=E.NODE_RANK,
+        "--node-rank", "--node_rank", metavar="INTEGER", envvar=E.NODE_RANK,
         help="Which node's settings to resume in a multi-node job dir.")] = "0",
     accept_changed_command: Annotated[bool, typer.Option(
         "--accept-changed-command",
         help="Go on although the recorded script was edited since (recorded as a "
              "command_changed event); without it an edited script is refused (exit 2).")
     ] = False,
+    rerun: Annotated[bool, typer.Option(
+        "--rerun", help="Run a finished job again from its newest checkpoint.")] = False,
 ) -> None:
     """Continue a stopped, failed or preempted job with its recorded command and settings.
 
@@ -475,19 +540,27 @@ def resume_cmd(
         os.environ.setdefault(k, v)
     print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
           f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node)", file=sys.stderr, flush=True)
-    _run(cfg, accept_changed_command=accept_changed_command)
+    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun)
 
 
 def _fmt_s(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
-@app.command("status")
+def _or(value: Any, unknown: str) -> str:
+    """``value`` as text, or what its absence means (``cfrun status`` never prints None)."""
+    return unknown if value is None else str(value)
+
+
+@app.command("status", cls=CfrunCommand,
+             help="State of a job: steps, checkpoints, interval, overhead, stall and PGT, "
+                  "restarts.")
 def status_cmd(
-    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
+    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     plot: Annotated[str | None, typer.Option(
-        "--plot", help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
+        "--plot", metavar="PNG",
+        help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
 ) -> None:
     """State of a job: steps, checkpoints, interval, overhead, stall and PGT, restarts."""
     from rich.console import Console
@@ -505,12 +578,16 @@ def status_cmd(
     table = Table(title=f"cfrun job {st['job_dir']}", show_header=False)
     rows = [
         ("state", st["state"]),
-        ("script", str(st["script"])),
-        ("current step", str(st["current_step"])),
-        ("last committed step", str(st["last_committed_step"])),
-        ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"),
+        ("script", str(st["script"] or "unknown (no config.json)")),
+        ("current step", _or(st["current_step"], "no step seen yet")),
+        ("last committed step", _or(st["last_committed_step"], "none yet")),
+        ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
+         if st["interval"]["steps"] is not None
+         else f"not decided yet ({st['interval']['why']})"),
         ("overhead", f"budget {st['overhead']['budget_pct']}%, stall "
-                     f"{st['overhead']['stall_pct']}% of wall time"),
+                     + (f"{st['overhead']['stall_pct']}% of wall time"
+                        if st["overhead"]["stall_pct"] is not None
+                        else "not measured yet (no attempt has ended)")),
         ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
                                  f"{_fmt_s(st['stall_s']['p95'])}, "
                                  f"max {_fmt_s(st['stall_s']['max'])}"),
@@ -518,10 +595,13 @@ def status_cmd(
         ("checkpoints taken", f"{st['checkpoints_taken']}, {st['checkpoints_failed']} failed, "
                               f"{st['checkpoints_skipped']} skipped (no space)"),
         ("attempts", str(st["attempts"])),
-        ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step {r['step']}"
+        ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step "
+                               f"{_or(r['step'], 'unknown')}"
                                for r in st["restarts"]) or "none"),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
     ]
+    if st["error"]:
+        rows.insert(1, ("error", st["error"]))
     if st["unprotected"]:
         rows.insert(1, ("UNPROTECTED", "; ".join(
             f"attempt {u['attempt']}: {u['error']} ({u['where']}, step {u['step']})"
@@ -558,9 +638,10 @@ def _plot(jd: Any, out: Path) -> None:
     fig.savefig(out, dpi=100)
 
 
-@app.command("ls")
+@app.command("ls", cls=CfrunCommand,
+             help="Committed checkpoints: step, epoch, size, age and verification state.")
 def ls_cmd(
-    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
+    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     check: Annotated[bool, typer.Option("--verify/--no-verify",
                                         help="Check every file's checksum.")] = True,
@@ -586,12 +667,15 @@ def ls_cmd(
     report.check_listing(rows)
 
 
-@app.command("export")
+@app.command("export", cls=CfrunCommand,
+             help="Write a checkpoint's model weights as a plain torch or safetensors file.")
 def export_cmd(
-    job_dir: Annotated[str, typer.Argument(help="The job dir.")],
-    out: Annotated[str, typer.Argument(help="Output file.")],
-    step: Annotated[str | None, typer.Option("--step", help="Step (default: newest).")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "torch",
+    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
+    out: Annotated[str, typer.Argument(metavar="OUT", help="Output file.")],
+    step: Annotated[str | None, typer.Option(
+        "--step", metavar="INTEGER", help="Step (default: newest).")] = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", metavar="[torch|safetensors]", help="torch or safetensors.")] = "torch",
 ) -> None:
     """Write a checkpoint's model weights as a plain torch or safetensors file."""
     from cfrun.cli import inspect as report
@@ -601,32 +685,38 @@ def export_cmd(
     out_path = Path(out)
     if out_path.is_dir():
         raise BadInputError(f"output {out!r} is a directory; give a file name, e.g. model.pt")
+    if not out_path.parent.is_dir():
+        raise BadInputError(f"output {out!r}: directory {str(out_path.parent)!r} does not "
+                            "exist; create it first, or give a file in an existing directory")
     got_step, n = report.export(jd, out_path, step=step_n, fmt=fmt)
     print(f"exported step {got_step}: {n} tensors -> {out_path}")
 
 
-@app.command("peer")
+@app.command("peer", cls=CfrunCommand,
+             help="Serve as a remote-memory checkpoint tier (ACUTE level 1) for cfrun --peer. "
+                  "It holds checkpoints in RAM, flush them to --flush-to, serve them back "
+                  "for a resume. Stops on SIGTERM or SIGINT after flushing what it holds.")
 def peer_cmd(
     listen: Annotated[str, typer.Option(
-        "--listen", envvar=E.PEER_LISTEN,
+        "--listen", metavar="HOST:PORT", envvar=E.PEER_LISTEN,
         help="HOST:PORT to listen on; only that address is bound (port 0: a free port, "
              "printed).")],
     flush_to: Annotated[str, typer.Option(
-        "--flush-to", envvar=E.PEER_FLUSH_TO,
+        "--flush-to", metavar="PATH|URL", envvar=E.PEER_FLUSH_TO,
         help="Level 2: a directory or fsspec URL (s3://bucket/prefix, gs://..., file://...) "
              "where checkpoints are flushed, FIFO.")],
     token_file: Annotated[str, typer.Option(
-        "--token-file", envvar=E.PEER_TOKEN_FILE,
+        "--token-file", metavar="PATH", envvar=E.PEER_TOKEN_FILE,
         help="File with the shared secret (>= 16 bytes, mode 600) that clients must prove.")],
     slots: Annotated[str, typer.Option(
-        "--slots", envvar=E.PEER_SLOTS,
+        "--slots", metavar="INTEGER", envvar=E.PEER_SLOTS,
         help="Checkpoints held in RAM (a circular buffer).")] = "2",
     max_checkpoint_bytes: Annotated[str, typer.Option(
-        "--max-checkpoint-bytes", envvar=E.PEER_MAX_CHECKPOINT_BYTES,
+        "--max-checkpoint-bytes", metavar="SIZE", envvar=E.PEER_MAX_CHECKPOINT_BYTES,
         help="Largest checkpoint (all ranks) accepted, e.g. 8G; RAM use is at most slots "
              "times this. Default: half the RAM divided by --slots, at most 16G.")] = "auto",
     keep: Annotated[str, typer.Option(
-        "--keep", envvar=E.PEER_KEEP,
+        "--keep", metavar="INTEGER", envvar=E.PEER_KEEP,
         help="Flushed checkpoints kept per job at level 2.")] = "3",
 ) -> None:
     """Serve as a remote-memory checkpoint tier (ACUTE level 1) for `cfrun --peer`.
@@ -656,7 +746,7 @@ def peer_cmd(
     raise typer.Exit(code)
 
 
-def _run(cfg: RunConfig, *, accept_changed_command: bool = False) -> None:
+def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = False) -> None:
     from cfrun.supervisor.core import Supervisor
 
     # the node's identity names its config, lock, agent socket and slots
@@ -665,20 +755,21 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False) -> None:
     os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
-    code = Supervisor(cfg, accept_changed_command=accept_changed_command).run()
+    code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun).run()
     raise typer.Exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        args = ["--help"]
-    if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
-        args = ["run", *args]
-    if args == ["--version"]:
+    if not args or args[0] in HELP_OPTIONS:
+        print(root_help(typer.main.get_command(app)), end="")
+        sys.exit(0)
+    if args[0] == "--version":
         print(f"cfrun {__version__}")
         sys.exit(0)
+    if args[0] not in SUBCOMMANDS:
+        args = ["run", *args]
     _setup_logging()
     command = typer.main.get_command(app)
     debug = False
@@ -689,8 +780,11 @@ def main(argv: list[str] | None = None) -> None:
     except _EXIT as e:
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
     except _USAGE as e:
-        print(f"cfrun: error: {e.format_message()}; see cfrun --help",  # type: ignore[attr-defined]
-              file=sys.stderr)
+        ctx = getattr(e, "ctx", None)
+        where = ctx.command_path if ctx is not None and ctx.command_path != "cfrun run" \
+            else "cfrun"
+        message = e.format_message().rstrip(".")  # type: ignore[attr-defined]
+        print(f"cfrun: error: {message}; see {where} --help", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except _ABORT:
         sys.exit(EXIT_BAD_INPUT)

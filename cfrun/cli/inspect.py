@@ -159,8 +159,10 @@ def status(jd: JobDir) -> dict[str, Any]:
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
-    restarts ([{attempt, cause, step}]), disk_bytes, unprotected ([{attempt, step, where,
-    error}]: a rank ran without cfrun's protection, e.g. no optimizer ever stepped).
+    restarts ([{attempt, cause, step}]), disk_bytes, error (the message that stopped a
+    ``fatal`` or ``failed`` job, e.g. a crash loop's exception; None otherwise), unprotected
+    ([{attempt, step, where, error}]: a rank ran without cfrun's protection, e.g. no optimizer
+    ever stepped). Unknown values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
@@ -203,6 +205,8 @@ def status(jd: JobDir) -> dict[str, Any]:
         "preempted": [{"step": e.get("step"), "final_checkpoint": e.get("final_checkpoint")}
                       for e in events if e.get("event") == "preempted"],
         "disk_bytes": tree_bytes(jd.checkpoints),
+        "error": states[-1].get("error") if states and not running
+        and states[-1].get("state") in ("fatal", "failed") else None,
         "unprotected": [{"attempt": e.get("attempt"), "step": e.get("step"),
                          "where": e.get("where"), "error": e.get("error")}
                         for e in events if e.get("event") == "unprotected"],
@@ -264,7 +268,8 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
     ``safetensors``: the same tensors, keys prefixed ``model0.`` etc. when there are several.
 
     Raises:
-        BadInputError: unknown format, no such step, or the step fails verification.
+        BadInputError: unknown format, no such step, the step fails verification, or ``out``
+            cannot be written (nothing is left at ``out`` then, and an existing file stays).
     """
     import torch
 
@@ -291,18 +296,30 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
             for m in modules):
         raise BadInputError(f"checkpoint step {step} holds no model weights cfrun wrote "
                             "(no list of state_dicts under 'modules'); export another --step")
-    if fmt == "torch":
-        obj = modules[0] if len(modules) == 1 else {f"model{i}": m for i, m in enumerate(modules)}
-        torch.save(obj, out)
-    else:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise BadInputError("--format safetensors needs the safetensors package; "
-                                "pip install safetensors") from None
-        flat = {}
-        for i, m in enumerate(modules):
-            for k, v in m.items():
-                flat[k if len(modules) == 1 else f"model{i}.{k}"] = v.contiguous()
-        save_file(flat, str(out), metadata={"cfrun_step": str(step)})
+    # written beside ``out`` and renamed: a failed export leaves no torn file and an existing
+    # ``out`` as it was
+    tmp = out.with_name(f".{out.name}.cfrun-tmp-{os.getpid()}")
+    try:
+        if fmt == "torch":
+            obj = modules[0] if len(modules) == 1 else {f"model{i}": m
+                                                        for i, m in enumerate(modules)}
+            torch.save(obj, tmp)
+        else:
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                raise BadInputError("--format safetensors needs the safetensors package; "
+                                    "pip install safetensors") from None
+            flat = {}
+            for i, m in enumerate(modules):
+                for k, v in m.items():
+                    flat[k if len(modules) == 1 else f"model{i}.{k}"] = v.contiguous()
+            save_file(flat, str(tmp), metadata={"cfrun_step": str(step)})
+        os.replace(tmp, out)
+    except (OSError, RuntimeError) as e:  # torch.save wraps I/O errors in RuntimeError
+        raise BadInputError(f"cannot write {str(out)!r} ({getattr(e, 'strerror', None) or e}); "
+                            "give a writable path with free space") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
     return step, sum(len(m) for m in modules)

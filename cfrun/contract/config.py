@@ -20,27 +20,39 @@ from cfrun.contract.errors import BadInputError
 _OVERHEAD_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
 
-def parse_overhead(text: str) -> float:
-    """Parse an overhead budget into a fraction of the baseline iteration time.
+MIN_OVERHEAD_PCT = 0.1
+"""The smallest budget accepted, in percent: below it the policy has nothing to measure against
+the noise of a step time, and a value such as ``0.035`` is most likely a fraction meant as 3.5%."""
 
-    Accepts ``"3.5%"`` and ``"3.5"`` (percent, for values >= 1) and ``"0.035"`` (a fraction, for
-    values < 1). The result lies in (0, 1): a budget of 100% or more is no budget.
+
+def parse_overhead(text: str) -> float:
+    """Parse an overhead budget, always a number of percent, into a fraction of the step time.
+
+    One rule: the number is a percentage, with or without ``%``: ``"3.5%"`` and ``"3.5"`` are
+    both 3.5% (0.035); ``"0.5"`` is 0.5%. Accepted from :data:`MIN_OVERHEAD_PCT` up to (not
+    including) 100%.
 
     Raises:
-        BadInputError: not a number, zero, negative, or >= 100%.
+        BadInputError: not a number, below 0.1% (a fraction such as 0.035 is refused with the
+            percentage it probably meant), or >= 100%.
     """
     m = _OVERHEAD_RE.match(text)
     if m is None:
         raise BadInputError(
-            f"--overhead {text!r} is not a number; give a percentage such as 3.5% (or 0.035)"
+            f"--overhead {text!r} is not a number; give a percentage such as 3.5%"
         )
-    value = float(m.group(1))
-    fraction = value / 100.0 if (m.group(2) == "%" or value >= 1.0) else value
-    if not 0.0 < fraction < 1.0:
+    pct = float(m.group(1))
+    if 0.0 < pct < MIN_OVERHEAD_PCT:
         raise BadInputError(
-            f"--overhead {text!r} is out of range; give a budget above 0% and below 100%, e.g. 3.5%"
+            f"--overhead {text!r} means {pct:g}%, below the {MIN_OVERHEAD_PCT:g}% cfrun can hold; "
+            f"the budget is in percent: for {pct * 100:g}% write {pct * 100:g}%"
         )
-    return fraction
+    if not MIN_OVERHEAD_PCT <= pct < 100.0:
+        raise BadInputError(
+            f"--overhead {text!r} is out of range; give a budget from {MIN_OVERHEAD_PCT:g}% to "
+            "below 100%, e.g. 3.5%"
+        )
+    return pct / 100.0
 
 
 def parse_interval(text: str) -> int:

@@ -48,6 +48,8 @@ from cfrun.contract.settings import node_rank
 
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
+LOGS = "logs"
+"""``logs/``: torchrun's own output per attempt (``attempt-N.log``) and its ``--log-dir``."""
 """The policy's cached profiles (cfrun.rank.tuner)."""
 EVENTS = "events.jsonl"
 IDENTITY = "identity.json"
@@ -184,6 +186,18 @@ class JobDir:
         return self.root / CHECKPOINTS
 
     @property
+    def logs(self) -> Path:
+        """``logs/`` (:data:`LOGS`)."""
+        return self.root / LOGS
+
+    def attempt_log_path(self, attempt: int) -> Path:
+        """``logs/attempt-N.log`` (``attempt-N-node1.log`` on node 1): what torchrun itself
+        wrote during attempt N (:mod:`cfrun.supervisor.torchrun_log`)."""
+        from cfrun.contract.settings import node_suffix
+
+        return self.logs / f"attempt-{attempt}{node_suffix()}.log"
+
+    @property
     def agent_path(self) -> Path:
         from cfrun.contract.settings import node_suffix
 
@@ -226,16 +240,17 @@ class JobDir:
                 or self.events_path.exists() or self.checkpoints.is_dir())
 
     def create(self) -> None:
-        """Create the directory tree (idempotent): the job dir, ``checkpoints/`` and the
-        ``profiles/`` cache 0700 (an existing one of this user, e.g. from an older cfrun, is made
-        0700 too).
+        """Create the directory tree (idempotent): the job dir, ``checkpoints/``, ``logs/`` and
+        the ``profiles/`` cache 0700 (an existing one of this user, e.g. from an older cfrun, is
+        made 0700 too).
 
         Raises:
-            BadInputError: ``checkpoints`` or ``profiles`` is a symbolic link or not a directory.
+            BadInputError: ``checkpoints``, ``profiles`` or ``logs`` is a symbolic link or not
+                a directory.
         """
         self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _make_private_dir(self.root)
-        for sub in (self.checkpoints, self.profiles):
+        for sub in (self.checkpoints, self.profiles, self.logs):
             try:
                 sub.mkdir(mode=DIR_MODE)
             except FileExistsError:

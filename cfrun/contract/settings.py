@@ -114,10 +114,16 @@ RDZV_ID = _declare("CFRUN_RDZV_ID", "str", None, "rendezvous id shared by the no
 MAX_RESTARTS = _declare("CFRUN_MAX_RESTARTS", "int", "5",
                         "restarts after failures before giving up (exit code 4)")
 KEEP = _declare("CFRUN_KEEP", "int", "2", "committed checkpoints kept")
-GRACE = _declare("CFRUN_GRACE", "float", "25",
-                 "seconds the ranks get after SIGTERM for a final checkpoint before SIGKILL")
-HANG_TIMEOUT = _declare("CFRUN_HANG_TIMEOUT", "float", "1800",
-                        "seconds without an optimizer step before the job restarts (0: off)")
+GRACE = _declare("CFRUN_GRACE", "duration", "25",
+                 "time the ranks get after SIGTERM for a final checkpoint before SIGKILL "
+                 "(seconds, or 30s, 2m)")
+HANG_TIMEOUT = _declare("CFRUN_HANG_TIMEOUT", "duration", "1800",
+                        "time without an optimizer step before the job restarts (seconds, or "
+                        "30m, 1h; 0: off)")
+LOG_FORMAT = _declare("CFRUN_LOG_FORMAT", "choice", "auto",
+                      "cfrun's own log records on stderr: auto (rich on a terminal, else text), "
+                      "text (one line per record, never wrapped) or json (one JSON object per "
+                      "line)", choices=("auto", "text", "json"))
 CRASH_LOOP = _declare("CFRUN_CRASH_LOOP", "int", "3",
                       "the same failure at the same step this many times: stop with exit code 5 "
                       "(0: off)")

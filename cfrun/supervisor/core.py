@@ -117,18 +117,53 @@ class SignalReceived(Exception):
         self.signum = signum
 
 
+def finished_at(jd: JobDir, node_rank: int) -> str | None:
+    """``"at step N on DATE"`` when this node's last attempt of the job in ``jd`` succeeded
+    (its last ``state`` event is ``succeeded`` and no attempt started since), else None.
+
+    The step is the newest any rank's heartbeat reached (the script's end), else the newest
+    committed checkpoint; the date is the event's, in UTC. Reads only; never raises for a
+    missing or unreadable events file (None).
+    """
+    last_state: dict[str, Any] | None = None
+    try:
+        events = jd.read_events()
+    except Exception:  # unreadable: not known to be finished
+        return None
+    for e in events:
+        if e.get("node", 0) != node_rank:
+            continue
+        if e.get("event") == "state":
+            last_state = e
+        elif e.get("event") == "attempt_start":
+            last_state = None
+    if last_state is None or last_state.get("state") != SupervisorState.SUCCEEDED.value:
+        return None
+    steps = [b.step for b in map(coordination.Heartbeat.read,
+                                 coordination.heartbeat_paths(jd.root)) if b is not None]
+    if not steps:
+        steps = committed_steps(jd.checkpoints)[:1]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(last_state.get("t_unix_s",
+                                                                                   0))))
+    return f"at step {max(steps)} on {when}" if steps else f"on {when}"
+
+
 class Supervisor:
     """Runs one job to completion. Construct, then :meth:`run` on the main thread.
 
     ``spawn_fn`` starts torchrun (tests pass fakes); ``backoff_s`` is the wait before the first
     restart (doubled per restart, at most 30 s); ``accept_changed_command``
-    (``--accept-changed-command``) lets a job dir's job go on under a changed command."""
+    (``--accept-changed-command``) lets a job dir's job go on under a changed command;
+    ``rerun`` (``--rerun``) runs a finished job's command again (else it says it finished and
+    exits 0)."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
-                 backoff_s: float = 0.5, accept_changed_command: bool = False) -> None:
+                 backoff_s: float = 0.5, accept_changed_command: bool = False,
+                 rerun: bool = False) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
         self.accept_changed_command = accept_changed_command
+        self.rerun = rerun
         self.identity: Identity | None = None  # the job's (None: cfrun profile)
         self.state = SupervisorState.STARTING
         self.agent: subprocess.Popen[bytes] | None = None
@@ -182,6 +217,12 @@ class Supervisor:
                     raise JobDirLockedError(
                         f"job dir {str(jd.root)!r} is in use by another cfrun") from None
                 raise
+            finished = None if changes or self.rerun else finished_at(jd, self.cfg.node_rank)
+            if finished is not None:
+                logger.info("cfrun: job %s finished %s; nothing to do (--rerun runs the command "
+                            "again from the newest checkpoint; a new --job-dir starts over)",
+                            jd.root, finished)
+                return 0
         jd.create()
         jd.lock()
         if identity is not None:

@@ -42,35 +42,43 @@ def hooks_dir() -> Path:
     raise FileNotFoundError(f"cfrun's hooks/sitecustomize.py is missing next to {pkg}")
 
 
-def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable) -> list[str]:
+def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
+                        log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The torchrun command for one attempt (no I/O).
 
     One node: ``--standalone``. Several: torchrun's c10d rendezvous at ``--rdzv-endpoint`` (the
     first node there to bind the port hosts the store; torchrun ``--rdzv-backend c10d``), with a
-    fixed node count, so the world size cannot change between restarts.
+    fixed node count, so the world size cannot change between restarts. ``log_path``: torchrun
+    runs under :mod:`cfrun.supervisor.torchrun_log`, its own output appended there (the ranks'
+    output stays on the console); ``log_dir``: torchrun's ``--log-dir`` (else it leaves a
+    ``torchelastic_*`` directory in /tmp per attempt).
     """
     if cfg.nnodes > 1:
         launch = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}"]
     else:
         launch = ["--standalone"]
+    runner = ["-m", "cfrun.supervisor.torchrun_log", log_path, "torch.distributed.run"] \
+        if log_path is not None else ["-m", "torch.distributed.run"]
     return [
-        python, "-m", "torch.distributed.run",
+        python, *runner,
         *launch,
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
+        *([f"--log-dir={log_dir}"] if log_dir is not None else []),
         cfg.script, *cfg.script_args,
     ]
 
 
-def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable) -> list[str]:
+def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable,
+                      log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The command of one attempt (no I/O): :func:`build_torchrun_argv`, or with
     ``--launcher python`` the script itself, ``python SCRIPT ARGS``, as its user would run it
     (one process; :class:`RunConfig` refuses it with several ranks or nodes)."""
     if cfg.launcher == "python":
         return [python, cfg.script, *cfg.script_args]
-    return build_torchrun_argv(cfg, python=python)
+    return build_torchrun_argv(cfg, python=python, log_path=log_path, log_dir=log_dir)
 
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",

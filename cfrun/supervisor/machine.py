@@ -52,6 +52,7 @@ from cfrun.contract.errors import (
     JobFailedError,
 )
 from cfrun.contract.retry import MAX_BACKOFF_S, backoff_delay_s
+from cfrun.supervisor.torchrun_log import describe_rank_exit
 
 if TYPE_CHECKING:
     from cfrun.contract.config import RunConfig
@@ -226,6 +227,9 @@ class Outcome:
     """``SIGTERM``/``SIGINT``: cfrun itself was stopped by this signal."""
     committed_steps: tuple[int, ...] = ()
     """Committed checkpoint steps when the outcome was taken, newest first."""
+    rank_exits: tuple[tuple[int, int], ...] = ()
+    """``(rank, exitcode)`` of the failed ranks in torchrun's report, first observed failure
+    last (:func:`cfrun.supervisor.torchrun_log.rank_exits`); negative: killed by that signal."""
 
     @property
     def kind(self) -> OutcomeKind:
@@ -266,14 +270,17 @@ class Outcome:
 
     @property
     def cause(self) -> str:
-        """``hang (...)``, ``out of memory at step N (...)``, ``exit code N`` or ``killed by
-        SIGNAME`` (failure events, reports)."""
+        """``hang (...)``, ``out of memory at step N (...)``, the first failed rank as torchrun
+        reported it (``rank 1 killed by SIGKILL``, ``rank 0 exit code 1``), or torchrun's own
+        ``exit code N`` or ``killed by SIGNAME`` (failure events, reports)."""
         if self.hung:
             return HANG_CAUSE
         if self.oom_kills > 0:
             step = self.failure.step
             return (f"out of memory at step {step if step is not None else '?'} (the kernel's "
                     f"OOM killer killed {self.oom_kills} process(es) of the job)")
+        if self.rank_exits and self.returncode == 1:  # torchrun's own "a child failed"
+            return describe_rank_exit(*self.rank_exits[-1])
         return describe_returncode(self.returncode if self.returncode is not None else 0)
 
     @property
@@ -369,7 +376,11 @@ class Action:
 
 
 def _stop(state: SupervisorState, exit_code: int, fields: Mapping[str, Any], **kw: Any) -> Action:
-    return Action(ActionKind.STOP, state, dict(fields), exit_code=exit_code, **kw)
+    """A stop; its error message goes into the final ``state`` event too (``cfrun status``)."""
+    fields = dict(fields)
+    if kw.get("error"):
+        fields.setdefault("error", kw["error"])
+    return Action(ActionKind.STOP, state, fields, exit_code=exit_code, **kw)
 
 
 def _preempted(outcome: Outcome, policy: Policy) -> Action:

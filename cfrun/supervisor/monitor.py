@@ -33,6 +33,7 @@ from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome, RankError
+from cfrun.supervisor.torchrun_log import read_rank_exits
 
 logger = logging.getLogger("cfrun")
 
@@ -129,7 +130,9 @@ class Monitor:
             SignalReceived: from the supervisor's handler (SIGTERM/SIGINT); the supervisor then
                 calls :meth:`shutdown`.
         """
-        argv = build_launch_argv(self.cfg)
+        log_path = self.jobdir.attempt_log_path(attempt)
+        argv = build_launch_argv(self.cfg, log_path=str(log_path),
+                                 log_dir=str(self.jobdir.logs / "torchrun"))
         env = build_worker_env(self.cfg, attempt, mtbf_s=self.mtbf_s())
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
         t0 = time.monotonic()
@@ -188,7 +191,8 @@ class Monitor:
             ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
             fatal_message=self.fatal_message(), last_step=self.last_step(),
             oom_kills=max(oom_kills, 0), agent_error=agent_error,
-            committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))
+            committed_steps=tuple(committed_steps(self.jobdir.checkpoints)),
+            rank_exits=tuple(read_rank_exits(str(log_path))) if rc else ())
 
     def stopped(self, signame: str) -> Outcome:
         """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,

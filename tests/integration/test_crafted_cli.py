@@ -219,7 +219,7 @@ def test_resume_refuses_a_dtype_lie_the_checksum_cannot_see(tmp_path: Path) -> N
     _reseal(newest)
     before = _tree_digest(ckpts)
 
-    again = run_cfrun(["resume", "j"], cwd=tmp_path)
+    again = run_cfrun(["resume", "--rerun", "j"], cwd=tmp_path)
     assert again.returncode == 5, again.stderr[-2000:]
     refusal = [ln for ln in again.stderr.splitlines()
                if ln.startswith("cfrun: error:") and "does not fit" in ln]

@@ -279,7 +279,7 @@ def test_a_checksum_failure_in_one_ranks_shard_moves_both_ranks_back(tmp_path, t
     data[len(data) // 3] ^= 0x01
     os.chmod(shard, 0o600)
     shard.write_bytes(bytes(data))
-    again = run_cfrun(["resume", "ref"], cwd=tmp_path)
+    again = run_cfrun(["resume", "--rerun", "ref"], cwd=tmp_path)  # a finished job
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = _events(tmp_path / "ref", "resumed")
     assert sorted(e["rank"] for e in resumed) == [0, 1]

@@ -44,7 +44,7 @@ def test_status_json_shape(job):
     assert st["current_step"] == 46 and st["last_committed_step"] >= 40
     assert st["interval"] == {"steps": 10, "why": "fixed by --interval"}
     assert st["attempts"] == 2 and len(st["restarts"]) == 1
-    assert st["restarts"][0]["cause"] == "exit code 1"
+    assert st["restarts"][0]["cause"] == "rank 0 killed by SIGKILL"  # torchrun's report
     assert st["stall_s"]["count"] == st["checkpoints_taken"] >= 3
     assert set(st["pgt_s"]) == {"count", "median", "p95", "max"}
     assert st["disk_bytes"] > 0 and 0 <= st["overhead"]["stall_pct"] < 100

@@ -104,7 +104,7 @@ def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(t
     assert "FINAL" not in again.stdout
     assert _listing(job) == before  # nothing created, written or touched
     # the same command still resumes, as before
-    same = run_cfrun(["--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
+    same = run_cfrun(["--rerun", "--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
     assert _events(job, "resumed")
 
@@ -147,7 +147,7 @@ def test_two_scripts_with_one_file_name_get_two_default_job_dirs(tmp_path):
         (tmp_path / d).mkdir()
         shutil.copy(SCRIPTS / "print_argv.py", tmp_path / d / "train.py")
     for d in ("a", "b", "a"):  # the same script again: the same job dir
-        run = run_cfrun([f"{d}/train.py", "x"], cwd=tmp_path)
+        run = run_cfrun(["--rerun", f"{d}/train.py", "x"], cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
     jobs = sorted((tmp_path / "cfrun-jobs").iterdir())
     assert len(jobs) == 2 and all(j.name.startswith("train-") for j in jobs)
@@ -242,7 +242,7 @@ def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp
     assert theirs > ours
     shutil.copytree(tmp_path / "ja" / "checkpoints" / step_dir_name(theirs),
                     tmp_path / "jb" / "checkpoints" / step_dir_name(theirs))
-    again = run_cfrun(b_argv, cwd=tmp_path)
+    again = run_cfrun(["--rerun", *b_argv], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     [foreign] = _events(tmp_path / "jb", "foreign_checkpoint")
     assert foreign["step"] == theirs and foreign["job_id"] == _identity(tmp_path / "ja")["job_id"]

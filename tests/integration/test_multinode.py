@@ -153,7 +153,7 @@ def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path, tmp_path_fact
     ckpts = tmp_path / "ref" / "checkpoints"
     newest, previous = sorted((int(p.name[5:]) for p in ckpts.glob("step-*")), reverse=True)[:2]
     (ckpts / f"step-{newest:06d}" / "rank-00001.bin").unlink()
-    again = run_cfrun(["resume", "ref"], cwd=tmp_path)
+    again = run_cfrun(["resume", "--rerun", "ref"], cwd=tmp_path)  # a finished job
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = [e for e in events(tmp_path / "ref") if e["event"] == "resumed"]
     assert sorted(e["rank"] for e in resumed) == [0, 1]

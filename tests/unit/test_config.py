@@ -22,8 +22,9 @@ from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError
     [
         ("3.5%", 0.035),
         ("3.5", 0.035),
-        ("0.035", 0.035),
         ("1", 0.01),
+        ("0.5", 0.005),
+        ("0.1", 0.001),
         ("1%", 0.01),
         ("0.5%", 0.005),
         (" 10 % ", 0.10),
@@ -34,7 +35,8 @@ def test_parse_overhead_valid(text: str, expected: float) -> None:
     assert parse_overhead(text) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("text", ["-1", "0", "0%", "200%", "100", "100%", "fast", "", "3.5%%"])
+@pytest.mark.parametrize("text", ["-1", "0", "0%", "200%", "100", "100%", "fast", "", "3.5%%",
+                                  "0.035", "0.05%"])
 def test_parse_overhead_invalid_names_value(text: str) -> None:
     with pytest.raises(BadInputError) as info:
         parse_overhead(text)
@@ -143,3 +145,9 @@ def test_runconfig_from_json_validates() -> None:
     data = {**_cfg().to_json(), "keep": 0}
     with pytest.raises(BadInputError):
         RunConfig.from_json(data)
+
+
+def test_a_fraction_given_as_overhead_is_refused_with_the_percentage_it_meant() -> None:
+    """One rule (a number is percent): 0.035 is not silently 0.035% nor 3.5%; the error says."""
+    with pytest.raises(BadInputError, match=r"means 0.035%.*for 3.5% write 3.5%"):
+        parse_overhead("0.035")

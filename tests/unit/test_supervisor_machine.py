@@ -122,7 +122,9 @@ def test_crash_loop_is_the_same_failure_of_the_script_n_times(outcomes, states) 
 def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
     *_, last = drive([raised(12)] * 3)
     assert last.exit_code == EXIT_FATAL == 5
-    assert last.state_fields == {"attempt": 2, "cause": "crash loop"}
+    assert last.state_fields == {"attempt": 2, "cause": "crash loop", "error": (
+        "crash loop: the same failure 3 times in a row at step 12: ValueError: bad batch at "
+        "step 12")}  # the final state event carries the error (cfrun status shows it)
     assert last.error == ("crash loop: the same failure 3 times in a row at step 12: "
                           "ValueError: bad batch at step 12")
     assert last.hint == "fix the script, then: cfrun resume /jobs/j"
@@ -177,7 +179,9 @@ def test_restarts_stop_at_max_restarts_with_exit_4(max_restarts: int) -> None:
     assert _kinds(actions) == ["restarting"] * max_restarts + ["failed"]
     last = actions[-1]
     assert last.exit_code == EXIT_FAILED == 4
-    assert last.state_fields == {"attempt": max_restarts, "cause": "killed by SIGKILL"}
+    assert last.state_fields == {"attempt": max_restarts, "cause": "killed by SIGKILL",
+                                 "error": f"the script failed (killed by SIGKILL) and "
+                                          f"--max-restarts {max_restarts} restarts are used up"}
     assert last.error == (f"the script failed (killed by SIGKILL) and --max-restarts "
                           f"{max_restarts} restarts are used up")
     assert last.hint == "fix the cause, then continue with: cfrun resume /jobs/j"
@@ -265,7 +269,8 @@ def test_fatal_and_agent_lost_exit_5_without_restart() -> None:
     action = decide(fatal, History(), POLICY)
     assert (action.state, action.exit_code) == (SupervisorState.FATAL, EXIT_FATAL)
     assert action.state_fields == {"attempt": 1,
-                                   "message": "the world size changed from 2 to 4 ranks"}
+                                   "message": "the world size changed from 2 to 4 ranks",
+                                   "error": "the world size changed from 2 to 4 ranks"}
     assert action.events == ()  # no failure event: nothing to restart
     assert str(action.exception()) == "the world size changed from 2 to 4 ranks"
     lost = Outcome(attempt=1, returncode=-9, agent_error="the persist agent did not start")
