@@ -197,6 +197,7 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
          "of the same command resumes by itself.",
 )
 def run_cmd(
+    ctx: typer.Context,
     script: Annotated[str, typer.Argument(metavar="SCRIPT",
                                           help="The training script, run unchanged.")],
     script_args: Annotated[list[str] | None, typer.Argument(
@@ -222,10 +223,15 @@ def run_cmd(
         help="Run a finished job's command again, from its newest checkpoint (the script's "
              "tail after it runs again). Without it a finished job says so and exits 0.")
     ] = False,
-    log_format: Annotated[str | None, typer.Option(
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run",
+        help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "
+             "and the launch command as JSON, and exit without starting or writing anything."
+    )] = False,
+    log_format: Annotated[str, typer.Option(
         "--log-format", metavar="[auto|text|json]", envvar=E.LOG_FORMAT,
         help="cfrun's own log lines: auto (rich on a terminal, text elsewhere), text (one line "
-             "per record, never wrapped) or json (JSON lines).")] = None,
+             "per record, never wrapped) or json (JSON lines).")] = "auto",
     interval: Annotated[str | None, typer.Option(
         "--interval", metavar="INTEGER", envvar=E.INTERVAL,
         help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
@@ -293,15 +299,50 @@ def run_cmd(
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
-    if log_format is not None:
-        _setup_logging(log_format)
+    if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
+        _setup_logging(log_format)  # main() set up CFRUN_LOG_FORMAT's already
+    given = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
+             "rdzv_id": rdzv_id, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts}
+    taken = _cluster_defaults(ctx, given)
+    nnodes, node_rank, rdzv_endpoint, rdzv_id, nproc_per_node, max_restarts = (
+        taken[k] for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
+                           "max_restarts"))
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher)
+    if dry_run:
+        from cfrun.supervisor.launcher import build_launch_argv
+
+        config = cfg.to_json()
+        config.pop("env", None)  # the environment is recorded at run time, not shown here
+        print(json.dumps({"config": config, "launch": build_launch_argv(cfg)}, indent=1))
+        return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun)
+
+
+def _cluster_defaults(ctx: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with each option that neither a flag nor its ``CFRUN_*`` variable set taken
+    from the launcher's environment (:func:`cfrun.contract.cluster.cluster_defaults`: torchrun's
+    ``PET_*``, then SLURM); one INFO line says what was taken and from where."""
+    from cfrun.contract.cluster import cluster_defaults
+
+    found = cluster_defaults(os.environ)
+    out = dict(given)
+    taken = []
+    for option in given:
+        source = ctx.get_parameter_source(option)
+        if source is not None and getattr(source, "name", "") != "DEFAULT":
+            continue
+        default = found.get(option)
+        if default is not None:
+            out[option] = default[0]
+            taken.append(f"{option.replace('_', '-')} {default[0]} ({default[1]})")
+    if taken:
+        log.info("cfrun: from the environment: %s", ", ".join(taken))
+    return out
 
 
 def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,

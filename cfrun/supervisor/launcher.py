@@ -93,7 +93,9 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O). With
     ``--launcher python`` the script's own, without any of :data:`TORCHRUN_VARIABLES`.
 
-    ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's own process is untouched). The
+    torchrun's ``PET_*`` variables are dropped (cfrun read them: :mod:`cfrun.contract.cluster`,
+    and passes its choices as flags). ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's
+    own process is untouched). The
     ranks' settings travel as one JSON value, ``CFRUN_RANK_SETTINGS``
     (:class:`cfrun.rank.settings.RankSettings`), whose presence also arms the hook.
     ``CFRUN_RANK_JOB_DIR``, ``CFRUN_RANK_SUPERVISOR_PID`` and ``CFRUN_NODE_RANK`` mark every
@@ -110,6 +112,8 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
     if cfg.launcher == "python":  # cfrun itself may run under torchrun: none of it leaks
         for name in [k for k in env if k in TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]:
             del env[name]
+    for name in [k for k in env if k.startswith("PET_")]:
+        del env[name]  # torchrun reads PET_* as its options' defaults: cfrun chose them already
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks_dir()), old) if p)
     settings = RankSettings(
