@@ -223,6 +223,10 @@ def run_cmd(
         help="Run a finished job's command again, from its newest checkpoint (the script's "
              "tail after it runs again). Without it a finished job says so and exits 0.")
     ] = False,
+    metrics: Annotated[str | None, typer.Option(
+        "--metrics", metavar="HOST:PORT", envvar=E.METRICS,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0 for a pod; port 0: "
+             "a free port). The job dir's metrics.prom is written either way.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run",
         help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "
@@ -312,7 +316,7 @@ def run_cmd(
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                        job_name=job_name, launcher=launcher)
+                        job_name=job_name, launcher=launcher, metrics=metrics)
     if dry_run:
         from cfrun.supervisor.launcher import build_launch_argv
 
@@ -352,7 +356,8 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   peer_token_file: str | None = None, peer_streams: str = "4",
                   persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                  job_name: str | None = None, launcher: str = "torchrun") -> RunConfig:
+                  job_name: str | None = None, launcher: str = "torchrun",
+                  metrics: str | None = None) -> RunConfig:
     script_path = _resolve_script(script)
     option = "--job-name"
     if job_name is None and E.get_str(E.PEER_JOB):  # the older name of CFRUN_JOB_NAME
@@ -375,6 +380,10 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                                 "shared secret")
         read_token(peer_token_file, option="--peer-token-file")
         token_path = str(Path(peer_token_file).expanduser().absolute())
+    if metrics:
+        from cfrun.peer.protocol import parse_address
+
+        parse_address(metrics, option="--metrics")
     if persist_to:
         from cfrun.storage.tiers import open_storage
 
@@ -407,6 +416,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         peer_streams=parse_positive_int("--peer-streams", peer_streams, minimum=1),
         persist_to=persist_to or None,
         job_name=job_name,
+        metrics=metrics or None,
         env=_recorded_env(),
     )
     return cfg
@@ -602,6 +612,8 @@ def status_cmd(
     plot: Annotated[str | None, typer.Option(
         "--plot", metavar="PNG",
         help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
+    metrics: Annotated[bool, typer.Option(
+        "--metrics", help="Print the job's Prometheus metrics (text format) instead.")] = False,
 ) -> None:
     """State of a job: steps, checkpoints, interval, overhead, stall and PGT, restarts."""
     from rich.console import Console
@@ -610,6 +622,11 @@ def status_cmd(
     from cfrun.cli import inspect as report
 
     jd = report.open_job_dir(job_dir)
+    if metrics:
+        from cfrun.supervisor.metrics import JobMetrics
+
+        sys.stdout.write(JobMetrics(jd.root).exposition().decode())
+        return
     st = report.status(jd)
     if plot:
         _plot(jd, Path(plot))

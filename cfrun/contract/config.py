@@ -196,6 +196,9 @@ class RunConfig:
     job_name: str | None = None
     """The job's name at a peer and at level 2 (``--job-name``); None: the job dir's
     ``identity.json`` names it (:func:`default_job_name` for a new job)."""
+    metrics: str | None = None
+    """``HOST:PORT`` where the supervisor serves Prometheus metrics (``--metrics``); None: only
+    the ``metrics.prom`` textfile in the job dir (:mod:`cfrun.supervisor.metrics`)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables recorded for ``cfrun resume`` (CFRUN_*, CUDA_*, OMP_*, PYTHON*)."""
 

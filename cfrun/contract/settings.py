@@ -120,6 +120,9 @@ GRACE = _declare("CFRUN_GRACE", "duration", "25",
 HANG_TIMEOUT = _declare("CFRUN_HANG_TIMEOUT", "duration", "1800",
                         "time without an optimizer step before the job restarts (seconds, or "
                         "30m, 1h; 0: off)")
+METRICS = _declare("CFRUN_METRICS", "address", None,
+                   "HOST:PORT where the supervisor serves Prometheus metrics at /metrics (port 0: "
+                   "a free port, logged); the job dir's metrics.prom is written either way")
 LOG_FORMAT = _declare("CFRUN_LOG_FORMAT", "choice", "auto",
                       "cfrun's own log records on stderr: auto (rich on a terminal, else text), "
                       "text (one line per record, never wrapped) or json (one JSON object per "

@@ -164,6 +164,8 @@ class Supervisor:
         self.jobdir = JobDir(cfg.job_dir)
         self.accept_changed_command = accept_changed_command
         self.rerun = rerun
+        self.metrics: Any = None  # JobMetrics once the job runs
+        self.metrics_server: Any = None
         self.identity: Identity | None = None  # the job's (None: cfrun profile)
         self.state = SupervisorState.STARTING
         self.agent: subprocess.Popen[bytes] | None = None
@@ -251,8 +253,30 @@ class Supervisor:
                     signal.signal(s, h)
                 for s, h in old_forward.items():
                     signal.signal(s, h)
+                if self.metrics is not None:
+                    self.metrics.write_textfile()
+                if self.metrics_server is not None:
+                    self.metrics_server.shutdown()
                 jd.unlock()
                 self._stop_reaper()
+
+    def _start_metrics(self) -> None:
+        """Metrics (:mod:`cfrun.supervisor.metrics`): ``metrics.prom`` written by the monitor
+        every few seconds and at the end; with ``--metrics`` also served over HTTP. A port that
+        cannot be bound is one warning, not a failed job."""
+        from cfrun.supervisor.metrics import JobMetrics, serve
+
+        self.metrics = JobMetrics(self.jobdir.root)
+        self.monitor.metrics = self.metrics
+        if self.cfg.metrics:
+            try:
+                self.metrics_server, port = serve(self.metrics, self.cfg.metrics)
+            except OSError as e:
+                logger.warning("cfrun: cannot serve metrics at %s (%s); metrics.prom in the "
+                               "job dir has them", self.cfg.metrics, e.strerror or e)
+            else:
+                host = self.cfg.metrics.rpartition(":")[0]
+                logger.info("cfrun: metrics at http://%s:%d/metrics", host, port)
 
     def _take_identity(self, identity: Identity, changes: list[str], write: bool) -> None:
         """With the lock held: record the job's identity (new, or a change accepted with
@@ -370,6 +394,7 @@ class Supervisor:
                             command_fingerprint=self.identity.command.fingerprint,
                             command_changes=list(self.identity.changes))
         atomic_write_json(jd.config_path, cfg_json)
+        self._start_metrics()
         for stale in coordination.STALE_AT_START:
             (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()

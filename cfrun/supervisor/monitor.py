@@ -38,6 +38,8 @@ from cfrun.supervisor.torchrun_log import read_rank_exits
 logger = logging.getLogger("cfrun")
 
 HOUSEKEEPING_S = 1.0
+METRICS_TEXTFILE_S = 5.0
+"""Seconds between rewrites of the job dir's ``metrics.prom`` during an attempt."""
 """How often, while ranks run, the supervisor checks the agent, reaps orphans and looks at the
 heartbeats. Signals are forwarded within 0.1 s; at 10 Hz the process-table scan of orphan
 reaping alone cost 2.6% of a core (bench/adaptive.py's cfrun_no_ckpt run), time taken from
@@ -117,6 +119,8 @@ class Monitor:
         """The attempt started last (-1: none yet)."""
         self.progress_s = progress_s
         self._progress_at = 0.0
+        self.metrics: Any = None  # cfrun.supervisor.metrics.JobMetrics, set by the supervisor
+        self._metrics_at = 0.0
         self._progress_step = (0.0, 0)
         self._pending_signals = pending_signals
 
@@ -162,6 +166,10 @@ class Monitor:
                     self.kill_ranks()
                     continue
                 self.reap_orphans()
+                if self.metrics is not None and time.monotonic() - self._metrics_at >= \
+                        METRICS_TEXTFILE_S:
+                    self._metrics_at = time.monotonic()
+                    self.metrics.write_textfile()
                 if self.is_hung(started_unix_s):
                     hung = True
                     logger.warning("cfrun: no optimizer step for %ss (--hang-timeout); killing "

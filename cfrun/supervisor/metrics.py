@@ -1,0 +1,251 @@
+"""Prometheus metrics of a job, from its job dir (``prometheus_client``).
+
+:class:`JobMetrics` is a ``prometheus_client`` collector: each ``collect()`` reads what was
+appended to ``events.jsonl`` since the last one (the events are the job's record; nothing else is
+kept in memory than counts and histogram buckets), the ranks' heartbeats and ``config.json``, and
+yields:
+
+============================================  ================================================
+``cfrun_current_step``                        the highest step any rank reached (heartbeats)
+``cfrun_newest_committed_step``               the newest committed checkpoint's step
+``cfrun_checkpoints_total``                   checkpoints taken (``checkpoint`` events)
+``cfrun_checkpoints_failed_total``            steps the agent could not persist
+``cfrun_checkpoints_skipped_total``           steps skipped for lack of disk space
+``cfrun_checkpoint_stall_seconds``            histogram: training time lost per checkpoint
+``cfrun_checkpoint_pgt_seconds``              histogram: trigger to committed (CheckFreq's PGT)
+``cfrun_persisted_bytes_total``               bytes committed
+``cfrun_restarts_total{cause}``               restarts by cause: ``killed``, ``exit``,
+                                              ``hang``, ``oom``
+``cfrun_attempts_total``                      attempts started
+``cfrun_overhead_ratio``                      checkpoint stall over wall time of ended attempts
+``cfrun_overhead_budget_ratio``               the ``--overhead`` budget
+``cfrun_peer_up``                             1 while the peer tier answers, 0 when it does not
+                                              (absent without ``--peer``)
+============================================  ================================================
+
+The supervisor writes them to ``<job_dir>/metrics.prom`` (the textfile collector format of
+node_exporter) every few seconds, and serves them at ``--metrics HOST:PORT`` (``/metrics``);
+``cfrun status JOBDIR --metrics`` prints them for any job dir. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from cfrun.contract import coordination
+from cfrun.contract.fsio import write_atomic
+from cfrun.contract.jobdir import JobDir
+
+STALL_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+PGT_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+MAX_EVENTS_READ_BYTES = 64 << 20
+"""At most this much of ``events.jsonl`` is read per scrape (a huge backlog is read in parts)."""
+
+
+def restart_cause(cause: str) -> str:
+    """A ``failure`` event's cause as a label of few values: ``hang``, ``oom``, ``killed``
+    (by a signal) or ``exit`` (a non-zero exit code)."""
+    if cause.startswith("hang"):
+        return "hang"
+    if cause.startswith("out of memory"):
+        return "oom"
+    return "killed" if "killed by" in cause else "exit"
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, float(total)))
+        return out
+
+
+class JobMetrics:
+    """A ``prometheus_client`` collector of one job dir's metrics (module docstring).
+
+    Any process may construct one (the supervisor, ``cfrun status``); ``collect()`` is called
+    by ``prometheus_client`` (from its HTTP thread too: calls are serialized by the caller or
+    harmless, as each reads files and updates counts under the GIL).
+    """
+
+    def __init__(self, job_dir: str | Path) -> None:
+        self.jobdir = JobDir(job_dir)
+        self._offset = 0
+        self._partial = b""
+        self.checkpoints = 0
+        self.failed_steps: set[Any] = set()
+        self.skipped_steps: set[Any] = set()
+        self.stall = _Histogram(STALL_BUCKETS_S)
+        self.pgt = _Histogram(PGT_BUCKETS_S)
+        self.persisted_bytes = 0
+        self.newest_committed: int | None = None
+        self.restarts: dict[str, int] = {}
+        self.attempts = 0
+        self.stall_total_s = 0.0
+        self.wall_s = 0.0
+        self.peer_up: int | None = None
+
+    def _read_new_events(self) -> None:
+        path = self.jobdir.events_path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            data = os.pread(fd, MAX_EVENTS_READ_BYTES, self._offset)
+        finally:
+            os.close(fd)
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line waits for the next scrape
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self._apply(event)
+
+    def _apply(self, e: dict[str, Any]) -> None:
+        kind = e.get("event")
+        if kind == "checkpoint":
+            self.checkpoints += 1
+            if isinstance(e.get("stall_s"), int | float):
+                self.stall.observe(float(e["stall_s"]))
+                self.stall_total_s += float(e["stall_s"])
+        elif kind == "commit":
+            step = e.get("step")
+            if isinstance(step, int):
+                self.newest_committed = max(step, self.newest_committed or step)
+            if isinstance(e.get("bytes"), int):
+                self.persisted_bytes += e["bytes"]
+            if isinstance(e.get("pgt_s"), int | float):
+                self.pgt.observe(float(e["pgt_s"]))
+        elif kind == "persist_failed":
+            self.failed_steps.add(e.get("step"))
+        elif kind == "checkpoint_skipped":
+            self.skipped_steps.add(e.get("step"))
+        elif kind == "failure":
+            label = restart_cause(str(e.get("cause", "")))
+            self.restarts[label] = self.restarts.get(label, 0) + 1
+        elif kind == "attempt_start":
+            self.attempts += 1
+        elif kind == "attempt_end" and isinstance(e.get("duration_s"), int | float):
+            self.wall_s += float(e["duration_s"])
+        elif kind in ("protected", "peer_reconnected", "durable"):
+            self.peer_up = 1
+        elif kind == "peer_unavailable":
+            self.peer_up = 0
+
+    def _budget(self) -> float | None:
+        try:
+            data = json.loads(self.jobdir.config_path.read_text())
+            return float(data["overhead"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def collect(self) -> Iterator[Any]:
+        """The metric families (``prometheus_client`` calls this on every scrape)."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        self._read_new_events()
+        steps = [b.step for b in map(coordination.Heartbeat.read,
+                                     coordination.heartbeat_paths(self.jobdir.root))
+                 if b is not None]
+        if steps:
+            yield GaugeMetricFamily("cfrun_current_step", "Highest optimizer step a rank reached",
+                                    value=max(steps))
+        if self.newest_committed is not None:
+            yield GaugeMetricFamily("cfrun_newest_committed_step",
+                                    "Step of the newest committed checkpoint",
+                                    value=self.newest_committed)
+        yield CounterMetricFamily("cfrun_checkpoints", "Checkpoints taken",
+                                  value=self.checkpoints)
+        yield CounterMetricFamily("cfrun_checkpoints_failed", "Checkpoints the agent could not "
+                                  "persist", value=len(self.failed_steps))
+        yield CounterMetricFamily("cfrun_checkpoints_skipped", "Checkpoints skipped for lack of "
+                                  "disk space", value=len(self.skipped_steps))
+        yield HistogramMetricFamily("cfrun_checkpoint_stall_seconds", "Training time lost per "
+                                    "checkpoint", buckets=self.stall.buckets(),
+                                    sum_value=self.stall.sum)
+        yield HistogramMetricFamily("cfrun_checkpoint_pgt_seconds", "Trigger to committed per "
+                                    "checkpoint (PGT)", buckets=self.pgt.buckets(),
+                                    sum_value=self.pgt.sum)
+        yield CounterMetricFamily("cfrun_persisted_bytes", "Bytes of committed checkpoints",
+                                  value=self.persisted_bytes)
+        restarts = CounterMetricFamily("cfrun_restarts", "Restarts by cause", labels=["cause"])
+        for cause in ("killed", "exit", "hang", "oom"):
+            restarts.add_metric([cause], self.restarts.get(cause, 0))
+        yield restarts
+        yield CounterMetricFamily("cfrun_attempts", "Attempts started", value=self.attempts)
+        if self.wall_s > 0:
+            yield GaugeMetricFamily("cfrun_overhead_ratio", "Checkpoint stall over the wall time "
+                                    "of ended attempts", value=self.stall_total_s / self.wall_s)
+        budget = self._budget()
+        if budget is not None:
+            yield GaugeMetricFamily("cfrun_overhead_budget_ratio", "The --overhead budget",
+                                    value=budget)
+        if self.peer_up is not None:
+            yield GaugeMetricFamily("cfrun_peer_up", "1 while the peer tier answers",
+                                    value=self.peer_up)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        registry.register(self)
+        return generate_latest(registry)
+
+    def write_textfile(self) -> None:
+        """Atomically replace ``<job_dir>/metrics.prom`` (0600) with :meth:`exposition`, best
+        effort: a full or read-only disk skips this write."""
+        try:
+            write_atomic(self.jobdir.root / METRICS_FILE, [self.exposition()], sync_dir=False)
+        except OSError:
+            pass
+
+
+METRICS_FILE = "metrics.prom"
+
+
+def serve(metrics: JobMetrics, address: str) -> tuple[Any, int]:
+    """Serve ``metrics`` at ``http://HOST:PORT/metrics`` from a daemon thread
+    (``prometheus_client.start_http_server``). Returns (server, bound port).
+
+    Raises:
+        BadInputError: a malformed address.
+        OSError: the address cannot be bound.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from cfrun.peer.protocol import parse_address
+
+    host, port = parse_address(address, option="--metrics")
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_address[1]

@@ -1,0 +1,80 @@
+"""Prometheus metrics (issue 15, item 9): scraped over HTTP from a running job, written to the
+job dir's metrics.prom, printed by cfrun status --metrics; the numbers match the job's events."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import SCRIPTS, cfrun_in_process, clean_env
+
+from cfrun.contract.checkpoints import committed_steps
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample in Prometheus' text format."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_are_served_while_the_job_runs_and_kept_in_the_job_dir(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--inject-crash",
+         "12", "--metrics", "127.0.0.1:0", str(SCRIPTS / "slow_steps.py"), "40", "out.pt",
+         "0.05"], cwd=tmp_path, env=clean_env(), text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        port = None
+        lines = []
+        deadline = time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", line)
+            if m:
+                port = int(m.group(1))
+        assert port, "".join(lines)
+        seen: dict[str, float] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    seen = _samples(r.read().decode())
+            except OSError:
+                break  # the job ended and took the server with it
+            if seen.get('cfrun_restarts_total{cause="killed"}') == 1 and \
+                    seen.get("cfrun_current_step", 0) > 15:
+                break
+            time.sleep(0.2)
+        assert seen.get('cfrun_restarts_total{cause="killed"}') == 1, seen
+        assert seen["cfrun_current_step"] > 15 and seen["cfrun_checkpoints_total"] >= 2
+        assert seen["cfrun_overhead_budget_ratio"] == pytest.approx(0.035)
+        assert seen['cfrun_checkpoint_stall_seconds_bucket{le="+Inf"}'] == \
+            seen["cfrun_checkpoints_total"]
+        _, err = proc.communicate(timeout=200)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    job = tmp_path / "j"
+    textfile = job / "metrics.prom"
+    assert textfile.stat().st_mode & 0o077 == 0
+    final = _samples(textfile.read_text())
+    assert final["cfrun_newest_committed_step"] == committed_steps(job / "checkpoints")[0]
+    assert final["cfrun_current_step"] == 40 and final["cfrun_attempts_total"] == 2
+    assert final["cfrun_persisted_bytes_total"] > 0
+    assert final['cfrun_restarts_total{cause="killed"}'] == 1
+    assert final['cfrun_restarts_total{cause="exit"}'] == 0
+    printed = cfrun_in_process(["status", "j", "--metrics"], cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert _samples(printed.stdout) == final
