@@ -726,14 +726,18 @@ def ls_cmd(
 
 
 @app.command("export", cls=CfrunCommand,
-             help="Write a checkpoint's model weights as a plain torch or safetensors file.")
+             help="Write a checkpoint's model weights as a plain torch or safetensors file, or a "
+                  "torch.distributed.checkpoint directory.")
 def export_cmd(
     job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
-    out: Annotated[str, typer.Argument(metavar="OUT", help="Output file.")],
+    out: Annotated[str, typer.Argument(
+        metavar="OUT", help="Output file (a new directory with --format dcp).")],
     step: Annotated[str | None, typer.Option(
         "--step", metavar="INTEGER", help="Step (default: newest).")] = None,
     fmt: Annotated[str, typer.Option(
-        "--format", metavar="[torch|safetensors]", help="torch or safetensors.")] = "torch",
+        "--format", metavar="[torch|safetensors|dcp]",
+        help="torch (torch.save), safetensors, or dcp (a torch.distributed.checkpoint "
+             "directory, for DCP and TorchTitan).")] = "torch",
 ) -> None:
     """Write a checkpoint's model weights as a plain torch or safetensors file."""
     from cfrun.cli import inspect as report
@@ -741,7 +745,11 @@ def export_cmd(
     jd = report.open_job_dir(job_dir)
     step_n = parse_positive_int("--step", step, minimum=0) if step is not None else None
     out_path = Path(out)
-    if out_path.is_dir():
+    if fmt == "dcp":
+        if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+            raise BadInputError(f"output {out!r} exists; --format dcp writes a new directory: "
+                                "give a path that does not exist yet")
+    elif out_path.is_dir():
         raise BadInputError(f"output {out!r} is a directory; give a file name, e.g. model.pt")
     if not out_path.parent.is_dir():
         raise BadInputError(f"output {out!r}: directory {str(out_path.parent)!r} does not "

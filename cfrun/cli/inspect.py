@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -260,12 +261,23 @@ def check_listing(rows: list[dict[str, Any]]) -> None:
             hint="a resume skips them and uses the newest one marked ok")
 
 
+def _save_dcp(state: dict[str, Any], directory: Path) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into the new ``directory`` (one
+    process, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+
+
 def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, int]:
     """Write the model weights of a checkpoint as a plain file. Returns (step, tensors).
 
     ``torch``: a ``torch.save`` file of the model's ``state_dict`` (``{"model0": ..., ...}``
     when the script trains several models) that loads with ``torch.load(weights_only=True)``.
     ``safetensors``: the same tensors, keys prefixed ``model0.`` etc. when there are several.
+    ``dcp``: a ``torch.distributed.checkpoint`` directory of the same state dict (``out`` is a
+    new directory), written in this one process (``no_dist``); DCP's ``load`` and
+    ``format_utils.dcp_to_torch_save`` read it, as TorchTitan's model-only checkpoints are read.
 
     Raises:
         BadInputError: unknown format, no such step, the step fails verification, or ``out``
@@ -275,8 +287,8 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
 
     from cfrun.codec.checkpoint import load_shard
 
-    if fmt not in ("torch", "safetensors"):
-        raise BadInputError(f"--format {fmt!r} is not supported; give torch or safetensors")
+    if fmt not in ("torch", "safetensors", "dcp"):
+        raise BadInputError(f"--format {fmt!r} is not supported; give torch, safetensors or dcp")
     steps = committed_steps(jd.checkpoints)
     if not steps:
         raise BadInputError(f"{str(jd.root)!r} has no committed checkpoint yet")
@@ -300,10 +312,12 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
     # ``out`` as it was
     tmp = out.with_name(f".{out.name}.cfrun-tmp-{os.getpid()}")
     try:
+        obj = modules[0] if len(modules) == 1 else {f"model{i}": m
+                                                    for i, m in enumerate(modules)}
         if fmt == "torch":
-            obj = modules[0] if len(modules) == 1 else {f"model{i}": m
-                                                        for i, m in enumerate(modules)}
             torch.save(obj, tmp)
+        elif fmt == "dcp":
+            _save_dcp(obj, tmp)
         else:
             try:
                 from safetensors.torch import save_file
@@ -320,6 +334,8 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
         raise BadInputError(f"cannot write {str(out)!r} ({getattr(e, 'strerror', None) or e}); "
                             "give a writable path with free space") from None
     finally:
-        if os.path.lexists(tmp):
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.lexists(tmp):
             os.unlink(tmp)
     return step, sum(len(m) for m in modules)

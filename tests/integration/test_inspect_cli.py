@@ -96,6 +96,37 @@ def test_export_loads_without_cfrun(job, tmp_path, fmt):
         assert all(torch.equal(got[k], state["modules"][0][k]) for k in got)
 
 
+def test_export_dcp_is_read_by_dcp_itself(job, tmp_path):
+    """``--format dcp``: a torch.distributed.checkpoint directory that DCP's own loader and
+    ``dcp_to_torch_save`` read in an interpreter without cfrun, equal to the checkpoint."""
+    out = tmp_path / "model-dcp"
+    run = cfrun_in_process(["export", "j", str(out), "--format", "dcp"], cwd=job)
+    assert run.returncode == 0, run.stderr
+    assert (out / ".metadata").is_file() and not list(tmp_path.glob(".model-dcp.*"))
+    code = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        f"d = {str(out)!r}; dcp_to_torch_save(d, d + '.pt')\n"
+        "sd = torch.load(d + '.pt', weights_only=True)\n"
+        "into = {k: torch.zeros_like(v) for k, v in sd.items()}\n"
+        "dcp.load(into, checkpoint_id=d, no_dist=True)\n"
+        "assert all(torch.equal(into[k], sd[k]) for k in sd)\n"
+        "print(len(sd), 'cfrun' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["9", "False"]
+    from cfrun.codec.checkpoint import committed_steps, load_shard
+    from cfrun.contract.jobdir import step_dir_name
+
+    ck = job / "j" / "checkpoints"
+    state, _ = load_shard(ck / step_dir_name(committed_steps(ck)[0]), 0)
+    got = torch.load(f"{out}.pt", weights_only=True)
+    assert got.keys() == state["modules"][0].keys()
+    assert all(torch.equal(got[k], state["modules"][0][k]) for k in got)
+    again = cfrun_in_process(["export", "j", str(out), "--format", "dcp"], cwd=job)
+    assert again.returncode == 2 and "exists" in again.stderr  # never written over
+
+
 @pytest.mark.parametrize("args, needle", [
     (["ls", "missing"], "does not exist"),
     (["status", "{scripts}"], "not a cfrun job dir"),
