@@ -58,6 +58,7 @@ def _metrics(stdout: str) -> list[str]:
 @pytest.mark.parametrize("args, why", [
     ((), "2 workers, global seeds"),
     (("--generator",), "2 workers, generator= passed to the DataLoader"),
+    (("--persistent",), "2 persistent workers: their streams carry over epochs"),
     (("--workers", "0"), "no workers: the issue's first batch differed"),
 ])
 def test_one_rank_equals_the_plain_script_uninterrupted_and_after_three_kills(tmp_path, args,
