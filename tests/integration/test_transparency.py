@@ -11,13 +11,18 @@ where a worker has not yet delivered a batch of the resumed epoch.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+
+from cfrun.codec.checkpoint import MANIFEST
+from cfrun.contract.manifest import FileEntry, Manifest, read_manifest
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -83,3 +88,42 @@ def test_two_ranks_equal_torchrun_after_a_kill(tmp_path):
                                                         "--inject-crash", "13@0"), kills=1)
     assert lines == ref_lines
     assert_bit_identical(ref_state, state)
+
+
+def _warnings(stderr: str, needle: str) -> list[str]:
+    return [l for l in stderr.splitlines()
+            if "WARNING: resume may not be exact: " in l and needle in l]
+
+
+def test_unordered_workers_are_said_not_exact(tmp_path):
+    """``in_order=False``: batches come in the order workers finish them, with or without
+    cfrun; one WARNING line and one not_exact event."""
+    run = run_cfrun(["--interval", "4", "--job-dir", "j", SCRIPT, "--out", "o.pt", "--epochs",
+                     "1", "--unordered"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(_warnings(run.stderr, "in_order=False")) == 1, run.stderr[-3000:]
+    assert [e["reason"] for e in run.events("not_exact")
+            if "in_order=False" in e["reason"]] != []
+
+
+def test_a_checkpoint_without_worker_states_resumes_and_says_not_exact(tmp_path):
+    """A checkpoint of an older cfrun (no worker RNG states) still resumes, to the end, and
+    the run says its workers' augmentation is not the original's."""
+    run = run_cfrun(["--interval", "4", "--job-dir", "j", "--max-restarts", "0",
+                     "--inject-crash", "10@0", SCRIPT, "--out", "o.pt", "--epochs", "2"],
+                    cwd=tmp_path)
+    assert run.returncode != 0 and run.events("checkpoint"), run.stderr[-3000:]
+    ckpts = tmp_path / "j" / "checkpoints"
+    newest = max(p for p in ckpts.iterdir() if p.name.startswith("step-"))
+    doc = json.loads((newest / "rank-00000.json").read_bytes())
+    assert doc["tree"]["data"]["worker_rng"]  # what this cfrun writes
+    doc["tree"]["data"].pop("worker_rng")
+    (newest / "rank-00000.json").write_bytes(json.dumps(doc).encode())
+    old = read_manifest(newest)  # re-seal, as the older cfrun had sealed it
+    files = [FileEntry(f.name, len(b), xxhash.xxh3_64_hexdigest(b))
+             for f in old.files for b in [(newest / f.name).read_bytes()]]
+    (newest / MANIFEST).write_bytes(Manifest.build(old.step, 1, files, old.meta).dumps())
+    again = run_cfrun(["resume", "j"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(_warnings(again.stderr, "no DataLoader worker RNG states")) == 1, again.stderr
+    assert len(_metrics(again.stdout)) >= 1 and (tmp_path / "o.pt").exists()

@@ -4,7 +4,7 @@ Runs the same with `python`, `torchrun` and cfrun. Its dataset's ``__getitem__``
 torch, numpy and python RNGs (in the workers with --workers > 0), the model has dropout (the main
 process's torch RNG) and the loss weight draws from numpy and python in the main loop. Seeded
 globally; --generator passes ``generator=torch.Generator().manual_seed(7)`` to the DataLoader,
---persistent ``persistent_workers=True``.
+--persistent ``persistent_workers=True``, --unordered ``in_order=False``.
 With ``WORLD_SIZE`` > 1 (torchrun) it trains DDP on gloo with a DistributedSampler. Prints one metric
 line per epoch (rank 0) and saves rank 0's final weights to --out.
 """
@@ -42,6 +42,7 @@ def main():
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--generator", action="store_true")
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--unordered", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -57,7 +58,7 @@ def main():
     sampler = DistributedSampler(ds, shuffle=True) if distributed else None
     loader = DataLoader(ds, batch_size=32, shuffle=sampler is None, sampler=sampler,
                         num_workers=args.workers, generator=gen,
-                        persistent_workers=args.persistent)
+                        persistent_workers=args.persistent, in_order=not args.unordered)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
     net = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
