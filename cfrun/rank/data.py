@@ -330,17 +330,26 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
     orig_put = _dl._MultiProcessingDataLoaderIter._try_put_index
     orig_process = _dl._MultiProcessingDataLoaderIter._process_data
 
+    def first_index(it: Any) -> None:
+        """Before the first index of an iteration: a resumed epoch's round-robin starts at the
+        worker that loaded its next batch in the original run; with persistent workers the
+        original run drew no base seed this epoch, so the epoch's RNG is put back after this
+        run's draw, before the permutation's."""
+        it._cfrun_cycle = it._worker_queue_idx_cycle
+        loader = getattr(it._index_sampler, "loader", None)
+        if loader is not None:
+            again = loader.__dict__.get("_cfrun_rng_again")
+            if again is not None:
+                set_epoch_rng(loader, again)
+            for _ in range(loader.__dict__.get("_cfrun_worker_offset", 0)):
+                next(it._worker_queue_idx_cycle)
+
+    guarded_first_index = guard.wrap("the DataLoader's first index", first_index)
+
     def _try_put_index(self: Any) -> None:
         if self._send_idx == 0 and self.__dict__.get("_cfrun_cycle") is not \
                 self._worker_queue_idx_cycle:  # the first index of an iteration
-            self._cfrun_cycle = self._worker_queue_idx_cycle
-            loader = getattr(self._index_sampler, "loader", None)
-            if loader is not None:
-                again = loader.__dict__.get("_cfrun_rng_again")
-                if again is not None:
-                    set_epoch_rng(loader, again)
-                for _ in range(loader.__dict__.get("_cfrun_worker_offset", 0)):
-                    next(self._worker_queue_idx_cycle)
+            guarded_first_index(self)
         orig_put(self)
 
     def _process_data(self: Any, data: Any, worker_idx: int) -> Any:
