@@ -30,7 +30,7 @@ from cfrun.contract import settings as E
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank import frames as F
 from cfrun.rank.capture import Capture
-from cfrun.rank.data import loader_fingerprint
+from cfrun.rank.data import inexact_reasons, loader_fingerprint, worker_rng_of
 from cfrun.rank.log import NotExact, say
 from cfrun.rank.preemption import Marks, Preemption
 from cfrun.rank.resume import Resume
@@ -222,9 +222,12 @@ class Boundary:
                 "iter_index": it._cfrun_iter_index,
                 "batches": it._cfrun_consumed,
                 "epoch_rng": loader._cfrun_epoch_rng,
+                "worker_rng": worker_rng_of(it),
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
                 "epoch_value": epoch_value,
             }
+            for reason in inexact_reasons(loader):
+                self._flag(reason)
             if loader._dataset_kind != 0:  # _DatasetKind.Iterable
                 self._flag("the training DataLoader reads an IterableDataset; cfrun cannot skip "
                            "to the batch position inside an epoch")

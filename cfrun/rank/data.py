@@ -1,28 +1,36 @@
-"""DataLoader hooks: epoch counting, epoch-start RNG, sampler-level skip, per-batch worker seeds.
+"""DataLoader hooks: epoch counting, epoch-start RNG, sampler-level skip, worker RNG streams.
 
 Installed by patching ``torch.utils.data.DataLoader`` at class level (``__init__``, ``__iter__``,
-the ``_index_sampler`` property) and ``_BaseDataLoaderIter.__next__``. The user's loader objects
-are not replaced, so ``isinstance``, ``len(loader)`` and subclasses keep working.
+the ``_index_sampler`` property), ``_BaseDataLoaderIter.__next__`` and two methods of
+``_MultiProcessingDataLoaderIter`` (``_try_put_index``, ``_process_data``). The user's loader
+objects are not replaced, so ``isinstance``, ``len(loader)`` and subclasses keep working, and an
+uninterrupted run draws every random number in the order the plain script does.
 
 * Every loader gets a creation ordinal; the training loader is the one whose ``__next__`` ran
   between optimizer steps, recorded by ordinal and a fingerprint (dataset length, batch size).
 * At each ``iter(loader)`` the global torch/python/numpy RNG states and the loader's and sampler's
   generators are recorded: the epoch's permutation and worker base seed are drawn from them
-  (``RandomSampler.__iter__``, ``_BaseDataLoaderIter.__init__``), so restoring them recreates the
-  same epoch (CheckFreq §4.2, "resumable data iterator").
-* The index sampler is wrapped so an iteration can start ``skip`` batches in without loading them,
-  and so the first batch of indices is drawn at ``iter()`` time in every run (single-process
-  loaders otherwise draw the permutation at the first ``next()``).
-* With workers, each batch of indices carries a seed derived from the epoch's RNG state and the
-  batch number; the worker reseeds torch/random/numpy from it before fetching. Random per-sample
-  augmentation then depends only on (epoch, batch), not on which worker got which batch, so a
-  resumed epoch produces the same samples. This changes the augmentation stream relative to a run
-  without cfrun (README, "Resume semantics").
+  (``_BaseDataLoaderIter.__init__`` draws the base seed, then ``RandomSampler`` its seed and
+  permutation at the first index), so restoring them recreates the same epoch (CheckFreq §4.2,
+  "resumable data iterator").
+* The index sampler is wrapped so an iteration can start ``skip`` batches in without loading them.
+  Its iterator stays lazy, as PyTorch's is: the permutation is drawn at the first index, after
+  the base seed. Only a resumed epoch draws it at once, right after ``iter()`` returns (its RNG
+  is restored for that moment; the checkpoint's RNG is put back afterwards).
+* With workers, PyTorch seeds each worker as without cfrun (``base_seed + worker_id``, numpy from
+  ``_generate_state``); each worker returns with every batch its torch/python/numpy RNG states
+  taken right after the fetch (:class:`WorkerBatch`), and the main process keeps, per iterator,
+  each worker's states after its last *consumed* batch (workers run ``prefetch_factor *
+  num_workers`` batches ahead; those do not count). The checkpoint stores them with the loader
+  position. A resume at batch ``n`` starts PyTorch's round-robin at worker ``n % num_workers``
+  (the worker that loaded batch ``n`` in the original run) and gives each worker the states it
+  had after its last consumed batch (:class:`WorkerInit`), so per-sample random augmentation
+  comes out as in the uninterrupted run and as without cfrun. The idea of snapshotting worker
+  RNG state with the batches follows torchdata's ``StatefulDataLoader``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -34,61 +42,91 @@ from torch.utils.data import dataloader as _dl
 from torch.utils.data._utils import fetch as _fetch
 
 
-class TaggedBatch(list):
-    """A batch of dataset indices that carries the seed its worker must use."""
+def worker_rng_state() -> dict[str, Any]:
+    """This process's torch CPU, python ``random`` and (when imported) numpy global RNG states,
+    as plain picklable values (the torch state as ``bytes``: no shared-memory tensor per batch).
+    Called in a DataLoader worker after each fetch."""
+    np = sys.modules.get("numpy")
+    t = torch.get_rng_state()
+    state: dict[str, Any] = {"torch": t.numpy().tobytes() if np is not None else bytes(t.tolist()),
+                             "random": random.getstate()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
 
-    cfrun_seed: int
+
+def rng_state_for_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`worker_rng_state` value in the form the checkpoint codec stores (torch state as
+    a uint8 tensor, as :func:`cfrun.rank.rng.get_global_rng` has it). Main process."""
+    out = dict(state)
+    out["torch"] = torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8)
+    return out
+
+
+def set_worker_rng_state(state: dict[str, Any]) -> None:
+    """Put back a worker's RNG states (a :func:`worker_rng_state` or its checkpoint form, as
+    decoded: tuples may have become lists). Called in the worker, after ``worker_init_fn``."""
+    t = state["torch"]
+    t = torch.frombuffer(bytearray(t), dtype=torch.uint8) if isinstance(t, bytes) else t
+    torch.set_rng_state(t)
+    rnd = state["random"]
+    random.setstate((rnd[0], tuple(rnd[1]), rnd[2]))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        np.random.set_state(tuple(state["numpy"]))
+
+
+class WorkerBatch:
+    """A worker's batch with the worker's RNG states right after the fetch.
+
+    Travels through the result queue (picklable) and the pin-memory thread (``pin_memory()``
+    pins the batch inside); the main process unwraps it before the batch reaches the script.
+    """
+
+    __slots__ = ("data", "rng")
+
+    def __init__(self, data: Any, rng: dict[str, Any]) -> None:
+        self.data = data
+        self.rng = rng
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_tagged, (list(self), self.cfrun_seed))
+        return (WorkerBatch, (self.data, self.rng))
 
-
-def _make_tagged(items: list[Any], seed: int) -> TaggedBatch:
-    b = TaggedBatch(items)
-    b.cfrun_seed = seed
-    return b
-
-
-def batch_seed(epoch_seed: int, batch_no: int) -> int:
-    """A 63-bit seed for batch ``batch_no`` of an epoch whose RNG hashed to ``epoch_seed``."""
-    h = hashlib.blake2b(f"{epoch_seed}:{batch_no}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 1
-
-
-def _reseed(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed % (2**32))
+    def pin_memory(self, device: Any = None) -> WorkerBatch:
+        """The same wrapper around the pinned batch (PyTorch's pin-memory thread calls it)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+        return WorkerBatch(pin_memory(self.data, device), self.rng)
 
 
 _orig_map_fetch = _fetch._MapDatasetFetcher.fetch
 
 
-def _seeded_fetch(self: Any, possibly_batched_index: Any) -> Any:
-    if isinstance(possibly_batched_index, TaggedBatch):
-        _reseed(possibly_batched_index.cfrun_seed)
-    return _orig_map_fetch(self, possibly_batched_index)
+def _fetch_with_rng(self: Any, possibly_batched_index: Any) -> Any:
+    return WorkerBatch(_orig_map_fetch(self, possibly_batched_index), worker_rng_state())
 
 
 class WorkerInit:
-    """``worker_init_fn`` wrapper: enables per-batch seeding in the worker, then the user's fn.
-
-    Picklable (spawn/forkserver workers) as long as the user's function is.
+    """``worker_init_fn`` wrapper, run in each DataLoader worker: the user's fn first, then the
+    worker's RNG states of a resumed epoch (:attr:`states`, by worker id as a string; a worker
+    without an entry keeps PyTorch's own seeding), then batches are returned as
+    :class:`WorkerBatch`. Picklable (spawn/forkserver workers) as long as the user's fn is.
     """
 
     def __init__(self, user_fn: Any) -> None:
         self.user_fn = user_fn
+        self.states: dict[str, Any] | None = None
+        """Set by the main process around the ``iter()`` that starts a resumed epoch."""
 
     def __call__(self, worker_id: int) -> None:
-        _fetch._MapDatasetFetcher.fetch = _seeded_fetch  # type: ignore[method-assign]
         if self.user_fn is not None:
             self.user_fn(worker_id)
+        if self.states and str(worker_id) in self.states:
+            set_worker_rng_state(self.states[str(worker_id)])
+        _fetch._MapDatasetFetcher.fetch = _fetch_with_rng  # type: ignore[method-assign]
 
 
 class ResumableIndexSampler:
-    """Wraps a loader's index sampler: skip, eager first draw, batch tagging.
+    """Wraps a loader's index sampler so an iteration can start ``skip`` batches in.
 
     ``loader._cfrun_skip`` is set around one ``iter(loader)`` call and read at ``iter()``.
     """
@@ -100,34 +138,66 @@ class ResumableIndexSampler:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __iter__(self) -> Iterator[Any]:
-        loader = self.loader
-        skip = loader.__dict__.get("_cfrun_skip", 0)
-        seed = loader.__dict__.get("_cfrun_epoch_seed")
-        tag = seed is not None and loader.num_workers > 0 and loader.batch_sampler is not None
-        it = iter(self.inner)
-        for _ in range(skip):
-            if next(it, _END) is _END:
-                return iter(())
-        first = next(it, _END)  # draw the permutation now, in every run
-        if first is _END:
-            return iter(())
-        return self._generate(first, it, skip, seed if tag else None)
+    def __iter__(self) -> IndexIter:
+        return IndexIter(iter(self.inner), self.loader.__dict__.get("_cfrun_skip", 0))
 
-    @staticmethod
-    def _generate(first: Any, it: Iterator[Any], batch_no: int, seed: int | None) -> Iterator[Any]:
-        batch = first
-        while True:
-            if seed is not None and type(batch) is list:
-                batch = _make_tagged(batch, batch_seed(seed, batch_no))
-            yield batch
-            batch_no += 1
-            batch = next(it, _END)
-            if batch is _END:
+
+class IndexIter:
+    """The index iterator of one iteration: as lazy as the wrapped sampler's own (nothing is
+    drawn before the first index), ``skip`` batches dropped at the first draw."""
+
+    def __init__(self, it: Iterator[Any], skip: int) -> None:
+        self._it = it
+        self._skip = skip
+        self._first: Any = _NONE
+
+    def prime(self) -> None:
+        """Drop the skipped batches and draw the first index now (a resumed epoch, whose RNG is
+        restored only until ``iter()`` returns)."""
+        if self._skip < 0:
+            return
+        skip, self._skip = self._skip, -1
+        for _ in range(skip):
+            if next(self._it, _END) is _END:
+                self._first = _END
                 return
+        self._first = next(self._it, _END)
+
+    def __iter__(self) -> IndexIter:
+        return self
+
+    def __next__(self) -> Any:
+        if self._skip >= 0:
+            self.prime()
+        first = self._first
+        if first is _NONE:
+            return next(self._it)
+        if first is _END:
+            raise StopIteration
+        self._first = _NONE
+        return first
 
 
 _END = object()
+_NONE = object()
+
+
+def inexact_reasons(loader: DataLoader) -> list[str]:
+    """Why a resume of ``loader``'s epoch cannot equal the plain script's run (main process)."""
+    if loader.num_workers > 0 and not getattr(loader, "in_order", True):
+        return ["the training DataLoader has in_order=False: the order batches arrive in "
+                "depends on worker timing, with or without cfrun"]
+    return []
+
+
+def worker_rng_of(it: Any) -> dict[str, Any] | None:
+    """The per-worker RNG states after each worker's last consumed batch of iterator ``it``
+    (checkpoint form, by worker id as a string), or None without workers. Main process."""
+    states = it.__dict__.get("_cfrun_worker_rng")
+    if states is None:
+        return None
+    return {k: v if isinstance(v["torch"], torch.Tensor) else rng_state_for_checkpoint(v)
+            for k, v in states.items()}
 
 
 def loader_fingerprint(loader: DataLoader) -> dict[str, Any]:
@@ -163,16 +233,6 @@ def set_epoch_rng(loader: DataLoader, state: dict[str, Any]) -> None:
     sampler_gen = getattr(loader.sampler, "generator", None)
     if "sampler_generator" in state and isinstance(sampler_gen, torch.Generator):
         sampler_gen.set_state(state["sampler_generator"])
-
-
-def epoch_seed_of(state: dict[str, Any]) -> int:
-    """Hash of an epoch's RNG states (consumes no randomness)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(state["global"]["torch"].numpy().tobytes())
-    for key in ("loader_generator", "sampler_generator"):
-        if key in state:
-            h.update(state[key].numpy().tobytes())
-    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
@@ -222,14 +282,32 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
     def _start_epoch(loader: DataLoader, it_fn: Any, state: dict[str, Any] | None = None) -> Any:
         state = state if state is not None else epoch_rng(loader)
         object.__setattr__(loader, "_cfrun_epoch_rng", state)
-        object.__setattr__(loader, "_cfrun_epoch_seed", epoch_seed_of(state))
+        resumed = "_cfrun_skip_done" in loader.__dict__  # set by Resume for the resumed epoch
+        skip_done = loader.__dict__.pop("_cfrun_skip_done", 0)
+        worker_rng = loader.__dict__.pop("_cfrun_worker_rng", None)
+        workers = loader.num_workers > 0
+        init = loader.worker_init_fn
+        if resumed and workers:
+            loader.__dict__["_cfrun_worker_offset"] = skip_done % loader.num_workers
+            if isinstance(init, WorkerInit):
+                init.states = worker_rng
+            if loader.persistent_workers and loader._iterator is None \
+                    and loader.__dict__.get("_cfrun_iter_calls", 0) > 1:
+                # the original run reused its iterator: no base seed was drawn this epoch
+                loader.__dict__["_cfrun_rng_again"] = state
         try:  # the multiprocessing iterator calls iter() on the sampler twice: both skip
             it = it_fn(loader)
         finally:
-            loader.__dict__.pop("_cfrun_skip", None)
+            for key in ("_cfrun_skip", "_cfrun_worker_offset", "_cfrun_rng_again"):
+                loader.__dict__.pop(key, None)
+            if isinstance(init, WorkerInit):
+                init.states = None
+        if resumed and isinstance(getattr(it, "_sampler_iter", None), IndexIter):
+            it._sampler_iter.prime()  # the permutation, from the epoch's RNG (single-process)
         it._cfrun_loader = loader
-        it._cfrun_consumed = loader.__dict__.get("_cfrun_skip_done", 0)
-        loader.__dict__.pop("_cfrun_skip_done", None)
+        it._cfrun_consumed = skip_done
+        if workers and (resumed or "_cfrun_worker_rng" not in it.__dict__):
+            it._cfrun_worker_rng = dict(worker_rng or {})  # persistent workers: kept
         return it
 
     def _index_sampler(self: DataLoader) -> Any:
@@ -249,7 +327,42 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             return out
         return orig_next(self)
 
+    orig_put = _dl._MultiProcessingDataLoaderIter._try_put_index
+    orig_process = _dl._MultiProcessingDataLoaderIter._process_data
+
+    def first_index(it: Any) -> None:
+        """Before the first index of an iteration: a resumed epoch's round-robin starts at the
+        worker that loaded its next batch in the original run; with persistent workers the
+        original run drew no base seed this epoch, so the epoch's RNG is put back after this
+        run's draw, before the permutation's."""
+        it._cfrun_cycle = it._worker_queue_idx_cycle
+        loader = getattr(it._index_sampler, "loader", None)
+        if loader is not None:
+            again = loader.__dict__.get("_cfrun_rng_again")
+            if again is not None:
+                set_epoch_rng(loader, again)
+            for _ in range(loader.__dict__.get("_cfrun_worker_offset", 0)):
+                next(it._worker_queue_idx_cycle)
+
+    guarded_first_index = guard.wrap("the DataLoader's first index", first_index)
+
+    def _try_put_index(self: Any) -> None:
+        if self._send_idx == 0 and self.__dict__.get("_cfrun_cycle") is not \
+                self._worker_queue_idx_cycle:  # the first index of an iteration
+            guarded_first_index(self)
+        orig_put(self)
+
+    def _process_data(self: Any, data: Any, worker_idx: int) -> Any:
+        if type(data) is WorkerBatch:  # a batch being consumed: its worker's RNG after it
+            states = self.__dict__.get("_cfrun_worker_rng")
+            if states is not None:
+                states[str(worker_idx)] = data.rng
+            data = data.data
+        return orig_process(self, data, worker_idx)
+
     DataLoader.__init__ = __init__  # type: ignore[method-assign]
     DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
     DataLoader._index_sampler = property(_index_sampler)  # type: ignore[method-assign,assignment]
     _dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+    _dl._MultiProcessingDataLoaderIter._try_put_index = _try_put_index  # type: ignore[method-assign]
+    _dl._MultiProcessingDataLoaderIter._process_data = _process_data  # type: ignore[method-assign]

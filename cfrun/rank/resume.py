@@ -315,6 +315,10 @@ class Resume:
         object.__setattr__(loader, "_cfrun_iter_calls", n + 1)
         loader.__dict__["_cfrun_skip"] = data["batches"]
         loader.__dict__["_cfrun_skip_done"] = data["batches"]
+        loader.__dict__["_cfrun_worker_rng"] = data.get("worker_rng")
+        if loader.num_workers > 0 and not isinstance(data.get("worker_rng"), dict):
+            self._flag("the checkpoint has no DataLoader worker RNG states (written by an older "
+                       "cfrun): the workers' random augmentation restarts from their seeds")
         it = start()
         it._cfrun_iter_index = n
         self._apply(plan, caller, in_tracer=False)
