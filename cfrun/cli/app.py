@@ -614,10 +614,12 @@ def status_cmd(
         help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
     metrics: Annotated[bool, typer.Option(
         "--metrics", help="Print the job's Prometheus metrics (text format) instead.")] = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="Refresh every 2 s until the job stops (a live table on a terminal, a "
+                        "line per refresh elsewhere); Ctrl-C leaves.")] = False,
 ) -> None:
     """State of a job: steps, checkpoints, interval, overhead, stall and PGT, restarts."""
     from rich.console import Console
-    from rich.table import Table
 
     from cfrun.cli import inspect as report
 
@@ -633,11 +635,20 @@ def status_cmd(
     if as_json:
         print(json.dumps(st, indent=1))
         return
-    table = Table(title=f"cfrun job {st['job_dir']}", show_header=False)
+    if watch:
+        _watch(jd, report.status, every_s=2.0)
+        return
+    Console().print(_status_table(st))
+
+
+def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str, str]]:
+    """The rows of ``cfrun status``'s table (never "None": :func:`_or`); ``rate``: the steps/s
+    row of ``--watch``."""
     rows = [
         ("state", st["state"]),
         ("script", str(st["script"] or "unknown (no config.json)")),
-        ("current step", _or(st["current_step"], "no step seen yet")),
+        ("current step", _or(st["current_step"], "no step seen yet")
+         + (f" ({rate})" if rate else "")),
         ("last committed step", _or(st["last_committed_step"], "none yet")),
         ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
          if st["interval"]["steps"] is not None
@@ -664,9 +675,67 @@ def status_cmd(
         rows.insert(1, ("UNPROTECTED", "; ".join(
             f"attempt {u['attempt']}: {u['error']} ({u['where']}, step {u['step']})"
             for u in st["unprotected"])))
-    for k, v in rows:
+    return rows
+
+
+
+
+def _status_table(st: dict[str, Any], rate: str | None = None) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"cfrun job {st['job_dir']}", show_header=False)
+    for k, v in _status_rows(st, rate):
         table.add_row(k, v)
-    Console().print(table)
+    return table
+
+
+def _watch(jd: Any, status: Any, *, every_s: float) -> None:
+    """``cfrun status --watch``: refresh every ``every_s`` until the job stops running (then
+    the final state) or Ctrl-C. On a terminal a live rich table; elsewhere one line per
+    refresh (step, steps/s, newest checkpoint, overhead), for logs."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    last: tuple[float, int] | None = None
+
+    def snapshot() -> tuple[dict[str, Any], str | None]:
+        nonlocal last
+        st = status(jd)
+        now, step = time.monotonic(), st["current_step"]
+        rate = None
+        if step is not None and last is not None and now > last[0]:
+            rate = f"{(step - last[1]) / (now - last[0]):.2f} steps/s"
+        if step is not None:
+            last = (now, step)
+        return st, rate
+
+    try:
+        if console.is_terminal:
+            st, rate = snapshot()
+            with Live(_status_table(st, rate), console=console, auto_refresh=False) as live:
+                while st["is_running"]:
+                    time.sleep(every_s)
+                    st, rate = snapshot()
+                    live.update(_status_table(st, rate), refresh=True)
+            return
+        while True:
+            st, rate = snapshot()
+            overhead = st["overhead"]
+            print(f"cfrun status: {st['state']}, step {_or(st['current_step'], 'none yet')}"
+                  f"{f' ({rate})' if rate else ''}, newest checkpoint "
+                  f"{_or(st['last_committed_step'], 'none yet')}, overhead "
+                  + (f"{overhead['stall_pct']}%" if overhead["stall_pct"] is not None
+                     else "not measured yet")
+                  + f" (budget {overhead['budget_pct']}%), restarts {len(st['restarts'])}",
+                  flush=True)
+            if not st["is_running"]:
+                return
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return
 
 
 def _plot(jd: Any, out: Path) -> None:

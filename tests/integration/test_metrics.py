@@ -78,3 +78,30 @@ def test_metrics_are_served_while_the_job_runs_and_kept_in_the_job_dir(tmp_path)
     printed = cfrun_in_process(["status", "j", "--metrics"], cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr
     assert _samples(printed.stdout) == final
+
+
+def test_status_watch_follows_a_running_job_until_it_ends(tmp_path):
+    """Off a terminal, --watch prints one line per refresh with the step rate, and returns when
+    the job stops running, with its final state."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",
+         str(SCRIPTS / "slow_steps.py"), "60", "out.pt", "0.1"], cwd=tmp_path, env=clean_env(),
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "j").glob("heartbeat-rank-*")):
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        watch = subprocess.run([sys.executable, "-m", "cfrun", "status", "j", "--watch"],
+                               cwd=tmp_path, env=clean_env(), text=True, capture_output=True,
+                               timeout=180)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert watch.returncode == 0, watch.stderr
+    lines = watch.stdout.strip().splitlines()
+    assert len(lines) >= 2 and all(ln.startswith("cfrun status: ") for ln in lines)
+    assert lines[-1].startswith("cfrun status: succeeded, step 60")
+    assert any("steps/s)" in ln for ln in lines), lines
+    assert "None" not in watch.stdout
