@@ -464,6 +464,7 @@ def profile_cmd(
     from rich.table import Table
 
     from cfrun.contract.checkpoints import committed_steps
+    from cfrun.contract.gpus import samples as gpu_samples
     from cfrun.contract.jobdir import JobDir
     from cfrun.rank.tuner import PROBE_MODES
     from cfrun.supervisor.core import Supervisor
@@ -503,6 +504,7 @@ def profile_cmd(
         ("snapshot + persist", f"{c['persist_s'] * 1e3:.2f} ms"),
         ("persist bandwidth", f"{c['state_bytes'] / max(c['persist_s'], 1e-9) / 1e9:.2f} GB/s"),
         ("memory", prof.get("memory", "-")),
+        ("GPUs", _gpu_text([g.to_json() for g in gpu_samples()]) or "none (no NVML)"),
         ("chosen snapshot mode", prof["mode"]),
         ("chosen interval", f"{d['interval']} steps ({d['reason']})"),
         ("predicted overhead", f"{100 * d['predicted_overhead']:.2f}% "
@@ -668,6 +670,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
                                f"{_or(r['step'], 'unknown')}"
                                for r in st["restarts"]) or "none"),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
+        ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
     if st["error"]:
         rows.insert(1, ("error", st["error"]))
@@ -678,6 +681,13 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
     return rows
 
 
+
+
+def _gpu_text(gpus: list[dict[str, Any]]) -> str:
+    """``GPU 0 H100: 40.1/80.0 GB, 97% busy; ...`` (NVML samples, :mod:`cfrun.contract.gpus`)."""
+    return "; ".join(f"GPU {g['index']} {g['name']}: {g['memory_used_bytes'] / 1e9:.1f}/"
+                     f"{g['memory_total_bytes'] / 1e9:.1f} GB, {g['utilization_pct']}% busy"
+                     for g in gpus)
 
 
 def _status_table(st: dict[str, Any], rate: str | None = None) -> Any:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun.contract import coordination as co
+from cfrun.contract import gpus
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
@@ -163,7 +164,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     restarts ([{attempt, cause, step}]), disk_bytes, error (the message that stopped a
     ``fatal`` or ``failed`` job, e.g. a crash loop's exception; None otherwise), unprotected
     ([{attempt, step, where, error}]: a rank ran without cfrun's protection, e.g. no optimizer
-    ever stepped). Unknown values are None (JSON null); the table says what they mean.
+    ever stepped), gpus ([{index, uuid, name, memory_used_bytes, memory_total_bytes,
+    utilization_pct}] of this machine's visible GPUs, through NVML; empty without). Unknown
+    values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
@@ -206,6 +209,7 @@ def status(jd: JobDir) -> dict[str, Any]:
         "preempted": [{"step": e.get("step"), "final_checkpoint": e.get("final_checkpoint")}
                       for e in events if e.get("event") == "preempted"],
         "disk_bytes": tree_bytes(jd.checkpoints),
+        "gpus": [g.to_json() for g in gpus.samples()],
         "error": states[-1].get("error") if states and not running
         and states[-1].get("state") in ("fatal", "failed") else None,
         "unprotected": [{"attempt": e.get("attempt"), "step": e.get("step"),

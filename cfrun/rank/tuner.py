@@ -57,8 +57,9 @@ PROFILE_MAX_STEPS = 50
 
 
 def fingerprint(script: str, args: list[str], world_size: int) -> str:
-    """Identity of a job for the profile cache: script bytes, args, world size, devices,
-    cfrun version. (The state size is checked against the cache at the first checkpoint.)"""
+    """Identity of a job for the profile cache: script bytes, args, world size, devices (names
+    and NVML UUIDs), cfrun version. (The state size is checked against the cache at the first
+    checkpoint.)"""
     import torch
 
     h = hashlib.sha256()
@@ -66,8 +67,11 @@ def fingerprint(script: str, args: list[str], world_size: int) -> str:
         h.update(Path(script).read_bytes())
     except OSError:
         h.update(script.encode())
+    from cfrun.contract.gpus import device_uuids
+
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else ["cpu"]
+    devices += device_uuids()  # NVML: the same model of GPU elsewhere is profiled again
     h.update(json.dumps([args, world_size, devices, __version__]).encode())
     return h.hexdigest()[:16]
 

@@ -227,6 +227,9 @@ class Outcome:
     """``SIGTERM``/``SIGINT``: cfrun itself was stopped by this signal."""
     committed_steps: tuple[int, ...] = ()
     """Committed checkpoint steps when the outcome was taken, newest first."""
+    hardware_faults: tuple[str, ...] = ()
+    """GPU hardware faults NVML reported during the attempt (critical XID events, uncorrected
+    ECC errors; :class:`cfrun.contract.gpus.FaultWatch`)."""
     rank_exits: tuple[tuple[int, int], ...] = ()
     """``(rank, exitcode)`` of the failed ranks in torchrun's report, first observed failure
     last (:func:`cfrun.supervisor.torchrun_log.rank_exits`); negative: killed by that signal."""
@@ -258,6 +261,8 @@ class Outcome:
         from outside (a worker's SIGKILL surfaces as the rank's RuntimeError). (A rank that
         dies by SIGSEGV or SIGABRT in native code leaves no record either: it counts as a
         kill, so only ``--max-restarts`` bounds its restarts.)"""
+        if self.hardware_faults:  # the GPU failed, not the script: it need not fail again
+            return False
         first = first_error(self.errors)
         return (self.hung or (first is not None and not first.is_transport
                                   and not first.is_worker_killed)
@@ -270,7 +275,8 @@ class Outcome:
 
     @property
     def cause(self) -> str:
-        """``hang (...)``, ``out of memory at step N (...)``, the first failed rank as torchrun
+        """``hang (...)``, ``out of memory at step N (...)``, ``GPU hardware fault: XID 79 on
+        GPU 1 (GPU-...)``, the first failed rank as torchrun
         reported it (``rank 1 killed by SIGKILL``, ``rank 0 exit code 1``), or torchrun's own
         ``exit code N`` or ``killed by SIGNAME`` (failure events, reports)."""
         if self.hung:
@@ -279,6 +285,8 @@ class Outcome:
             step = self.failure.step
             return (f"out of memory at step {step if step is not None else '?'} (the kernel's "
                     f"OOM killer killed {self.oom_kills} process(es) of the job)")
+        if self.hardware_faults:
+            return f"GPU hardware fault: {'; '.join(self.hardware_faults)}"
         if self.rank_exits and self.returncode == 1:  # torchrun's own "a child failed"
             return describe_rank_exit(*self.rank_exits[-1])
         return describe_returncode(self.returncode if self.returncode is not None else 0)

@@ -15,12 +15,15 @@ yields:
 ``cfrun_checkpoint_pgt_seconds``              histogram: trigger to committed (CheckFreq's PGT)
 ``cfrun_persisted_bytes_total``               bytes committed
 ``cfrun_restarts_total{cause}``               restarts by cause: ``killed``, ``exit``,
-                                              ``hang``, ``oom``
+                                              ``hang``, ``oom``, ``hardware``
 ``cfrun_attempts_total``                      attempts started
 ``cfrun_overhead_ratio``                      checkpoint stall over wall time of ended attempts
 ``cfrun_overhead_budget_ratio``               the ``--overhead`` budget
 ``cfrun_peer_up``                             1 while the peer tier answers, 0 when it does not
                                               (absent without ``--peer``)
+``cfrun_gpu_memory_used_bytes{gpu,uuid}``     NVML, per visible GPU (absent without NVML);
+                                              also ``_total_bytes`` and
+                                              ``cfrun_gpu_utilization_ratio``
 ============================================  ================================================
 
 The supervisor writes them to ``<job_dir>/metrics.prom`` (the textfile collector format of
@@ -38,6 +41,7 @@ from typing import Any
 
 from cfrun.contract import coordination
 from cfrun.contract.fsio import write_atomic
+from cfrun.contract.gpus import samples
 from cfrun.contract.jobdir import JobDir
 
 STALL_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -47,10 +51,13 @@ MAX_EVENTS_READ_BYTES = 64 << 20
 
 
 def restart_cause(cause: str) -> str:
-    """A ``failure`` event's cause as a label of few values: ``hang``, ``oom``, ``killed``
-    (by a signal) or ``exit`` (a non-zero exit code)."""
+    """A ``failure`` event's cause as a label of few values: ``hang``, ``hardware`` (a GPU
+    fault NVML reported), ``oom``, ``killed`` (by a signal) or ``exit`` (a non-zero exit
+    code)."""
     if cause.startswith("hang"):
         return "hang"
+    if cause.startswith("GPU hardware fault"):
+        return "hardware"
     if cause.startswith("out of memory"):
         return "oom"
     return "killed" if "killed by" in cause else "exit"
@@ -197,7 +204,7 @@ class JobMetrics:
         yield CounterMetricFamily("cfrun_persisted_bytes", "Bytes of committed checkpoints",
                                   value=self.persisted_bytes)
         restarts = CounterMetricFamily("cfrun_restarts", "Restarts by cause", labels=["cause"])
-        for cause in ("killed", "exit", "hang", "oom"):
+        for cause in ("killed", "exit", "hang", "oom", "hardware"):
             restarts.add_metric([cause], self.restarts.get(cause, 0))
         yield restarts
         yield CounterMetricFamily("cfrun_attempts", "Attempts started", value=self.attempts)
@@ -211,6 +218,20 @@ class JobMetrics:
         if self.peer_up is not None:
             yield GaugeMetricFamily("cfrun_peer_up", "1 while the peer tier answers",
                                     value=self.peer_up)
+        gpus = samples()
+        if gpus:
+            used = GaugeMetricFamily("cfrun_gpu_memory_used_bytes", "GPU memory in use (NVML)",
+                                     labels=["gpu", "uuid"])
+            total = GaugeMetricFamily("cfrun_gpu_memory_total_bytes", "GPU memory (NVML)",
+                                      labels=["gpu", "uuid"])
+            util = GaugeMetricFamily("cfrun_gpu_utilization_ratio", "GPU utilisation (NVML)",
+                                     labels=["gpu", "uuid"])
+            for g in gpus:
+                labels = [str(g.index), g.uuid]
+                used.add_metric(labels, g.memory_used_bytes)
+                total.add_metric(labels, g.memory_total_bytes)
+                util.add_metric(labels, g.utilization_pct / 100.0)
+            yield from (used, total, util)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

@@ -29,6 +29,7 @@ from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
+from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
@@ -120,6 +121,7 @@ class Monitor:
         self.progress_s = progress_s
         self._progress_at = 0.0
         self.metrics: Any = None  # cfrun.supervisor.metrics.JobMetrics, set by the supervisor
+        self.gpu_faults = FaultWatch()
         self._metrics_at = 0.0
         self._progress_step = (0.0, 0)
         self._pending_signals = pending_signals
@@ -142,6 +144,7 @@ class Monitor:
         t0 = time.monotonic()
         started_unix_s = time.time()
         oom_before = oom_kill_count()
+        self.gpu_faults.start()
         self.attempt = attempt
         # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
         # kill_ranks finds it among our descendants
@@ -166,6 +169,7 @@ class Monitor:
                     self.kill_ranks()
                     continue
                 self.reap_orphans()
+                self.gpu_faults.poll()
                 if self.metrics is not None and time.monotonic() - self._metrics_at >= \
                         METRICS_TEXTFILE_S:
                     self._metrics_at = time.monotonic()
@@ -200,7 +204,8 @@ class Monitor:
             fatal_message=self.fatal_message(), last_step=self.last_step(),
             oom_kills=max(oom_kills, 0), agent_error=agent_error,
             committed_steps=tuple(committed_steps(self.jobdir.checkpoints)),
-            rank_exits=tuple(read_rank_exits(str(log_path))) if rc else ())
+            rank_exits=tuple(read_rank_exits(str(log_path))) if rc else (),
+            hardware_faults=tuple(self.gpu_faults.faults()) if rc else ())
 
     def stopped(self, signame: str) -> Outcome:
         """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,
