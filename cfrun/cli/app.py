@@ -301,22 +301,28 @@ def run_cmd(
     rdzv_id: Annotated[str | None, typer.Option(
         "--rdzv-id", "--rdzv_id", metavar="TEXT", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
+    local_addr: Annotated[str | None, typer.Option(
+        "--local-addr", "--local_addr", metavar="ADDRESS", envvar=E.LOCAL_ADDR,
+        help="This node's address for the rendezvous and the ranks' store (torchrun "
+             "--local-addr), where the host name does not resolve to it.")] = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
         _setup_logging(log_format)  # main() set up CFRUN_LOG_FORMAT's already
     given = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
-             "rdzv_id": rdzv_id, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts}
+             "rdzv_id": rdzv_id, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
+             "local_addr": local_addr}
     taken = _cluster_defaults(ctx, given)
-    nnodes, node_rank, rdzv_endpoint, rdzv_id, nproc_per_node, max_restarts = (
+    nnodes, node_rank, rdzv_endpoint, rdzv_id, nproc_per_node, max_restarts, local_addr = (
         taken[k] for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
-                           "max_restarts"))
+                           "max_restarts", "local_addr"))
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                        job_name=job_name, launcher=launcher, metrics=metrics)
+                        job_name=job_name, launcher=launcher, metrics=metrics,
+                        local_addr=local_addr)
     if dry_run:
         from cfrun.supervisor.launcher import build_launch_argv
 
@@ -357,7 +363,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                   job_name: str | None = None, launcher: str = "torchrun",
-                  metrics: str | None = None) -> RunConfig:
+                  metrics: str | None = None, local_addr: str | None = None) -> RunConfig:
     script_path = _resolve_script(script)
     option = "--job-name"
     if job_name is None and E.get_str(E.PEER_JOB):  # the older name of CFRUN_JOB_NAME
@@ -417,6 +423,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         persist_to=persist_to or None,
         job_name=job_name,
         metrics=metrics or None,
+        local_addr=local_addr or None,
         env=_recorded_env(),
     )
     return cfg

@@ -32,7 +32,8 @@ SLURM_PORT_BASE = 20000
 @dataclass(frozen=True)
 class ClusterDefaults:
     """Option defaults found in the environment: option name (``nnodes``, ``node_rank``,
-    ``rdzv_endpoint``, ``rdzv_id``, ``nproc_per_node``, ``max_restarts``) -> (text value,
+    ``rdzv_endpoint``, ``rdzv_id``, ``nproc_per_node``, ``max_restarts``, ``local_addr``) ->
+    (text value,
     the variable it came from)."""
 
     values: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -94,6 +95,7 @@ def cluster_defaults(environ: Mapping[str, str]) -> ClusterDefaults:
         put("rdzv_endpoint", f"{env['PET_MASTER_ADDR']}:{port}", "PET_MASTER_ADDR")
     put("rdzv_id", env.get("PET_RDZV_ID"), "PET_RDZV_ID")
     put("max_restarts", env.get("PET_MAX_RESTARTS"), "PET_MAX_RESTARTS")
+    put("local_addr", env.get("PET_LOCAL_ADDR"), "PET_LOCAL_ADDR")
 
     if "SLURM_JOB_ID" in env and ("SLURM_NNODES" in env or "SLURM_JOB_NUM_NODES" in env):
         nnodes_var = "SLURM_NNODES" if "SLURM_NNODES" in env else "SLURM_JOB_NUM_NODES"

@@ -196,6 +196,9 @@ class RunConfig:
     job_name: str | None = None
     """The job's name at a peer and at level 2 (``--job-name``); None: the job dir's
     ``identity.json`` names it (:func:`default_job_name` for a new job)."""
+    local_addr: str | None = None
+    """This node's address for the rendezvous and the ranks' store (torchrun ``--local-addr``);
+    None: torchrun looks it up from the host name."""
     metrics: str | None = None
     """``HOST:PORT`` where the supervisor serves Prometheus metrics (``--metrics``); None: only
     the ``metrics.prom`` textfile in the job dir (:mod:`cfrun.supervisor.metrics`)."""

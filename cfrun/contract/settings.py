@@ -109,6 +109,9 @@ NODE_RANK = _declare("CFRUN_NODE_RANK", "int", "0",
                      "job dir")
 RDZV_ENDPOINT = _declare("CFRUN_RDZV_ENDPOINT", "address", None,
                          "HOST:PORT of the torchrun c10d rendezvous; required with --nnodes > 1")
+LOCAL_ADDR = _declare("CFRUN_LOCAL_ADDR", "str", None,
+                      "this node's address for the rendezvous (torchrun --local-addr): where "
+                      "the host name does not resolve to the address the other nodes reach")
 RDZV_ID = _declare("CFRUN_RDZV_ID", "str", None, "rendezvous id shared by the nodes",
                    unset="job dir name")
 MAX_RESTARTS = _declare("CFRUN_MAX_RESTARTS", "int", "5",

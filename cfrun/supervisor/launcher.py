@@ -46,16 +46,19 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
                         log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The torchrun command for one attempt (no I/O).
 
-    One node: ``--standalone``. Several: torchrun's c10d rendezvous at ``--rdzv-endpoint`` (the
-    first node there to bind the port hosts the store; torchrun ``--rdzv-backend c10d``), with a
-    fixed node count, so the world size cannot change between restarts. ``log_path``: torchrun
+    One node: ``--standalone``. Several: torchrun's c10d rendezvous at ``--rdzv-endpoint``
+    (torchrun ``--rdzv-backend c10d``; node 0 hosts its store, ``is_host``), with a fixed node
+    count, so the world size cannot change between restarts. ``log_path``: torchrun
     runs under :mod:`cfrun.supervisor.torchrun_log`, its own output appended there (the ranks'
     output stays on the console); ``log_dir``: torchrun's ``--log-dir`` (else it leaves a
     ``torchelastic_*`` directory in /tmp per attempt).
     """
     if cfg.nnodes > 1:
+        # node 0 hosts the rendezvous store: torchrun's own guess (the endpoint names this
+        # machine's host name) misses an IP address or a Kubernetes Service name
         launch = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}"]
+                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}",
+                  f"--rdzv-conf=is_host={'true' if cfg.node_rank == 0 else 'false'}"]
     else:
         launch = ["--standalone"]
     runner = ["-m", "cfrun.supervisor.torchrun_log", log_path, "torch.distributed.run"] \
@@ -67,6 +70,7 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
         "--max-restarts=0",
         "--monitor-interval=0.1",
         *([f"--log-dir={log_dir}"] if log_dir is not None else []),
+        *([f"--local-addr={cfg.local_addr}"] if cfg.local_addr else []),
         cfg.script, *cfg.script_args,
     ]
 
