@@ -110,6 +110,8 @@ class Boundary:
         self._pending: tuple[int, bool, bool] | None = None
         """(step, due, kill) of the trigger waiting for its boundary."""
         self._loop: F.LoopInfo | None = None
+        self._enum_cache: tuple[weakref.ref[Any], Any] | None = None
+        """(loader iterator, the enumerate around it or its wrapper, or None)."""
         self._stopping = False
         self._deferred_from: int | None = None
         """Step whose due checkpoint was deferred (previous persist in flight), if any."""
@@ -206,7 +208,7 @@ class Boundary:
         if self._preemption.preempted:
             self._preemption.end_now()
         if self._resume.fixing_enumerate:
-            self._resume.on_next(it)
+            self._resume.on_next(it, caller)
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
         if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
@@ -215,7 +217,8 @@ class Boundary:
             if not _is_for_header(caller):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
-            epoch_loop, epoch_value = self._epoch_loop(caller)
+            consumer = F.consumer_frame(caller)
+            epoch_loop, epoch_value = self._epoch_loop(consumer)
             data = {
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),
@@ -224,20 +227,38 @@ class Boundary:
                 "epoch_rng": loader._cfrun_epoch_rng,
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
                 "epoch_value": epoch_value,
+                "enumerate": self._enumerate_index(it, caller, consumer),
+                "wrapped": consumer is not caller,
             }
             if loader._dataset_kind != 0:  # _DatasetKind.Iterable
                 self._flag("the training DataLoader reads an IterableDataset; cfrun cannot skip "
                            "to the batch position inside an epoch")
             self._boundary(caller, data)
 
-    def _epoch_loop(self, caller: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
-        """The loop around the training loader's ``for`` (the epoch loop) and its variable."""
-        frames = F.script_frames(caller, self.s.script)
+    def _enumerate_index(self, it: Any, caller: types.FrameType,
+                         consumer: types.FrameType) -> int | None:
+        """The count of the ``enumerate()`` around the training loader or its wrapper, as it
+        stands in the middle of that enumerate's ``next()`` (None without one). The enumerate
+        is looked up once per loader iterator."""
+        cached = self._enum_cache
+        if cached is None or cached[0]() is not it:
+            cached = (weakref.ref(it), F.find_enumerate(it, caller, consumer))
+            self._enum_cache = cached
+        return F.enumerate_index(cached[1]) if cached[1] is not None else None
+
+    def _epoch_loop(self, consumer: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
+        """The loop around the training loader's ``for`` (the epoch loop) and its variable.
+
+        ``consumer`` is the frame whose loop receives the batches (:func:`F.consumer_frame`:
+        past the loader wrappers); the epoch loop encloses that loop in the same function, or
+        the call of that function in one of its callers (a per-epoch ``train_one_epoch()``).
+        """
+        frames = F.script_frames(consumer, self.s.script)
         loop, frame = None, None
-        if frames and frames[0] is caller:
-            loop, frame = F.find_loop(caller, outside=True), caller
+        if frames and frames[0] is consumer:
+            loop, frame = F.find_loop(consumer, outside=True), consumer
         if loop is None:
-            for f in frames[1:] if frames and frames[0] is caller else frames:
+            for f in frames[1:] if frames and frames[0] is consumer else frames:
                 loop, frame = F.find_loop(f), f
                 if loop is not None:
                     break

@@ -24,6 +24,8 @@ import dataclasses
 import datetime
 import enum
 import functools
+import gc
+import inspect
 import io
 import json
 import logging
@@ -117,8 +119,9 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
             and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler,
                                        enum.Enum))):
         local = []
-        attrs = {k: v for k, v in vars(value).items()
-                 if not isinstance(v, _SKIP_TYPES + (torch.nn.Module,))}
+        attrs = {k: v for k, v in vars(value).items()  # a loader wrapper keeps its loader
+                 if not isinstance(v, _SKIP_TYPES + (torch.nn.Module, torch.utils.data.DataLoader,
+                                                     torch.optim.Optimizer))}
         enc = encode(_detach_tree(attrs), local, typed=True)
         return _with_tensors("object", enc, local, tensors, budget)
     if _is_plain(value):
@@ -273,27 +276,91 @@ def _to_device_like(value: Any, current: Any) -> Any:
     return value
 
 
-def fix_enumerate(iterator: Any, consumed: int) -> bool:
-    """Advance the counter of the ``enumerate`` object wrapping ``iterator`` by ``consumed``.
+def consumer_frame(caller: types.FrameType) -> types.FrameType:
+    """The frame whose loop receives the batches that ``caller`` reads from a DataLoader.
 
-    ``for i, batch in enumerate(loader)`` restarts ``i`` at its start value when the loader
-    resumes mid-epoch; scripts use ``i`` for logging and per-iteration LR schedules. CPython
-    keeps the count in ``en_index`` right after the object header; the write is checked through
-    ``__reduce__``. Returns whether an enumerate was found and fixed.
+    ``caller`` is the frame that called ``next()`` on the loader's iterator. Loader wrappers sit
+    between it and the training loop: generator functions (a prefetcher's ``__iter__``, a device
+    mover) and ``__next__`` methods, in the script or in a library. Their consumers are found
+    through ``f_back`` (a running generator's ``f_back`` is the frame that called ``next()`` on
+    it). Returns the first frame outwards that is neither (``caller`` itself when unwrapped).
     """
-    import gc
+    f = caller
+    while _is_wrapper_frame(f) and f.f_back is not None:
+        f = f.f_back
+    return f
 
+
+def _is_wrapper_frame(f: types.FrameType) -> bool:
+    return bool(f.f_code.co_flags & inspect.CO_GENERATOR) or f.f_code.co_name == "__next__"
+
+
+def find_enumerate(iterator: Any, caller: types.FrameType,
+                   consumer: types.FrameType) -> enumerate | None:  # type: ignore[type-arg]
+    """The ``enumerate`` object around the training loader's ``iterator`` or around one of the
+    wrappers between ``caller`` and ``consumer`` (:func:`consumer_frame`); the outermost one
+    if several. Training thread, at a checkpoint boundary or at the first ``next()`` after a
+    resume (two ``gc.get_referrers`` scans: callers cache the answer per iterator)."""
+    inner: list[Any] = [iterator]
+    gen_frames = []
+    f: types.FrameType | None = caller
+    while f is not None and f is not consumer:
+        if f.f_code.co_flags & inspect.CO_GENERATOR:
+            gen_frames.append(f)
+        elif f.f_code.co_name == "__next__" and "self" in f.f_code.co_varnames:
+            inner.append(f.f_locals.get("self"))
+        f = f.f_back
+    if gen_frames:
+        ids = {id(g) for g in gen_frames}
+        gens = [g for g in gc.get_referrers(*gen_frames)
+                if type(g) is types.GeneratorType and id(g.gi_frame) in ids]
+        gens.sort(key=lambda g: [id(x) for x in gen_frames].index(id(g.gi_frame)))
+        inner.extend(gens)
+    order = {id(o): i for i, o in enumerate(inner) if o is not None}
+    best: tuple[int, Any] | None = None
+    for ref in gc.get_referrers(*[o for o in inner if o is not None]):
+        if type(ref) is enumerate:
+            sit = ref.__reduce__()[1][0]
+            pos = order.get(id(sit))
+            if pos is not None and (best is None or pos > best[0]):
+                best = (pos, ref)
+    return best[1] if best is not None else None
+
+
+def enumerate_index(en: Any) -> int | None:
+    """The next count an ``enumerate`` object yields (``None`` past ``sys.maxsize``)."""
+    index = en.__reduce__()[1][1]
+    return index if type(index) is int else None
+
+
+def set_enumerate_index(en: Any, index: int) -> bool:
+    """Make the ``enumerate`` object ``en`` count on from ``index``.
+
+    ``for i, batch in enumerate(loader)`` restarts ``i`` at its start value when the loader (or
+    a wrapper around it) resumes mid-epoch; scripts use ``i`` for logging, gradient
+    accumulation and per-iteration LR schedules. CPython keeps the count in ``en_index`` right
+    after the object header; the write is checked through ``__reduce__`` before and after.
+    Returns whether it was set.
+    """
+    current = enumerate_index(en)
+    if current is None:
+        return False
+    cell = ctypes.c_ssize_t.from_address(id(en) + object.__basicsize__)
+    if cell.value != current:
+        return False
+    cell.value = index
+    return enumerate_index(en) == index
+
+
+def fix_enumerate(iterator: Any, consumed: int) -> bool:
+    """Advance the counter of the ``enumerate`` object wrapping ``iterator`` by ``consumed``
+    (checkpoints written before the counter itself was recorded). Returns whether an
+    enumerate was found and fixed."""
     for ref in gc.get_referrers(iterator):
         if type(ref) is enumerate:
-            reduced: Any = ref.__reduce__()
-            sit, index = reduced[1]
-            if sit is not iterator:
-                continue
-            cell = ctypes.c_ssize_t.from_address(id(ref) + object.__basicsize__)
-            if cell.value != index:
-                return False
-            cell.value = index + consumed
-            return ref.__reduce__()[1][1] == index + consumed
+            sit, index = ref.__reduce__()[1]
+            if sit is iterator and type(index) is int:
+                return set_enumerate_index(ref, index + consumed)
     return False
 
 

@@ -160,7 +160,8 @@ class Resume:
         optimizer step then means the training loader is gone (:meth:`loader_missing`)."""
         self.fixing_enumerate = False
         """True until the first ``next()`` on the restored loader iterator (:meth:`on_next`)."""
-        self._enum_fix: tuple[weakref.ref[Any], int] | None = None
+        self._enum_fix: tuple[weakref.ref[Any], int | None, int] | None = None
+        """(restored loader iterator, the enumerate count at the checkpoint, batches consumed)"""
         self._kind = "replay"
         self._jumped = False
         self._saved_stdout: Any = None
@@ -276,15 +277,21 @@ class Resume:
         it._cfrun_iter_index = n
         return it
 
-    def on_next(self, it: Any) -> None:
+    def on_next(self, it: Any, caller: types.FrameType) -> None:
         """Before a ``next()`` while :attr:`fixing_enumerate`: the first one on the restored
-        iterator moves the script's ``enumerate()`` counter to the batches already consumed."""
+        iterator gives the script's ``enumerate()`` (around the loader or around a wrapper of
+        it, :func:`F.find_enumerate`) the count it had at the checkpoint's boundary, which was
+        in the middle of that enumerate's ``next()`` as this one is."""
         if self._enum_fix is not None and self._enum_fix[0]() is it:
-            consumed = self._enum_fix[1]
+            saved, consumed = self._enum_fix[1], self._enum_fix[2]
             self._enum_fix = None
             self.fixing_enumerate = False
-            if consumed:  # False when no enumerate() wraps the loader: nothing to fix
-                F.fix_enumerate(it, consumed)
+            if saved is not None:
+                en = F.find_enumerate(it, caller, F.consumer_frame(caller))
+                if en is not None and F.enumerate_index(en) != saved:
+                    F.set_enumerate_index(en, saved)
+            elif consumed and "enumerate" not in self.plan.state["data"]:  # type: ignore[union-attr]
+                F.fix_enumerate(it, consumed)  # a checkpoint without the count
 
     def loader_missing(self) -> NoReturn:
         """An optimizer step after the jump to the checkpoint's epoch, before the training
@@ -318,7 +325,9 @@ class Resume:
         it = start()
         it._cfrun_iter_index = n
         self._apply(plan, caller, in_tracer=False)
-        self._enum_fix = (weakref.ref(it), data["batches"])
+        saved_count = data.get("enumerate")
+        self._enum_fix = (weakref.ref(it), saved_count if type(saved_count) is int else None,
+                          data["batches"])
         self.fixing_enumerate = True
         return it
 
