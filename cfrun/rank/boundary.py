@@ -146,8 +146,8 @@ class Boundary:
         tuner = self._tuner
         if tuner.phase == "profiling" and self._step_t0:
             tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
-        if count <= self.step:  # a second optimizer in the same iteration (GAN)
-            return
+        if count <= self.step or self._resume.fast_forwarding:
+            return  # a second optimizer in the same iteration (GAN), or a replayed epoch's step
         if self._resume.awaiting_loader:
             # the epoch was jumped to, yet training goes on without the checkpoint's loader
             self._resume.loader_missing()

@@ -296,7 +296,7 @@ def _is_wrapper_frame(f: types.FrameType) -> bool:
 
 
 def find_enumerate(iterator: Any, caller: types.FrameType,
-                   consumer: types.FrameType) -> enumerate | None:  # type: ignore[type-arg]
+                   consumer: types.FrameType) -> Any | None:
     """The ``enumerate`` object around the training loader's ``iterator`` or around one of the
     wrappers between ``caller`` and ``consumer`` (:func:`consumer_frame`); the outermost one
     if several. Training thread, at a checkpoint boundary or at the first ``next()`` after a
@@ -358,7 +358,8 @@ def fix_enumerate(iterator: Any, consumed: int) -> bool:
     enumerate was found and fixed."""
     for ref in gc.get_referrers(iterator):
         if type(ref) is enumerate:
-            sit, index = ref.__reduce__()[1]
+            reduced: Any = ref.__reduce__()
+            sit, index = reduced[1]
             if sit is iterator and type(index) is int:
                 return set_enumerate_index(ref, index + consumed)
     return False

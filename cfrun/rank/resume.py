@@ -13,7 +13,9 @@ then runs from its first line, and cfrun fast-forwards it to the checkpoint's bo
   them;
 * **loader loops, replay** (any other epoch loop): completed epochs run without loading data and
   with the script's output suppressed, until the training loader's ``iter()`` of the
-  checkpoint's epoch.
+  checkpoint's epoch. A training loader the script reads through a wrapper (a generator, a
+  prefetcher that assumes one batch at least) yields one batch per replayed epoch instead of
+  none; the steps taken on it are not counted.
 
 Restoring (:meth:`Resume._apply`) first checks that the checkpoint fits the live job
 (:func:`cfrun.codec.checkpoint.check_fits`: a mismatch stops the job with exit 5, nothing
@@ -265,7 +267,13 @@ class Resume:
                 if loader_fingerprint(loader) != data["fingerprint"]:
                     self._loader_changed(data["fingerprint"], loader_fingerprint(loader))
                 if n < data["iter_index"]:
-                    self.enter_fast_forward(data["iter_index"])
+                    self.enter_fast_forward(data["iter_index"], one_batch=bool(data.get("wrapped")))
+                    if data.get("wrapped"):
+                        # a wrapper (a prefetcher) may assume one batch at least: give it one;
+                        # the step it takes is not counted and the state is restored anyway
+                        it = start()
+                        it._cfrun_iter_index = n
+                        return itertools.islice(it, 1)
                     return iter(())
                 if n == data["iter_index"]:
                     return self._resume_at_loader(loader, n, sys._getframe(2), start)
@@ -479,12 +487,15 @@ class Resume:
 
     # ---------------------------------------------------------------- fast-forward
 
-    def enter_fast_forward(self, epochs: int) -> None:
-        """Suppress the script's output while ``epochs`` completed epochs run without data."""
+    def enter_fast_forward(self, epochs: int, *, one_batch: bool = False) -> None:
+        """Suppress the script's output while ``epochs`` completed epochs run without data
+        (``one_batch``: with one training batch each, for a wrapped training loader)."""
         if self.fast_forwarding:
             return
         self.fast_forwarding = True
-        say(f"fast-forwarding {epochs} completed epoch(s) without loading data "
+        how = ("with one training batch each (the training loader is read through a wrapper)"
+               if one_batch else "without loading data")
+        say(f"fast-forwarding {epochs} completed epoch(s) {how} "
             "(script output suppressed until the resume point)")
         self._saved_stdout = sys.stdout
         sys.stdout = _NullWriter()
