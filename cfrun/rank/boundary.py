@@ -110,6 +110,8 @@ class Boundary:
         self._pending: tuple[int, bool, bool] | None = None
         """(step, due, kill) of the trigger waiting for its boundary."""
         self._loop: F.LoopInfo | None = None
+        self._outer_loops: list[F.LoopInfo] = []
+        """Step loops: the loops around :attr:`_loop`, outermost first (an epoch loop)."""
         self._enum_cache: tuple[weakref.ref[Any], Any] | None = None
         """(loader iterator, the enumerate around it or its wrapper, or None)."""
         self._stopping = False
@@ -287,6 +289,7 @@ class Boundary:
             self._boundary(frames[0] if frames else sys._getframe(2), None)
             return
         self._loop = loop
+        self._outer_loops = F.enclosing_loops(frames[frames.index(loop_frame):], loop)
         targets = (loop.header_line, loop.body_line)
 
         def tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -357,6 +360,7 @@ class Boundary:
             "step": step,
             "mode": self.mode,
             "loop": self._loop.to_json() if self._loop else None,
+            "outer_loops": [lp.to_json() for lp in self._outer_loops] if self._loop else [],
             "epoch": data["iter_index"] if data else None,
             "batches": data["batches"] if data else None,
             "not_exact": list(self._not_exact.reasons),

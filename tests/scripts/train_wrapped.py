@@ -91,8 +91,8 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
     start_epoch = 0
-    epoch_list = list(range(start_epoch, epochs))  # EPOCHS=list: cfrun cannot jump this loop
-    for epoch in epoch_list if os.environ.get("EPOCHS") == "list" else range(start_epoch, epochs):
+
+    def run_epoch(epoch):
         if wrapper == "generator":
             epoch_loader = to_device(train_loader)
         elif wrapper == "both":
@@ -104,6 +104,14 @@ def main():
         val = validate(model, val_loader)
         print(f"epoch {epoch} loss {total:.8f} val {val:.8f} lr {sched.get_last_lr()[0]:.6f}",
               flush=True)
+        return total, val
+
+    if os.environ.get("EPOCHS") == "list":  # cfrun cannot jump this loop: it replays
+        for epoch in list(range(start_epoch, epochs)):
+            total, val = run_epoch(epoch)
+    else:
+        for epoch in range(start_epoch, epochs):
+            total, val = run_epoch(epoch)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                 "sched": sched.state_dict()}, out)
     print(f"FINAL loss {total:.8f} val {val:.8f}")
