@@ -47,6 +47,11 @@ says that its job is unprotected (a script that updates its parameters by hand: 
 and checkpoints are the optimizers' steps). Gradient accumulation rarely spans this many."""
 
 
+HANDOFF_WAIT_S = 2.0
+"""The longest an optimizer step waits for the previous checkpoint's hand-off to the persist
+agent (a message on a local socket: microseconds, unless the agent is being reconnected)."""
+
+
 class BackwardWatch:
     """Counts autograd backward passes (``torch.autograd.backward``, which ``Tensor.backward``
     calls) until the first optimizer step; at ``limit`` of them with no step, calls
@@ -118,6 +123,8 @@ class Boundary:
         self._deferred_from: int | None = None
         """Step whose due checkpoint was deferred (previous persist in flight), if any."""
         self._done_records: list[dict[str, Any]] = []
+        self._waited_for: int | None = None
+        """Checkpoint whose hand-off a step waited for (:meth:`on_before_step`)."""
         self._step_t0 = 0.0
         self._checked_bytes = False
         self._boundary = wrap("the checkpoint boundary", self._at_boundary)
@@ -132,8 +139,15 @@ class Boundary:
     # ---------------------------------------------------------------- steps
 
     def on_before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
+        """Global optimizer step pre-hook: the step waits until the snapshot copy is done, and
+        (at most :data:`HANDOFF_WAIT_S`) until the agent has the checkpoint: a rank killed
+        after the checkpoint's boundary then loses it only before the next step, so a kill
+        recomputes at most K+1 iterations (the snapshot thread sends the hand-off; with tiny
+        steps on a loaded machine it could otherwise still be unsent several steps later)."""
         self._snap.gate()
+        if not self._snap.handed_off.is_set() and self._snap.inflight_step != self._waited_for:
+            self._waited_for = self._snap.inflight_step  # once per checkpoint
+            self._snap.handed_off.wait(HANDOFF_WAIT_S)
         self._step_t0 = time.perf_counter()
 
     def on_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
