@@ -114,7 +114,11 @@ def test_lm_loop_over_tensor_slices_resumes_bit_identical(tmp_path, shape):
     assert all(0 <= k - r <= LM_K + 1 for k, r in zip(kills, resumed)), resumed
     iters = (tmp_path / "got.iters").read_text().split()
     assert len(iters) == LM_EPOCHS * LM_STEPS_PER_EPOCH + sum(k - r for k, r in zip(kills, resumed))
-    assert _lines(run.stdout, "epoch ") == _lines(plain.stdout, "epoch ")
+    # the epoch loop was jumped: an epoch's end runs again only after a resume from the
+    # checkpoint of its last step (taken at the loop head, before the end of the epoch)
+    epochs = _lines(run.stdout, "epoch ")
+    assert list(dict.fromkeys(epochs)) == _lines(plain.stdout, "epoch ")
+    assert len(epochs) - LM_EPOCHS == sum(r % LM_STEPS_PER_EPOCH == 0 for r in resumed)
     assert final_line(run.stdout) == final_line(plain.stdout)
     got = _lines(run.stdout, "batch ")
     assert len(got) == len(iters)

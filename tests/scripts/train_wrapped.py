@@ -3,8 +3,8 @@
 
 ``train_wrapped.py WRAPPER EPOCHS OUT`` with WRAPPER one of ``prefetcher`` (a class whose
 ``__iter__`` reads one batch ahead and, like timm's PrefetchLoader, assumes at least one batch),
-``generator`` (a device-mover generator function) or ``both`` (the generator around the
-prefetcher). Prints one line per batch (with the enumerate counter) and one per epoch; saves the
+``generator`` (a device-mover generator function), ``both`` (the generator around the
+prefetcher) or ``library`` (a wrapper object from another module, as Lightning Fabric's). Prints one line per batch (with the enumerate counter) and one per epoch; saves the
 final model, optimizer and scheduler state to OUT. ``ITER_LOG`` (optional): a file that gets one
 line per training iteration; ``SHUFFLE=0``: the training loader does not shuffle;
 ``EPOCHS=list``: the epoch loop iterates a list (cfrun replays completed epochs instead of
@@ -83,6 +83,10 @@ def main():
     val_loader = DataLoader(TensorDataset(x[256:], y[256:]), batch_size=16)
     if wrapper == "prefetcher":
         loader = Prefetcher(train_loader)
+    elif wrapper == "library":
+        from wrapped_lib import DeviceLoader
+
+        loader = DeviceLoader(train_loader)
     elif wrapper == "generator":
         loader = None  # a new generator each epoch
     else:
