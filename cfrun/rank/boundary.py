@@ -117,8 +117,9 @@ class Boundary:
         self._loop: F.LoopInfo | None = None
         self._outer_loops: list[F.LoopInfo] = []
         """Step loops: the loops around :attr:`_loop`, outermost first (an epoch loop)."""
-        self._enum_cache: tuple[weakref.ref[Any], Any] | None = None
-        """(loader iterator, the enumerate around it or its wrapper, or None)."""
+        self._enum_cache: tuple[weakref.ref[Any], Any, weakref.ref[Any]] | None = None
+        """(training loader iterator, the enumerate around it or its wrapper or None, the
+        loader), dropped at the loader's next epoch."""
         self._stopping = False
         self._deferred_from: int | None = None
         """Step whose due checkpoint was deferred (previous persist in flight), if any."""
@@ -225,6 +226,9 @@ class Boundary:
             self._preemption.end_now()
         if self._resume.fixing_enumerate:
             self._resume.on_next(it, caller)
+        cached = self._enum_cache
+        if cached is not None and cached[0]() is not it and cached[2]() is it._cfrun_loader:
+            self._enum_cache = None  # a new epoch: let the last one's wrappers go
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
         if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
@@ -258,7 +262,8 @@ class Boundary:
         is looked up once per loader iterator."""
         cached = self._enum_cache
         if cached is None or cached[0]() is not it:
-            cached = (weakref.ref(it), F.find_enumerate(it, caller, consumer))
+            cached = (weakref.ref(it), F.find_enumerate(it, caller, consumer),
+                      weakref.ref(it._cfrun_loader))
             self._enum_cache = cached
         return F.enumerate_index(cached[1]) if cached[1] is not None else None
 
