@@ -47,6 +47,11 @@ says that its job is unprotected (a script that updates its parameters by hand: 
 and checkpoints are the optimizers' steps). Gradient accumulation rarely spans this many."""
 
 
+HANDOFF_WAIT_S = 2.0
+"""The longest an optimizer step waits for the previous checkpoint's hand-off to the persist
+agent (a message on a local socket: microseconds, unless the agent is being reconnected)."""
+
+
 class BackwardWatch:
     """Counts autograd backward passes (``torch.autograd.backward``, which ``Tensor.backward``
     calls) until the first optimizer step; at ``limit`` of them with no step, calls
@@ -110,10 +115,17 @@ class Boundary:
         self._pending: tuple[int, bool, bool] | None = None
         """(step, due, kill) of the trigger waiting for its boundary."""
         self._loop: F.LoopInfo | None = None
+        self._outer_loops: list[F.LoopInfo] = []
+        """Step loops: the loops around :attr:`_loop`, outermost first (an epoch loop)."""
+        self._enum_cache: tuple[weakref.ref[Any], Any, weakref.ref[Any]] | None = None
+        """(training loader iterator, the enumerate around it or its wrapper or None, the
+        loader), dropped at the loader's next epoch."""
         self._stopping = False
         self._deferred_from: int | None = None
         """Step whose due checkpoint was deferred (previous persist in flight), if any."""
         self._done_records: list[dict[str, Any]] = []
+        self._waited_for: int | None = None
+        """Checkpoint whose hand-off a step waited for (:meth:`on_before_step`)."""
         self._step_t0 = 0.0
         self._checked_bytes = False
         self._boundary = wrap("the checkpoint boundary", self._at_boundary)
@@ -128,8 +140,15 @@ class Boundary:
     # ---------------------------------------------------------------- steps
 
     def on_before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook: the step waits until the snapshot copy is done."""
+        """Global optimizer step pre-hook: the step waits until the snapshot copy is done, and
+        (at most :data:`HANDOFF_WAIT_S`) until the agent has the checkpoint: a rank killed
+        after the checkpoint's boundary then loses it only before the next step, so a kill
+        recomputes at most K+1 iterations (the snapshot thread sends the hand-off; with tiny
+        steps on a loaded machine it could otherwise still be unsent several steps later)."""
         self._snap.gate()
+        if not self._snap.handed_off.is_set() and self._snap.inflight_step != self._waited_for:
+            self._waited_for = self._snap.inflight_step  # once per checkpoint
+            self._snap.handed_off.wait(HANDOFF_WAIT_S)
         self._step_t0 = time.perf_counter()
 
     def on_optimizer_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -144,8 +163,8 @@ class Boundary:
         tuner = self._tuner
         if tuner.phase == "profiling" and self._step_t0:
             tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
-        if count <= self.step:  # a second optimizer in the same iteration (GAN)
-            return
+        if count <= self.step or self._resume.fast_forwarding:
+            return  # a second optimizer in the same iteration (GAN), or a replayed epoch's step
         if self._resume.awaiting_loader:
             # the epoch was jumped to, yet training goes on without the checkpoint's loader
             self._resume.loader_missing()
@@ -206,7 +225,10 @@ class Boundary:
         if self._preemption.preempted:
             self._preemption.end_now()
         if self._resume.fixing_enumerate:
-            self._resume.on_next(it)
+            self._resume.on_next(it, caller)
+        cached = self._enum_cache
+        if cached is not None and cached[0]() is not it and cached[2]() is it._cfrun_loader:
+            self._enum_cache = None  # a new epoch: let the last one's wrappers go
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
         if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
@@ -215,7 +237,8 @@ class Boundary:
             if not _is_for_header(caller):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
-            epoch_loop, epoch_value = self._epoch_loop(caller)
+            consumer = F.consumer_frame(caller)
+            epoch_loop, epoch_value = self._epoch_loop(consumer)
             data = {
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),
@@ -225,6 +248,8 @@ class Boundary:
                 "worker_rng": worker_rng_of(it),
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
                 "epoch_value": epoch_value,
+                "enumerate": self._enumerate_index(it, caller, consumer),
+                "wrapped": consumer is not caller,
             }
             for reason in inexact_reasons(loader):
                 self._flag(reason)
@@ -233,14 +258,31 @@ class Boundary:
                            "to the batch position inside an epoch")
             self._boundary(caller, data)
 
-    def _epoch_loop(self, caller: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
-        """The loop around the training loader's ``for`` (the epoch loop) and its variable."""
-        frames = F.script_frames(caller, self.s.script)
+    def _enumerate_index(self, it: Any, caller: types.FrameType,
+                         consumer: types.FrameType) -> int | None:
+        """The count of the ``enumerate()`` around the training loader or its wrapper, as it
+        stands in the middle of that enumerate's ``next()`` (None without one). The enumerate
+        is looked up once per loader iterator."""
+        cached = self._enum_cache
+        if cached is None or cached[0]() is not it:
+            cached = (weakref.ref(it), F.find_enumerate(it, caller, consumer),
+                      weakref.ref(it._cfrun_loader))
+            self._enum_cache = cached
+        return F.enumerate_index(cached[1]) if cached[1] is not None else None
+
+    def _epoch_loop(self, consumer: types.FrameType) -> tuple[F.LoopInfo | None, int | None]:
+        """The loop around the training loader's ``for`` (the epoch loop) and its variable.
+
+        ``consumer`` is the frame whose loop receives the batches (:func:`F.consumer_frame`:
+        past the loader wrappers); the epoch loop encloses that loop in the same function, or
+        the call of that function in one of its callers (a per-epoch ``train_one_epoch()``).
+        """
+        frames = F.script_frames(consumer, self.s.script)
         loop, frame = None, None
-        if frames and frames[0] is caller:
-            loop, frame = F.find_loop(caller, outside=True), caller
+        if frames and frames[0] is consumer:
+            loop, frame = F.find_loop(consumer, outside=True), consumer
         if loop is None:
-            for f in frames[1:] if frames and frames[0] is caller else frames:
+            for f in frames[1:] if frames and frames[0] is consumer else frames:
                 loop, frame = F.find_loop(f), f
                 if loop is not None:
                     break
@@ -269,6 +311,7 @@ class Boundary:
             self._boundary(frames[0] if frames else sys._getframe(2), None)
             return
         self._loop = loop
+        self._outer_loops = F.enclosing_loops(frames[frames.index(loop_frame):], loop)
         targets = (loop.header_line, loop.body_line)
 
         def tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -339,6 +382,7 @@ class Boundary:
             "step": step,
             "mode": self.mode,
             "loop": self._loop.to_json() if self._loop else None,
+            "outer_loops": [lp.to_json() for lp in self._outer_loops] if self._loop else [],
             "epoch": data["iter_index"] if data else None,
             "batches": data["batches"] if data else None,
             "not_exact": list(self._not_exact.reasons),

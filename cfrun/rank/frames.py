@@ -24,6 +24,8 @@ import dataclasses
 import datetime
 import enum
 import functools
+import gc
+import inspect
 import io
 import json
 import logging
@@ -117,8 +119,9 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
             and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler,
                                        enum.Enum))):
         local = []
-        attrs = {k: v for k, v in vars(value).items()
-                 if not isinstance(v, _SKIP_TYPES + (torch.nn.Module,))}
+        attrs = {k: v for k, v in vars(value).items()  # a loader wrapper keeps its loader
+                 if not isinstance(v, _SKIP_TYPES + (torch.nn.Module, torch.utils.data.DataLoader,
+                                                     torch.optim.Optimizer))}
         enc = encode(_detach_tree(attrs), local, typed=True)
         return _with_tensors("object", enc, local, tensors, budget)
     if _is_plain(value):
@@ -273,27 +276,92 @@ def _to_device_like(value: Any, current: Any) -> Any:
     return value
 
 
-def fix_enumerate(iterator: Any, consumed: int) -> bool:
-    """Advance the counter of the ``enumerate`` object wrapping ``iterator`` by ``consumed``.
+def consumer_frame(caller: types.FrameType) -> types.FrameType:
+    """The frame whose loop receives the batches that ``caller`` reads from a DataLoader.
 
-    ``for i, batch in enumerate(loader)`` restarts ``i`` at its start value when the loader
-    resumes mid-epoch; scripts use ``i`` for logging and per-iteration LR schedules. CPython
-    keeps the count in ``en_index`` right after the object header; the write is checked through
-    ``__reduce__``. Returns whether an enumerate was found and fixed.
+    ``caller`` is the frame that called ``next()`` on the loader's iterator. Loader wrappers sit
+    between it and the training loop: generator functions (a prefetcher's ``__iter__``, a device
+    mover) and ``__next__`` methods, in the script or in a library. Their consumers are found
+    through ``f_back`` (a running generator's ``f_back`` is the frame that called ``next()`` on
+    it). Returns the first frame outwards that is neither (``caller`` itself when unwrapped).
     """
-    import gc
+    f = caller
+    while _is_wrapper_frame(f) and f.f_back is not None:
+        f = f.f_back
+    return f
 
+
+def _is_wrapper_frame(f: types.FrameType) -> bool:
+    return bool(f.f_code.co_flags & inspect.CO_GENERATOR) or f.f_code.co_name == "__next__"
+
+
+def find_enumerate(iterator: Any, caller: types.FrameType,
+                   consumer: types.FrameType) -> Any | None:
+    """The ``enumerate`` object around the training loader's ``iterator`` or around one of the
+    wrappers between ``caller`` and ``consumer`` (:func:`consumer_frame`); the outermost one
+    if several. Training thread, at a checkpoint boundary or at the first ``next()`` after a
+    resume (two ``gc.get_referrers`` scans: callers cache the answer per iterator)."""
+    inner: list[Any] = [iterator]
+    gen_frames = []
+    f: types.FrameType | None = caller
+    while f is not None and f is not consumer:
+        if f.f_code.co_flags & inspect.CO_GENERATOR:
+            gen_frames.append(f)
+        elif f.f_code.co_name == "__next__" and "self" in f.f_code.co_varnames:
+            inner.append(f.f_locals.get("self"))
+        f = f.f_back
+    if gen_frames:
+        ids = {id(g) for g in gen_frames}
+        gens = [g for g in gc.get_referrers(*gen_frames)
+                if type(g) is types.GeneratorType and id(g.gi_frame) in ids]
+        gens.sort(key=lambda g: [id(x) for x in gen_frames].index(id(g.gi_frame)))
+        inner.extend(gens)
+    order = {id(o): i for i, o in enumerate(inner) if o is not None}
+    best: tuple[int, Any] | None = None
+    for ref in gc.get_referrers(*[o for o in inner if o is not None]):
+        if type(ref) is enumerate:
+            sit = ref.__reduce__()[1][0]
+            pos = order.get(id(sit))
+            if pos is not None and (best is None or pos > best[0]):
+                best = (pos, ref)
+    return best[1] if best is not None else None
+
+
+def enumerate_index(en: Any) -> int | None:
+    """The next count an ``enumerate`` object yields (``None`` past ``sys.maxsize``)."""
+    index = en.__reduce__()[1][1]
+    return index if type(index) is int else None
+
+
+def set_enumerate_index(en: Any, index: int) -> bool:
+    """Make the ``enumerate`` object ``en`` count on from ``index``.
+
+    ``for i, batch in enumerate(loader)`` restarts ``i`` at its start value when the loader (or
+    a wrapper around it) resumes mid-epoch; scripts use ``i`` for logging, gradient
+    accumulation and per-iteration LR schedules. CPython keeps the count in ``en_index`` right
+    after the object header; the write is checked through ``__reduce__`` before and after.
+    Returns whether it was set.
+    """
+    current = enumerate_index(en)
+    if current is None:
+        return False
+    cell = ctypes.c_ssize_t.from_address(id(en) + object.__basicsize__)
+    if cell.value != current:
+        return False
+    cell.value = index
+    return enumerate_index(en) == index
+
+
+def fix_enumerate(iterator: Any, consumed: int) -> bool:
+    """Advance the counter of the ``enumerate`` object wrapping ``iterator`` by ``consumed``
+    (checkpoints written before the counter itself was recorded). Returns whether an
+    enumerate was found and fixed."""
     for ref in gc.get_referrers(iterator):
         if type(ref) is enumerate:
             reduced: Any = ref.__reduce__()
             sit, index = reduced[1]
-            if sit is not iterator:
-                continue
-            cell = ctypes.c_ssize_t.from_address(id(ref) + object.__basicsize__)
-            if cell.value != index:
-                return False
-            cell.value = index + consumed
-            return ref.__reduce__()[1][1] == index + consumed
+            if sit is iterator and type(index) is int:
+                return set_enumerate_index(ref, index + consumed)
     return False
 
 
@@ -307,18 +375,86 @@ class LoopInfo:
     body_line: int
     """Line of the first statement in the loop body."""
     kind: str
-    """``while``, ``for_range`` (``for v in range(...)``) or ``for_other``."""
+    """``while``, ``for_range`` (``for v in range(...)``), ``for_iter`` (a ``for`` over
+    ``enumerate``/``zip`` of ``range``/``itertools.count``: see :data:`PURE_ITERABLES`) or
+    ``for_other``."""
     target: str | None
     """Name of the ``for`` loop variable, if a plain name."""
+    outer: str | None = None
+    """``for_iter``: the name of the outermost call of the loop's iterable (``enumerate``...)."""
+    names: Any = None
+    """``for_iter``: the loop's target as nested lists of names (``[["i"], "batch"]`` is
+    ``for (i,), batch in ...``; a plain name is a string)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"code": self.code, "header_line": self.header_line, "body_line": self.body_line,
-                "kind": self.kind, "target": self.target}
+        d = {"code": self.code, "header_line": self.header_line, "body_line": self.body_line,
+             "kind": self.kind, "target": self.target}
+        if self.kind == "for_iter":
+            d.update(outer=self.outer, names=self.names)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LoopInfo:
-        return cls(list(d["code"]), int(d["header_line"]), int(d["body_line"]), str(d["kind"]),
-                   d.get("target"))
+        kind = str(d["kind"])
+        outer, names = d.get("outer"), d.get("names")
+        if kind == "for_iter" and (outer not in PURE_ITERABLES or not _valid_names(names)):
+            raise ValueError(f"loop position: {outer!r} {names!r} is not a pure iterable loop")
+        return cls(list(d["code"]), int(d["header_line"]), int(d["body_line"]), kind,
+                   d.get("target"), outer, names)
+
+
+PURE_ITERABLES = ("range", "enumerate", "zip")
+"""Builtins a ``for_iter`` loop's iterable may be built from, with ``itertools.count`` inside:
+iterating them runs no script code, so a resume can skip their first elements."""
+
+
+def _valid_names(names: Any, depth: int = 0) -> bool:
+    if isinstance(names, str):
+        return True
+    return (isinstance(names, list) and depth < 8 and bool(names)
+            and all(_valid_names(n, depth + 1) for n in names))
+
+
+def _target_names(node: ast.AST) -> Any:
+    """A ``for`` target as nested lists of names, or None (starred, attribute, subscript)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, (ast.Tuple, ast.List)):
+        parts = [_target_names(e) for e in node.elts]
+        return parts if parts and all(p is not None for p in parts) else None
+    return None
+
+
+def _call_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Name):
+            return node.func.id
+        if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id == "itertools":
+            return "itertools." + node.func.attr
+    return None
+
+
+def _is_pure_iterable(node: ast.AST, outer: str | None = None) -> bool:
+    """``range(...)``, ``itertools.count(...)``/``count(...)`` with any arguments, or
+    ``enumerate``/``zip`` of such (no keyword but ``start``; ``outer`` is not called again
+    inside, so that a shim of it is used by the loop's call alone)."""
+    name = _call_name(node)
+    if name is None:
+        return False
+    assert isinstance(node, ast.Call)
+    if name in ("range", "count", "itertools.count"):
+        return True
+    if name == "enumerate":
+        inner = node.args[:1]
+        extra_ok = len(node.args) <= 2 and all(k.arg == "start" for k in node.keywords)
+    elif name == "zip":
+        inner = node.args
+        extra_ok = not node.keywords or all(k.arg == "strict" for k in node.keywords)
+    else:
+        return False
+    return bool(inner) and extra_ok and all(
+        _call_name(a) != outer and _is_pure_iterable(a, outer) for a in inner)
 
 
 @functools.lru_cache(maxsize=8)
@@ -330,15 +466,17 @@ def _parse(path: str) -> ast.Module | None:
         return None
 
 
-def find_loop(frame: types.FrameType, *, outside: bool = False) -> LoopInfo | None:
-    """The innermost ``for``/``while`` loop of ``frame``'s function enclosing its current line.
+def find_loop(frame: types.FrameType, *, outside: bool = False,
+              line: int | None = None) -> LoopInfo | None:
+    """The innermost ``for``/``while`` loop of ``frame``'s function enclosing its current line
+    (or ``line``).
 
-    ``outside``: the current line is a loop header; find the loop around that loop instead.
+    ``outside``: that line is a loop header; find the loop around that loop instead.
     """
     tree = _parse(os.path.realpath(frame.f_code.co_filename))
     if tree is None:
         return None
-    line = frame.f_lineno
+    line = frame.f_lineno if line is None else line
     first = frame.f_code.co_firstlineno
     best: ast.AST | None = None
     for node in ast.walk(tree):
@@ -353,6 +491,7 @@ def find_loop(frame: types.FrameType, *, outside: bool = False) -> LoopInfo | No
         return None
     body_line = best.body[0].lineno  # type: ignore[attr-defined]
     target = None
+    outer, names = None, None
     if isinstance(best, ast.While):
         kind = "while"
     else:
@@ -362,7 +501,44 @@ def find_loop(frame: types.FrameType, *, outside: bool = False) -> LoopInfo | No
         is_range = (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
                     and it.func.id == "range" and target is not None)
         kind = "for_range" if is_range else "for_other"
-    return LoopInfo(code_key(frame.f_code), best.lineno, body_line, kind, target)
+        outer, names = _call_name(it), _target_names(best.target)
+        if not is_range and outer in PURE_ITERABLES and names is not None \
+                and _is_pure_iterable(it, outer):
+            kind = "for_iter"
+        else:
+            outer, names = None, None
+    return LoopInfo(code_key(frame.f_code), best.lineno, body_line, kind, target, outer, names)
+
+
+def enclosing_loops(frames: list[types.FrameType], inner: LoopInfo) -> list[LoopInfo]:
+    """The loops around ``inner`` (a loop of ``frames[0]``), outermost first: those around it
+    in its own function, then, in each caller among ``frames`` (script frames, innermost
+    first), those around the call (a per-epoch ``train()`` called from an epoch loop)."""
+    out: list[LoopInfo] = []
+    line = inner.header_line
+    for i, f in enumerate(frames):
+        loop = find_loop(f, outside=True, line=line) if i == 0 else find_loop(f)
+        while loop is not None:
+            out.append(loop)
+            loop = find_loop(f, outside=True, line=loop.header_line)
+        line = -1
+    return out[::-1]
+
+
+def bind_names(names: Any, value: Any) -> dict[str, Any] | None:
+    """Unpack ``value`` as a ``for`` statement would into ``names`` (:attr:`LoopInfo.names`);
+    None if it does not unpack so."""
+    if isinstance(names, str):
+        return {names: value}
+    if not isinstance(value, (tuple, list)) or len(value) != len(names):
+        return None
+    out: dict[str, Any] = {}
+    for n, v in zip(names, value):
+        got = bind_names(n, v)
+        if got is None:
+            return None
+        out.update(got)
+    return out
 
 
 def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: str) -> bool:

@@ -13,7 +13,9 @@ then runs from its first line, and cfrun fast-forwards it to the checkpoint's bo
   them;
 * **loader loops, replay** (any other epoch loop): completed epochs run without loading data and
   with the script's output suppressed, until the training loader's ``iter()`` of the
-  checkpoint's epoch.
+  checkpoint's epoch. A training loader the script reads through a wrapper (a generator, a
+  prefetcher that assumes one batch at least) yields one batch per replayed epoch instead of
+  none; the steps taken on it are not counted.
 
 Restoring (:meth:`Resume._apply`) first checks that the checkpoint fits the live job
 (:func:`cfrun.codec.checkpoint.check_fits`: a mismatch stops the job with exit 5, nothing
@@ -114,6 +116,9 @@ def check_state(state: Any, meta: dict[str, Any]) -> None:
     if str(meta.get("mode", "loader")) == "loop":
         if meta.get("loop"):
             F.LoopInfo.from_json(meta["loop"])
+        need(isinstance(meta.get("outer_loops") or [], list), "outer loops are not a list")
+        for d in meta.get("outer_loops") or []:
+            F.LoopInfo.from_json(d)
         return
     data = state.get("data")
     need(isinstance(data, dict), "data loader position is missing")
@@ -160,7 +165,8 @@ class Resume:
         optimizer step then means the training loader is gone (:meth:`loader_missing`)."""
         self.fixing_enumerate = False
         """True until the first ``next()`` on the restored loader iterator (:meth:`on_next`)."""
-        self._enum_fix: tuple[weakref.ref[Any], int] | None = None
+        self._enum_fix: tuple[weakref.ref[Any], int | None, int] | None = None
+        """(restored loader iterator, the enumerate count at the checkpoint, batches consumed)"""
         self._kind = "replay"
         self._jumped = False
         self._saved_stdout: Any = None
@@ -210,11 +216,12 @@ class Resume:
                 self._flag("the checkpoint has no loop position (or a tracer is active); "
                            "the step loop restarts")
                 return
-            self._arm_loop_resume(loop, self._arrive_step_loop)
+            outer = [F.LoopInfo.from_json(d) for d in meta.get("outer_loops") or []]
+            self._arm_chain(outer + [loop])
             return
         data = state["data"]
         epoch_loop = F.LoopInfo.from_json(data["epoch_loop"]) if data.get("epoch_loop") else None
-        if epoch_loop is not None and epoch_loop.kind in ("for_range", "while") \
+        if epoch_loop is not None and epoch_loop.kind in ("for_range", "for_iter", "while") \
                 and sys.gettrace() is None:
             self._kind = "jump"
             self._arm_loop_resume(epoch_loop, self._arrive_epoch_loop)
@@ -264,7 +271,13 @@ class Resume:
                 if loader_fingerprint(loader) != data["fingerprint"]:
                     self._loader_changed(data["fingerprint"], loader_fingerprint(loader))
                 if n < data["iter_index"]:
-                    self.enter_fast_forward(data["iter_index"])
+                    self.enter_fast_forward(data["iter_index"], one_batch=bool(data.get("wrapped")))
+                    if data.get("wrapped"):
+                        # a wrapper (a prefetcher) may assume one batch at least: give it one;
+                        # the step it takes is not counted and the state is restored anyway
+                        it = start()
+                        it._cfrun_iter_index = n
+                        return itertools.islice(it, 1)
                     return iter(())
                 if n == data["iter_index"]:
                     return self._resume_at_loader(loader, n, sys._getframe(2), start)
@@ -276,15 +289,21 @@ class Resume:
         it._cfrun_iter_index = n
         return it
 
-    def on_next(self, it: Any) -> None:
+    def on_next(self, it: Any, caller: types.FrameType) -> None:
         """Before a ``next()`` while :attr:`fixing_enumerate`: the first one on the restored
-        iterator moves the script's ``enumerate()`` counter to the batches already consumed."""
+        iterator gives the script's ``enumerate()`` (around the loader or around a wrapper of
+        it, :func:`F.find_enumerate`) the count it had at the checkpoint's boundary, which was
+        in the middle of that enumerate's ``next()`` as this one is."""
         if self._enum_fix is not None and self._enum_fix[0]() is it:
-            consumed = self._enum_fix[1]
+            saved, consumed = self._enum_fix[1], self._enum_fix[2]
             self._enum_fix = None
             self.fixing_enumerate = False
-            if consumed:  # False when no enumerate() wraps the loader: nothing to fix
-                F.fix_enumerate(it, consumed)
+            if saved is not None:
+                en = F.find_enumerate(it, caller, F.consumer_frame(caller))
+                if en is not None and F.enumerate_index(en) != saved:
+                    F.set_enumerate_index(en, saved)
+            elif consumed and "enumerate" not in self.plan.state["data"]:  # type: ignore[union-attr]
+                F.fix_enumerate(it, consumed)  # a checkpoint without the count
 
     def loader_missing(self) -> NoReturn:
         """An optimizer step after the jump to the checkpoint's epoch, before the training
@@ -322,7 +341,9 @@ class Resume:
         it = start()
         it._cfrun_iter_index = n
         self._apply(plan, caller, in_tracer=False)
-        self._enum_fix = (weakref.ref(it), data["batches"])
+        saved_count = data.get("enumerate")
+        self._enum_fix = (weakref.ref(it), saved_count if type(saved_count) is int else None,
+                          data["batches"])
         self.fixing_enumerate = True
         return it
 
@@ -347,7 +368,7 @@ class Resume:
                 except Exception as e:
                     assert self.plan is not None
                     self._unusable(self.plan.step, e)
-                return None
+                return frame.f_trace  # the next loop of a chain in this frame, if armed
             return local
 
         def global_tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -367,16 +388,37 @@ class Resume:
                 f.f_trace_lines = True
             f = f.f_back
 
+    def _arm_chain(self, chain: list[F.LoopInfo]) -> None:
+        """Step loops: arrive at each loop of ``chain`` in turn, outermost first. An outer loop
+        (the epoch loop around a per-epoch ``train()``, or around the step loop in the same
+        function) gets its frame's variables back and jumps to the checkpoint's iteration; the
+        last one, the loop around ``optimizer.step()``, restores everything and goes on after
+        the checkpoint's iteration."""
+        if len(chain) == 1:
+            self._arm_loop_resume(chain[0], self._arrive_step_loop)
+            return
+
+        def arrive_outer(frame: types.FrameType, loop: F.LoopInfo) -> None:
+            assert self.plan is not None
+            records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
+            F.restore_frames(records, records, [frame], in_tracer=True)
+            if loop.kind == "for_other":
+                self._flag("a loop around the step loop is a for loop over something other "
+                           "than range(); its position restarts")
+            else:
+                self._jump(frame, loop, inclusive=True)
+            self._arm_chain(chain[1:])
+
+        self._arm_loop_resume(chain[0], arrive_outer)
+
     def _arrive_step_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         assert self.plan is not None
         self._apply(self.plan, frame, in_tracer=True)
-        if loop.kind == "for_range":
-            done = self._saved_value(loop)
-            self._install_range_shim(frame, lambda r: r[r.index(done) + 1:]
-                                     if done in r else None)
-        elif loop.kind == "for_other":
+        if loop.kind == "for_other":
             self._flag("the loop around optimizer.step() is a for loop over something "
                        "other than range(); its position restarts")
+        else:
+            self._jump(frame, loop, inclusive=False)
 
     def _arrive_epoch_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         """Jump the epoch loop to the checkpoint's epoch; skipped epochs never run."""
@@ -384,13 +426,43 @@ class Resume:
         data = self.plan.state["data"]
         records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
         F.restore_frames(records, records, [frame], in_tracer=True)
-        if loop.kind == "for_range":
-            epoch = data["epoch_value"]
-            self._install_range_shim(frame, lambda r: r[r.index(epoch):] if epoch in r else None)
+        self._jump(frame, loop, inclusive=True, value=data.get("epoch_value"))
         self._jumped = True
         self.awaiting_loader = not self.resumed
         say(f"jumped to epoch index {data.get('epoch_value')} of the epoch loop "
             f"(line {loop.header_line}); completed epochs are not run again")
+
+    def _jump(self, frame: types.FrameType, loop: F.LoopInfo, *, inclusive: bool,
+              value: Any = None) -> None:
+        """Make ``loop`` (whose head ``frame`` is at) start at the checkpoint's iteration
+        (``inclusive``: an outer loop, whose iteration was in progress) or right after it (the
+        step loop, whose iteration was complete). ``for_range``: the loop's ``range()`` is cut
+        (``value``, else the loop variable's saved value, is the checkpoint's); ``for_iter``:
+        the loop's iterable skips its elements up to the one that unpacks to the saved loop
+        variables; ``while``: the restored variables are the position."""
+        if loop.kind == "for_range":
+            done = value if value is not None else self._saved_value(loop)
+            drop = 0 if inclusive else 1
+
+            def cut(r: Any) -> Any:
+                return r[r.index(done) + drop:] if done in r else None
+
+            self._install_shim(frame, "range", cut)
+        elif loop.kind == "for_iter":
+            assert loop.outer is not None
+            saved = self._saved_values(loop)
+            if not saved:
+                self._flag("the step loop's variables were not stored; its position restarts")
+                return
+
+            def skip(obj: Any) -> Any:
+                got, found = _skip_to(obj, loop.names, saved, inclusive)
+                if not found:
+                    self._flag(f"the loop's {loop.outer}() no longer holds the checkpoint's "
+                               "position; the loop restarts")
+                return got
+
+            self._install_shim(frame, loop.outer, skip)
 
     def _saved_value(self, loop: F.LoopInfo) -> Any:
         assert self.plan is not None
@@ -399,31 +471,46 @@ class Resume:
                 return rec["values"][loop.target]["v"]
         return None
 
-    def _install_range_shim(self, frame: types.FrameType,
-                            cut: Callable[[range], range | None]) -> None:
-        """Make the next ``range(...)`` call in ``frame``'s module return ``cut(range(...))``.
+    def _saved_values(self, loop: F.LoopInfo) -> dict[str, Any]:
+        """The saved scalar values of ``loop``'s target names (what identifies the element)."""
+        assert self.plan is not None
+        names = set(_flat_names(loop.names))
+        out: dict[str, Any] = {}
+        for rec in self.plan.state["script"]:
+            if rec["code"] == loop.code:
+                for name in names:
+                    item = rec["values"].get(name)
+                    if item and item["kind"] == "value" and type(item["v"]) in (int, float,
+                                                                               str, bool):
+                        out[name] = item["v"]
+        return out
 
-        Installed at the loop head before its ``range(...)`` is evaluated; removes itself on
-        first use. If ``cut`` returns ``None`` (the saved value is not in the range), the loop
+    def _install_shim(self, frame: types.FrameType, name: str,
+                      cut: Callable[[Any], Any]) -> None:
+        """Make the next call of the builtin ``name`` (``range``, ``enumerate``, ``zip``) in
+        ``frame``'s module return ``cut(builtin(...))``.
+
+        Installed at the loop head before its iterable is evaluated; removes itself on first
+        use. If ``cut`` returns ``None`` (the saved position is not in the iterable), the loop
         runs unchanged and the resume is flagged.
         """
         import builtins
 
         g = frame.f_globals
-        if "range" in g:
-            self._flag("the script defines its own range(); the loop position restarts")
+        if name in g:
+            self._flag(f"the script defines its own {name}(); the loop position restarts")
             return
+        make = getattr(builtins, name)
 
-        def range_shim(*args: int) -> range:
-            g.pop("range", None)
-            r = builtins.range(*args)
-            got = cut(r)
+        def shim(*args: Any, **kwargs: Any) -> Any:
+            g.pop(name, None)
+            got = cut(make(*args, **kwargs))
             if got is None:
-                self._flag("the loop's range() changed since the checkpoint")
-                return r
+                self._flag(f"the loop's {name}() changed since the checkpoint")
+                return make(*args, **kwargs)
             return got
 
-        g["range"] = range_shim
+        g[name] = shim
 
     # ---------------------------------------------------------------- restore
 
@@ -474,12 +561,15 @@ class Resume:
 
     # ---------------------------------------------------------------- fast-forward
 
-    def enter_fast_forward(self, epochs: int) -> None:
-        """Suppress the script's output while ``epochs`` completed epochs run without data."""
+    def enter_fast_forward(self, epochs: int, *, one_batch: bool = False) -> None:
+        """Suppress the script's output while ``epochs`` completed epochs run without data
+        (``one_batch``: with one training batch each, for a wrapped training loader)."""
         if self.fast_forwarding:
             return
         self.fast_forwarding = True
-        say(f"fast-forwarding {epochs} completed epoch(s) without loading data "
+        how = ("with one training batch each (the training loader is read through a wrapper)"
+               if one_batch else "without loading data")
+        say(f"fast-forwarding {epochs} completed epoch(s) {how} "
             "(script output suppressed until the resume point)")
         self._saved_stdout = sys.stdout
         sys.stdout = _NullWriter()
@@ -509,3 +599,28 @@ class Resume:
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
+
+
+MAX_SKIP_ELEMENTS = 10_000_000
+"""A ``for_iter`` loop's iterable is searched this far for the checkpoint's element."""
+
+
+def _flat_names(names: Any) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    return [n for part in names or [] for n in _flat_names(part)]
+
+
+def _skip_to(obj: Any, names: Any, saved: dict[str, Any], inclusive: bool) -> tuple[Any, bool]:
+    """``obj`` (an ``enumerate``/``zip`` of ranges and counts) advanced past the first element
+    that unpacks into ``names`` with the ``saved`` values (to that element if ``inclusive``),
+    and True; ``obj``'s elements from the first, and False, if none within
+    :data:`MAX_SKIP_ELEMENTS` does. An ``enumerate``'s count goes on from the element."""
+    probe, rest = itertools.tee(obj)
+    for k, element in enumerate(itertools.islice(probe, MAX_SKIP_ELEMENTS)):
+        bound = F.bind_names(names, element)
+        if bound is not None and all(bound.get(n) == v and type(bound.get(n)) is type(v)
+                                     for n, v in saved.items()):
+            del probe
+            return itertools.islice(rest, k if inclusive else k + 1, None), True
+    return rest, False

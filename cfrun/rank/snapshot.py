@@ -254,6 +254,10 @@ class Snapshotter:
         self.copy_done.set()
         self.persist_done = threading.Event()
         self.persist_done.set()
+        self.handed_off = threading.Event()
+        """Set once the agent has the in-flight checkpoint (or its hand-off failed): from then
+        on a SIGKILL of this rank no longer loses it (:meth:`Boundary.on_before_step` waits)."""
+        self.handed_off.set()
         self.thread: threading.Thread | None = None
         self.mode = os.environ.get(ENV_SNAPSHOT_MODE, "thread")
         self.mode_is_forced = ENV_SNAPSHOT_MODE in os.environ
@@ -400,6 +404,7 @@ class Snapshotter:
                                       total, doc, t_trigger).to_json()
         self._inflight = step
         self.persist_done.clear()
+        self.handed_off.clear()
         if later_cpu:
             self.copy_done.clear()
         with self._record_lock:
@@ -530,6 +535,7 @@ class Snapshotter:
                     pass
             del cuda_pairs
             handle._settle(committed, error)
+            self.handed_off.set()
             self.persist_done.set()
 
     def _drop_connection(self) -> None:
@@ -555,6 +561,7 @@ class Snapshotter:
             raise TypeError(f"injected hand-off error at step {step} "
                             "(fault point rank.snapshot_handoff_error)")
         ipc.send(self.sock, msg)
+        self.handed_off.set()
         if self._kill_after_step is not None and step >= self._kill_after_step:
             os.kill(os.getpid(), signal.SIGKILL)
         self.sock.settimeout(self.reply_timeout_s())  # TimeoutError: counted as failed

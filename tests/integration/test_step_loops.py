@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import EXAMPLES, SCRIPTS, assert_bit_identical, final_line, run_cfrun
+from conftest import (
+    EXAMPLES,
+    SCRIPTS,
+    assert_bit_identical,
+    clean_env,
+    final_line,
+    run_cfrun,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,3 +81,46 @@ def test_an_inexact_resume_is_said_at_run_time(tmp_path, mode, crash):
     for needle in NOT_EXACT[mode]:
         assert sum(needle in w for w in warned) == 1, (needle, run.stderr[-3000:])
         assert sum(needle in r for r in reasons) == 1, (needle, reasons)
+
+
+LM = str(SCRIPTS / "train_lm_bptt.py")
+LM_EPOCHS = 3
+LM_STEPS_PER_EPOCH = 31  # range(0, 212, 7)
+LM_K = 5
+
+
+def _lines(stdout: str, prefix: str) -> list[str]:
+    return [l for l in stdout.splitlines() if l.startswith(prefix)]
+
+
+@pytest.mark.parametrize("shape", ["enumerate", "zip", "range"])
+def test_lm_loop_over_tensor_slices_resumes_bit_identical(tmp_path, shape):
+    """``for batch, i in enumerate(range(0, n, bptt))`` (and ``zip(count(), range(...))``,
+    ``range(a, b, step)``) in ``train()``, called by a module-level epoch loop: two SIGKILLs,
+    then final weights and every printed line as under plain ``python``; the epoch loop is
+    jumped (no epoch line twice), the step loop goes on after the checkpoint's batch with its
+    counter, at most K+1 iterations computed again per kill."""
+    plain = subprocess.run([sys.executable, LM, str(LM_EPOCHS), "plain.pt", shape], cwd=tmp_path,
+                           env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    kills = [40, 75]
+    run = run_cfrun(["--interval", str(LM_K), "--job-dir", "got", "--inject-crash",
+                     f"{kills[0]},{kills[1]}@1", LM, str(LM_EPOCHS), "got.pt", shape],
+                    cwd=tmp_path, env={"ITER_LOG": str(tmp_path / "got.iters")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    resumed = [e["step"] for e in run.events("resumed")]
+    assert len(resumed) == 2, run.stderr[-3000:]
+    assert all(0 <= k - r <= LM_K + 1 for k, r in zip(kills, resumed)), resumed
+    iters = (tmp_path / "got.iters").read_text().split()
+    assert len(iters) == LM_EPOCHS * LM_STEPS_PER_EPOCH + sum(k - r for k, r in zip(kills, resumed))
+    # the epoch loop was jumped: an epoch's end runs again only after a resume from the
+    # checkpoint of its last step (taken at the loop head, before the end of the epoch)
+    epochs = _lines(run.stdout, "epoch ")
+    assert list(dict.fromkeys(epochs)) == _lines(plain.stdout, "epoch ")
+    assert len(epochs) - LM_EPOCHS == sum(r % LM_STEPS_PER_EPOCH == 0 for r in resumed)
+    assert final_line(run.stdout) == final_line(plain.stdout)
+    got = _lines(run.stdout, "batch ")
+    assert len(got) == len(iters)
+    assert list(dict.fromkeys(got)) == _lines(plain.stdout, "batch ")
+    assert not run.events("not_exact"), run.events("not_exact")
