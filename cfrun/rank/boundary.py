@@ -117,7 +117,7 @@ class Boundary:
         self._loop: F.LoopInfo | None = None
         self._outer_loops: list[F.LoopInfo] = []
         """Step loops: the loops around :attr:`_loop`, outermost first (an epoch loop)."""
-        self._enum_cache: tuple[weakref.ref[Any], Any, weakref.ref[Any]] | None = None
+        self._enum_cache: tuple[weakref.ref[Any], Any, weakref.ref[Any], Any] | None = None
         """(training loader iterator, the enumerate around it or its wrapper or None, the
         loader), dropped at the loader's next epoch."""
         self._stopping = False
@@ -227,7 +227,8 @@ class Boundary:
         if self._resume.fixing_enumerate:
             self._resume.on_next(it, caller)
         cached = self._enum_cache
-        if cached is not None and cached[0]() is not it and cached[2]() is it._cfrun_loader:
+        if cached is not None and cached[2]() is it._cfrun_loader and (
+                cached[0]() is not it or cached[3] != getattr(it, "_cfrun_iter_index", None)):
             self._enum_cache = None  # a new epoch: let the last one's wrappers go
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
@@ -262,11 +263,13 @@ class Boundary:
                          consumer: types.FrameType) -> int | None:
         """The count of the ``enumerate()`` around the training loader or its wrapper, as it
         stands in the middle of that enumerate's ``next()`` (None without one). The enumerate
-        is looked up once per loader iterator."""
+        is looked up once per epoch of a loader iterator (``persistent_workers=True`` reuses one
+        iterator for every epoch, each in a new ``enumerate()``)."""
         cached = self._enum_cache
-        if cached is None or cached[0]() is not it:
+        epoch = getattr(it, "_cfrun_iter_index", None)
+        if cached is None or cached[0]() is not it or cached[3] != epoch:
             cached = (weakref.ref(it), F.find_enumerate(it, caller, consumer),
-                      weakref.ref(it._cfrun_loader))
+                      weakref.ref(it._cfrun_loader), epoch)
             self._enum_cache = cached
         return F.enumerate_index(cached[1]) if cached[1] is not None else None
 

@@ -121,14 +121,13 @@ def test_a_replayed_epoch_loop_gives_the_prefetcher_a_batch(references, tmp_path
 
 def test_a_resumed_wrapped_run_equals_plain_python(tmp_path):
     """The same script under plain ``python``: final weights and per-batch lines equal those of
-    a cfrun run killed twice (an unshuffled loader, so that the comparison does not depend on
-    how cfrun draws the sampler's permutation)."""
-    env = clean_env({"SHUFFLE": "0"})
+    a cfrun run killed twice (a shuffled loader: cfrun draws the permutation as PyTorch does)."""
+    env = clean_env({"SHUFFLE": "1"})
     plain = subprocess.run([sys.executable, SCRIPT, "prefetcher", str(EPOCHS), "plain.pt"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert plain.returncode == 0, plain.stderr[-3000:]
     run, state = _cfrun(tmp_path, "got", "prefetcher", "--inject-crash", "20,37@1",
-                        env={"SHUFFLE": "0"})
+                        env={"SHUFFLE": "1"})
     assert_bit_identical(torch.load(tmp_path / "plain.pt", weights_only=True), state)
     assert list(dict.fromkeys(_batch_lines(run.stdout))) == _batch_lines(plain.stdout)
     assert list(dict.fromkeys(_epoch_lines(run.stdout))) == _epoch_lines(plain.stdout)
