@@ -22,6 +22,7 @@ are not replaced, so ``isinstance``, ``len(loader)`` and subclasses keep working
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import sys
@@ -202,6 +203,7 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
 
     guarded_register = guard.wrap("DataLoader.__init__", register)
 
+    @functools.wraps(orig_init)  # its signature: Lightning rebuilds loaders from it
     def __init__(self: DataLoader, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         if "_cfrun_ordinal" not in self.__dict__:

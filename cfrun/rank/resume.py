@@ -56,6 +56,7 @@ from cfrun.codec.checkpoint import (
 from cfrun.contract.errors import IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
+from cfrun.rank import frameworks as FW
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
@@ -365,6 +366,7 @@ class Resume:
 
     def _arrive_step_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         assert self.plan is not None
+        self._resume_held_iterator(self.plan, frame)
         self._apply(self.plan, frame, in_tracer=True)
         if loop.kind == "for_range":
             done = self._saved_value(loop)
@@ -373,6 +375,18 @@ class Resume:
         elif loop.kind == "for_other":
             self._flag("the loop around optimizer.step() is a for loop over something "
                        "other than range(); its position restarts")
+
+    def _resume_held_iterator(self, plan: ResumePlan, frame: types.FrameType) -> None:
+        """A step loop drawing with next() from a held iterator: put the iterator of the
+        checkpoint's epoch and position into the script's variable (before the RNG is
+        restored; :func:`cfrun.rank.frameworks.resume_held_iterator`), or stop (exit 5)."""
+        data = plan.state.get("data")
+        if isinstance(data, dict) and data.get("held"):
+            why = FW.resume_held_iterator(data, frame, self.s.script)
+            if why is not None:
+                self._fatal(f"the training DataLoader iterator of checkpoint step {plan.step} "
+                            f"{why}; resume with the same script and arguments, or a new "
+                            "--job-dir")
 
     def _arrive_epoch_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         """Jump the epoch loop to the checkpoint's epoch; skipped epochs never run."""
