@@ -102,10 +102,14 @@ def held_by_script(it: Any, frame: types.FrameType | None, script_path: str) -> 
     """Whether DataLoader iterator ``it`` is the value of a variable of a script frame (from
     ``frame`` outwards) and is the newest iterator of its loader (so the loader's recorded
     epoch RNG is this iterator's). Called once, at the first optimizer step, on the training
-    thread; the first step decides whether the run is a held-iterator step loop."""
+    thread; the first step decides whether the run is a held-iterator step loop. A loader of
+    an ``IterableDataset`` is not (no sampler position to skip to): it stays a loader loop,
+    flagged inexact."""
     loader = it.__dict__.get("_cfrun_loader") if hasattr(it, "__dict__") else None
     if loader is None or it.__dict__.get("_cfrun_iter_index") != \
             loader.__dict__.get("_cfrun_iter_calls", 0) - 1:
+        return False
+    if loader._dataset_kind != 0:  # an IterableDataset: no sampler to skip in (a loader loop)
         return False
     return _holder(it, frame, script_path) is not None
 
