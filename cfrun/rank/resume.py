@@ -115,7 +115,8 @@ def check_state(state: Any, meta: dict[str, Any]) -> None:
     if str(meta.get("mode", "loader")) == "loop":
         if meta.get("loop"):
             F.LoopInfo.from_json(meta["loop"])
-        return
+        if state.get("data") is None:  # else a held iterator's position (cfrun.rank.frameworks)
+            return
     data = state.get("data")
     need(isinstance(data, dict), "data loader position is missing")
     need(isinstance(data.get("fingerprint"), dict), "loader fingerprint is missing")

