@@ -21,7 +21,7 @@ from conftest import EXAMPLES, SCRIPTS, assert_bit_identical, clean_env, final_l
 
 from cfrun.rank.frameworks import FRAMEWORK_LOOPS
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
 
 WARNING = "WARNING: resume may not be exact: "
 
