@@ -29,6 +29,7 @@ from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank import frames as F
+from cfrun.rank import frameworks as FW
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, worker_rng_of
 from cfrun.rank.log import NotExact, say
@@ -112,6 +113,11 @@ class Boundary:
         self._last_next_iter: weakref.ref[Any] | None = None
         self._next_since_step = False
         self._train_iter: Callable[[], Any] | None = None  # a weakref.ref
+        self._next_outside_for = False
+        self._held = False
+        self._held_decided = False
+        """A step loop that draws batches with next() from an iterator a script variable holds
+        (:mod:`cfrun.rank.frameworks`): mode ``loop``, with the iterator's position."""
         self._pending: tuple[int, bool, bool] | None = None
         """(step, due, kill) of the trigger waiting for its boundary."""
         self._loop: F.LoopInfo | None = None
@@ -171,7 +177,11 @@ class Boundary:
         self.step = count
         if self._next_since_step and self._last_next_iter is not None:
             self._train_iter = self._last_next_iter
-            self.mode = "loader"
+            if not self._held_decided:  # the first step decides (cfrun.rank.frameworks)
+                self._held_decided = True
+                self._held = self._next_outside_for and FW.held_by_script(
+                    self._train_iter(), sys._getframe(1), self.s.script)
+            self.mode = "loop" if self._held else "loader"
         elif self.mode is None:
             self.mode = "loop"
         self._next_since_step = False
@@ -232,10 +242,16 @@ class Boundary:
             self._enum_cache = None  # a new epoch: let the last one's wrappers go
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
+        if not self._held_decided:
+            self._next_outside_for = FW.is_script_frame(caller, self.s.script) \
+                and not _is_for_header(caller)
         if (self._pending is not None and self.mode == "loader" and self._train_iter is not None
                 and self._train_iter() is it):
             loader = it._cfrun_loader
-            if not _is_for_header(caller):
+            framework = FW.framework_loop(caller, self.s.script)
+            if framework is not None:  # a loop the script does not hold (cfrun.rank.frameworks)
+                self._flag(framework.reason)
+            elif not _is_for_header(caller):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
@@ -321,13 +337,24 @@ class Boundary:
             if event == "line" and frame.f_lineno in targets:
                 sys.settrace(None)
                 frame.f_trace = None
-                self._boundary(frame, None)
+                self._boundary(frame, self._held_position())
                 return None
             return tracer
 
         sys.settrace(_ignore_calls)
         loop_frame.f_trace = tracer
         loop_frame.f_trace_lines = True
+
+    def _held_position(self) -> dict[str, Any] | None:
+        """The held iterator's position at the loop boundary (None when not such a loop)."""
+        if not self._held:
+            return None
+        it = self._train_iter() if self._train_iter is not None else None
+        data = FW.held_position(it) if it is not None else None
+        if data is None:
+            self._flag("the step loop draws batches with next() from a DataLoader iterator that "
+                       "is not its loader's newest; the data position restarts")
+        return data
 
     # ---------------------------------------------------------------- at the boundary
 

@@ -31,6 +31,7 @@ uninterrupted run draws every random number in the order the plain script does.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -262,6 +263,7 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
 
     guarded_register = guard.wrap("DataLoader.__init__", register)
 
+    @functools.wraps(orig_init)  # its signature: Lightning rebuilds loaders from it
     def __init__(self: DataLoader, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
         if "_cfrun_ordinal" not in self.__dict__:

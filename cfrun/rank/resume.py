@@ -58,6 +58,7 @@ from cfrun.codec.checkpoint import (
 from cfrun.contract.errors import IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
+from cfrun.rank import frameworks as FW
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
@@ -119,7 +120,8 @@ def check_state(state: Any, meta: dict[str, Any]) -> None:
         need(isinstance(meta.get("outer_loops") or [], list), "outer loops are not a list")
         for d in meta.get("outer_loops") or []:
             F.LoopInfo.from_json(d)
-        return
+        if state.get("data") is None:  # else a held iterator's position (cfrun.rank.frameworks)
+            return
     data = state.get("data")
     need(isinstance(data, dict), "data loader position is missing")
     need(isinstance(data.get("fingerprint"), dict), "loader fingerprint is missing")
@@ -413,12 +415,25 @@ class Resume:
 
     def _arrive_step_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         assert self.plan is not None
+        self._resume_held_iterator(self.plan, frame)
         self._apply(self.plan, frame, in_tracer=True)
         if loop.kind == "for_other":
             self._flag("the loop around optimizer.step() is a for loop over something "
                        "other than range(); its position restarts")
         else:
             self._jump(frame, loop, inclusive=False)
+
+    def _resume_held_iterator(self, plan: ResumePlan, frame: types.FrameType) -> None:
+        """A step loop drawing with next() from a held iterator: put the iterator of the
+        checkpoint's epoch and position into the script's variable (before the RNG is
+        restored; :func:`cfrun.rank.frameworks.resume_held_iterator`), or stop (exit 5)."""
+        data = plan.state.get("data")
+        if isinstance(data, dict) and data.get("held"):
+            why = FW.resume_held_iterator(data, frame, self.s.script)
+            if why is not None:
+                self._fatal(f"the training DataLoader iterator of checkpoint step {plan.step} "
+                            f"{why}; resume with the same script and arguments, or a new "
+                            "--job-dir")
 
     def _arrive_epoch_loop(self, frame: types.FrameType, loop: F.LoopInfo) -> None:
         """Jump the epoch loop to the checkpoint's epoch; skipped epochs never run."""

@@ -1,0 +1,162 @@
+"""The frameworks people train with, each SIGKILLed 3 times and resumed (README, "Frameworks").
+
+Each test runs an example under ``examples/`` plainly (``python``, or ``torchrun`` for the DDP
+one) and under cfrun with three injected SIGKILLs, then asserts bit-identical final weights and
+the same printed lines, or, where cfrun cannot resume the framework exactly, the exact reason it
+gives at run time. Each framework is skipped when it is not installed (``pip install -e
+'.[test]'`` installs them). A step loop drawing batches with ``next()`` from an iterator it
+holds (the shape of the Hugging Face Trainer's loop, written in a script) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLES, SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
+
+from cfrun.rank.frameworks import FRAMEWORK_LOOPS
+
+pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
+
+WARNING = "WARNING: resume may not be exact: "
+
+
+def _plain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(), capture_output=True,
+                       text=True, timeout=240)
+    # torch 2.13 with gloo may abort a rank in C++ teardown after the script ended (README,
+    # "Several ranks and nodes", Limits): the run is complete if it printed its last line
+    torn_down = "terminate called without an active exception" in p.stderr \
+        and "FINAL" in p.stdout
+    assert p.returncode == 0 or torn_down, p.stderr[-3000:]
+    return p
+
+
+def _lines(stdout: str, prefix: str) -> list[str]:
+    """The script's lines starting with ``prefix``, each once (steps between a checkpoint and
+    a kill run, and print, twice)."""
+    return list(dict.fromkeys(l for l in stdout.splitlines() if l.startswith(prefix)))
+
+
+def _warned(stderr: str) -> list[str]:
+    return [l.split(WARNING, 1)[1] for l in stderr.splitlines() if WARNING in l]
+
+
+def _reason(name: str) -> str:
+    [fw] = [f for f in FRAMEWORK_LOOPS if f.name == name]
+    return fw.reason
+
+
+def test_hf_trainer_says_exactly_why_it_is_not_exact(tmp_path):
+    """``transformers.Trainer`` runs its own loop (epoch, global_step, TrainerState): the resume
+    cannot be exact, and cfrun says so with that reason, not the generic next() one."""
+    pytest.importorskip("transformers")
+    script = str(EXAMPLES / "hf_trainer_train.py")
+    plain = _plain([script, "--out", "plain.pt"], tmp_path)
+    assert "FINAL loss" in plain.stdout
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", "--inject-crash", "9@0,19@1,29@2",
+                     script, "--out", "cf.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("attempt_start")) >= 2  # the first kill lands in epoch 0
+    reason = _reason("transformers.Trainer")
+    assert "TrainerState (global_step, epoch, log_history)" in reason
+    first = run.stderr.split("injected crash: SIGKILL after step 9")[0]
+    assert _warned(first) == [reason], first[-3000:]  # said once, before the first kill
+    assert {e["reason"] for e in run.events("not_exact")} == {reason}
+    assert not any("next() outside a for statement" in w for w in _warned(run.stderr))
+
+
+def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
+    """Lightning's ``Trainer.fit`` keeps current_epoch, global_step and batch_idx in its fit
+    loop: restored state, restarted counters, and the reason said in every attempt."""
+    pytest.importorskip("lightning")
+    script = str(EXAMPLES / "lightning_train.py")
+    plain = _plain([script, "--epochs", "2", "--out", "plain.pt"], tmp_path)
+    assert final_line(plain.stdout) == "FINAL step 86"
+    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
+                     "20@0,45@1,70@2", script, "--epochs", "2", "--out", "cf.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("resumed")) == 3, run.stderr[-3000:]  # each kill landed and resumed
+    reason = _reason("Lightning Trainer")
+    assert set(_warned(run.stderr)) == {reason}
+    assert len(_warned(run.stderr)) == 4  # once per attempt
+    assert {e["reason"] for e in run.events("not_exact")} == {reason}
+    # what the reason says: the counters start over (the plain run ends at global step 86)
+    assert final_line(run.stdout) != final_line(plain.stdout)
+
+
+def test_accelerate_loop_resumes_bit_identical(tmp_path):
+    """``accelerator.prepare`` + ``accelerator.backward``: the loop is the script's, the loader
+    a ``DataLoaderShard`` that reads one batch ahead."""
+    pytest.importorskip("accelerate")
+    script = str(EXAMPLES / "accelerate_train.py")
+    plain = _plain([script, "--out", "plain.pt"], tmp_path)
+    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
+                     "25@0,60@1,100@2", script, "--out", "cf.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("resumed")) == 3, run.stderr[-3000:]
+    if any("next() outside a for statement" in e["reason"] for e in run.events("not_exact")):
+        pytest.xfail("accelerate's DataLoaderShard, a generator around the DataLoader, calls "
+                     "next() one batch ahead of the script's loop: the loader-wrapper resume "
+                     "of issue 14, item 2")
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "epoch ") == _lines(plain.stdout, "epoch ")
+    assert final_line(run.stdout) == final_line(plain.stdout)
+
+
+def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
+    """Lightning Fabric, DDP on 2 ranks (gloo), ``fabric.setup_dataloaders`` and
+    ``for batch_idx, (data, target) in enumerate(train_loader)``: rank 0 killed 3 times."""
+    pytest.importorskip("lightning")
+    script = str(EXAMPLES / "fabric_digits.py")
+    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    script, "--out", "plain.pt"], tmp_path)
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "5", "--job-dir", "j",
+                     "--inject-crash", "9@0,24@1,37@2", script, "--out", "cf.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len({(e["attempt"]) for e in run.events("resumed")}) == 3, run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "Test set") == _lines(plain.stdout, "Test set")
+    assert final_line(run.stdout) == final_line(plain.stdout)
+    got, want = _lines(run.stdout, "Train Epoch"), _lines(plain.stdout, "Train Epoch")
+    if got != want:
+        # a resume restarted the counter: a second "[0/22]" line in an epoch (another batch)
+        starts = [l.split(" Loss")[0] for l in got if re.search(r"\[0/\d+\]", l)]
+        if len(starts) > len(set(starts)):
+            pytest.xfail("the batch_idx of enumerate() around Fabric's loader wrapper restarts "
+                         "at 0 after a resume (issue 14, item 2: loader wrappers)")
+    assert got == want
+
+
+@pytest.mark.parametrize("mode", ["for", "while"])
+def test_next_from_a_held_iterator_resumes_bit_identical(tmp_path, mode):
+    """A step loop (``for step in range`` / ``while step < n``) that draws 2 batches per step
+    with ``next(it)`` from an iterator it keeps in a variable and makes again at StopIteration:
+    on main it stopped with exit 5 after the second kill; now every kill resumes exactly,
+    with no ``not_exact`` reason and at most K+1 steps computed again per kill."""
+    script = str(SCRIPTS / "train_next.py")
+    k = 7
+    ref = run_cfrun(["--interval", str(k), "--job-dir", "ref", script, mode, "50", "ref.pt"],
+                    cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    log = tmp_path / "got.iters"
+    got = run_cfrun(["--interval", str(k), "--job-dir", "got", "--inject-crash",
+                     "12@0,31@1,45@2", script, mode, "50", "got.pt"], cwd=tmp_path,
+                    env={"ITER_LOG": str(log)})
+    assert got.returncode == 0, got.stderr[-3000:]
+    resumed = [e["step"] for e in got.events("resumed")]
+    assert len(resumed) == 3, got.stderr[-3000:]
+    assert not got.events("not_exact"), _warned(got.stderr)
+    assert_bit_identical(torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(got.stdout) == final_line(ref.stdout)
+    assert _lines(got.stdout, "step ") == _lines(ref.stdout, "step ")
+    steps = [int(s) for s in log.read_text().split()]
+    assert len(steps) == 50 + sum(kill - r for kill, r in zip((12, 31, 45), resumed))
+    assert all(0 <= kill - r <= k + 1 for kill, r in zip((12, 31, 45), resumed)), resumed
