@@ -256,6 +256,12 @@ class Boundary:
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
             epoch_loop, epoch_value = self._epoch_loop(consumer)
+            if consumer is not caller and not FW.is_script_frame(caller, self.s.script):
+                # a library's wrapper (Lightning Fabric's) may keep state across epochs (its
+                # iter() count sets the DistributedSampler's epoch): replaying the completed
+                # epochs through it, one batch each, brings that state where it was; a jump
+                # would leave it at the start
+                epoch_loop, epoch_value = None, None
             data = {
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),

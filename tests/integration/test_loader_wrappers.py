@@ -93,13 +93,21 @@ def references(tmp_path_factory: pytest.TempPathFactory):
 def test_wrapped_loader_in_a_per_epoch_function_resumes_bit_identical(
         references, tmp_path, wrapper, inject, kills):
     """The epoch loop in main() is jumped through train_one_epoch()'s call; the wrapper reads
-    ahead across the checkpoint; enumerate() around the wrapper counts on."""
+    ahead across the checkpoint; enumerate() around the wrapper counts on. A wrapper from a
+    library (another module, as Lightning Fabric's) may keep state across epochs that cfrun
+    does not see: its completed epochs are replayed through it instead, one batch each."""
     ref_run, ref_state = references(wrapper)
     run, state = _cfrun(tmp_path, "got", wrapper, "--inject-crash", inject)
     assert_bit_identical(ref_state, state)
-    _check_resumed(run, ref_run, kills, (tmp_path / "got.iters").read_text().split())
-    assert "jumped to epoch index" in run.stderr
-    assert "fast-forwarding" not in run.stderr  # nothing replayed
+    iters = (tmp_path / "got.iters").read_text().split()
+    if wrapper == "library":
+        assert "fast-forwarding" in run.stderr and "jumped to epoch index" not in run.stderr
+        replayed = 1 + 2  # one batch of epoch 0 in the first resume, of epochs 0, 1 in the next
+        _check_resumed(run, ref_run, kills, iters[:len(iters) - replayed])
+    else:
+        _check_resumed(run, ref_run, kills, iters)
+        assert "jumped to epoch index" in run.stderr
+        assert "fast-forwarding" not in run.stderr  # nothing replayed
     assert not run.events("not_exact"), run.events("not_exact")
 
 
