@@ -268,9 +268,13 @@ def check_listing(rows: list[dict[str, Any]]) -> None:
 def _save_dcp(state: dict[str, Any], directory: Path) -> None:
     """``torch.distributed.checkpoint.save`` of ``state`` into the new ``directory`` (one
     process, no process group)."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled...": one process, meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(directory), no_dist=True)
 
 
 def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, int]:
