@@ -706,6 +706,26 @@ def _status_table(st: dict[str, Any], rate: str | None = None) -> Any:
     return table
 
 
+def _eta_s(st: dict[str, Any], steps_per_s: float) -> float | None:
+    """Seconds left: the batches left over the epoch loop (the newest checkpoint's
+    ``progress``), in optimizer steps at this job's steps per batch, at ``steps_per_s``."""
+    p, step = st.get("progress"), st.get("current_step")
+    if not p or step is None or steps_per_s <= 0 or not p.get("done_batches") \
+            or p.get("step") is None:
+        return None
+    steps_per_batch = p["step"] / p["done_batches"]
+    left = (p["total_batches"] - p["done_batches"]) * steps_per_batch - (step - p["step"])
+    return max(left, 0.0) / steps_per_s
+
+
+def _fmt_duration(seconds: float) -> str:
+    """``1h02m``, ``4m05s``, ``12s``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def _watch(jd: Any, status: Any, *, every_s: float) -> None:
     """``cfrun status --watch``: refresh every ``every_s`` until the job stops running (then
     the final state) or Ctrl-C. On a terminal a live rich table; elsewhere one line per
@@ -724,7 +744,11 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
         now, step = time.monotonic(), st["current_step"]
         rate = None
         if step is not None and last is not None and now > last[0]:
-            rate = f"{(step - last[1]) / (now - last[0]):.2f} steps/s"
+            per_s = (step - last[1]) / (now - last[0])
+            rate = f"{per_s:.2f} steps/s"
+            eta_s = _eta_s(st, per_s)
+            if eta_s is not None:
+                rate += f", ETA {_fmt_duration(eta_s)}"
         if step is not None:
             last = (now, step)
         return st, rate

@@ -165,7 +165,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     ``fatal`` or ``failed`` job, e.g. a crash loop's exception; None otherwise), unprotected
     ([{attempt, step, where, error}]: a rank ran without cfrun's protection, e.g. no optimizer
     ever stepped), gpus ([{index, uuid, name, memory_used_bytes, memory_total_bytes,
-    utilization_pct}] of this machine's visible GPUs, through NVML; empty without). Unknown
+    utilization_pct}] of this machine's visible GPUs, through NVML; empty without), progress
+    ({step, done_batches, total_batches} at the newest checkpoint whose epoch loop is a
+    ``range()`` over a loader of known length; None otherwise). Unknown
     values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
@@ -210,6 +212,8 @@ def status(jd: JobDir) -> dict[str, Any]:
                       for e in events if e.get("event") == "preempted"],
         "disk_bytes": tree_bytes(jd.checkpoints),
         "gpus": [g.to_json() for g in gpus.samples()],
+        "progress": next(({"step": e.get("step"), **e["progress"]} for e in reversed(ckpts)
+                          if isinstance(e.get("progress"), dict)), None),
         "error": states[-1].get("error") if states and not running
         and states[-1].get("state") in ("fatal", "failed") else None,
         "unprotected": [{"attempt": e.get("attempt"), "step": e.get("step"),

@@ -123,6 +123,8 @@ class Boundary:
         self._loop: F.LoopInfo | None = None
         self._outer_loops: list[F.LoopInfo] = []
         """Step loops: the loops around :attr:`_loop`, outermost first (an epoch loop)."""
+        self._progress: dict[str, int] | None = None  # the last loader boundary's estimate
+        self._epoch_frame: types.FrameType | None = None
         self._enum_cache: tuple[weakref.ref[Any], Any, weakref.ref[Any], Any] | None = None
         """(training loader iterator, the enumerate around it or its wrapper or None, the
         loader), dropped at the loader's next epoch."""
@@ -274,6 +276,8 @@ class Boundary:
                 "enumerate": self._enumerate_index(it, caller, consumer),
                 "wrapped": consumer is not caller,
             }
+            self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
+                                       self._epoch_frame)
             for reason in inexact_reasons(loader):
                 self._flag(reason)
             if loader._dataset_kind != 0:  # _DatasetKind.Iterable
@@ -311,6 +315,7 @@ class Boundary:
                 loop, frame = F.find_loop(f), f
                 if loop is not None:
                     break
+        self._epoch_frame = frame
         if loop is None or frame is None:
             return None, None
         value = frame.f_locals.get(loop.target) if loop.target else None
@@ -442,8 +447,9 @@ class Boundary:
         training thread) and, from rank 0, to a ``checkpoint`` event."""
         self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
+            progress = {"progress": self._progress} if self._progress else {}
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
-                                   persist="agent", **fields)
+                                   persist="agent", **fields, **progress)
         elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
             self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
                                    **fields)
@@ -452,6 +458,25 @@ class Boundary:
         """A checkpoint's copy or hand-off failed (the agent was unreachable or died)."""
         say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")
         self.jobdir.emit_event("persist_lost", step=step, rank=self.s.rank, error=error)
+
+
+def _progress(loader: Any, batches: int, loop: F.LoopInfo | None, value: Any,
+              frame: types.FrameType | None) -> dict[str, int] | None:
+    """``{"done_batches", "total_batches"}`` of the training loader over the whole epoch loop,
+    for ``cfrun status``'s ETA, when the loader has a length and the epoch loop is a
+    ``for ... in range(...)`` cfrun can read (:func:`cfrun.rank.frames.range_of`); else None."""
+    try:
+        per_epoch = len(loader)
+    except TypeError:
+        return None
+    if loop is None or frame is None or type(value) is not int or per_epoch <= 0:
+        return None
+    epochs = F.range_of(frame, loop)
+    if epochs is None or value not in epochs:
+        return None
+    index = epochs.index(value)
+    return {"done_batches": index * per_epoch + batches,
+            "total_batches": len(epochs) * per_epoch}
 
 
 def _parse_stall(spec: Any) -> tuple[float, int, int] | None:

@@ -466,6 +466,44 @@ def _parse(path: str) -> ast.Module | None:
         return None
 
 
+_SAFE_NODES = (ast.Expression, ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp,
+               ast.Load, ast.operator, ast.unaryop)
+
+
+def range_of(frame: types.FrameType, loop: LoopInfo) -> range | None:
+    """The ``range`` a ``for ... in range(...)`` loop (``loop``, in ``frame``'s function)
+    iterates, for a progress estimate: its arguments are evaluated in ``frame`` only when they
+    are names, attributes, constants and arithmetic (``range(args.start_epoch, args.epochs)``),
+    never a call; None otherwise or on any error."""
+    if loop.kind != "for_range":
+        return None
+    tree = _parse(os.path.realpath(frame.f_code.co_filename))
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For | ast.AsyncFor) and node.lineno == loop.header_line:
+            call = node.iter
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "range" and not call.keywords
+                    and 1 <= len(call.args) <= 3):
+                return None
+            try:
+                args = []
+                for arg in call.args:
+                    expr = ast.Expression(arg)
+                    if not all(isinstance(n, _SAFE_NODES) for n in ast.walk(expr)):
+                        return None
+                    value = eval(compile(expr, "<cfrun range>", "eval"),  # noqa: S307
+                                 frame.f_globals, dict(frame.f_locals))
+                    if type(value) is not int:
+                        return None
+                    args.append(value)
+                return range(*args)
+            except Exception:  # an attribute that is gone, a division by zero: no estimate
+                return None
+    return None
+
+
 def find_loop(frame: types.FrameType, *, outside: bool = False,
               line: int | None = None) -> LoopInfo | None:
     """The innermost ``for``/``while`` loop of ``frame``'s function enclosing its current line

@@ -3,6 +3,7 @@ job dir's metrics.prom, printed by cfrun status --metrics; the numbers match the
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -105,3 +106,23 @@ def test_status_watch_follows_a_running_job_until_it_ends(tmp_path):
     assert lines[-1].startswith("cfrun status: succeeded, step 60")
     assert any("steps/s)" in ln for ln in lines), lines
     assert "None" not in watch.stdout
+
+
+def test_status_estimates_progress_over_a_range_epoch_loop_and_the_eta(tmp_path):
+    """A loader of known length under ``for epoch in range(...)``: the checkpoint events carry
+    the batches done and in all, status --json shows them, and --watch's ETA follows."""
+    from cfrun.cli.app import _eta_s, _fmt_duration
+
+    run = subprocess.run([sys.executable, "-m", "cfrun", "--interval", "10", "--job-dir", "j",
+                          str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "o.pt"],
+                         cwd=tmp_path, env=clean_env(), text=True, capture_output=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    st = json.loads(cfrun_in_process(["status", "j", "--json"], cwd=tmp_path).stdout)
+    p = st["progress"]
+    assert p["total_batches"] == 4 * 23  # train_tiny: 23 batches per epoch
+    assert p["done_batches"] == p["step"] and 0 < p["step"] <= 92  # one step per batch
+    st["current_step"] = p["step"]
+    assert _eta_s(st, 2.0) == pytest.approx((92 - p["step"]) / 2.0)
+    assert _eta_s({**st, "progress": None}, 2.0) is None
+    assert [_fmt_duration(x) for x in (12, 245, 3725)] == ["12s", "4m05s", "1h02m"]
