@@ -174,8 +174,6 @@ def status(jd: JobDir) -> dict[str, Any]:
     events = _read_events(jd)
     states = [e for e in events if e.get("event") == "state"]
     running, state = _liveness(jd, config, states[-1]["state"] if states else None)
-    beats = [b.step for b in map(co.Heartbeat.read, co.heartbeat_paths(jd.root))
-             if b is not None]
     newest = _newest_readable(jd)
     ckpts = [e for e in events if e.get("event") == "checkpoint"]
     attempts = [e for e in events if e.get("event") == "attempt_end"]
@@ -190,7 +188,7 @@ def status(jd: JobDir) -> dict[str, Any]:
         "script": config.get("script"),
         "state": state,
         "is_running": running,
-        "current_step": max(beats) if beats else None,
+        "current_step": co.newest_heartbeat_step(jd.root),
         "last_committed_step": newest,
         "interval": {"steps": interval, "why": "fixed by --interval"} if interval is not None
         else {"steps": strategy.get("interval"),

@@ -95,6 +95,13 @@ def heartbeat_paths(job_dir: Path) -> list[Path]:
     return list(Path(job_dir).glob(HEARTBEAT_GLOB))
 
 
+def newest_heartbeat_step(job_dir: Path) -> int | None:
+    """The highest step in the ranks' heartbeats (``heartbeat-rank-*``), None before any (a
+    malformed file counts as absent, :meth:`Heartbeat.read`)."""
+    steps = [b.step for b in map(Heartbeat.read, heartbeat_paths(job_dir)) if b is not None]
+    return max(steps) if steps else None
+
+
 def error_path(job_dir: Path, attempt: int, rank: int) -> Path:
     """``<job_dir>/errors/attempt-A-rank-R.json`` (:class:`RankError`)."""
     return Path(job_dir) / ERRORS_DIR / f"attempt-{attempt}-rank-{rank}.json"

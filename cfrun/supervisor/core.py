@@ -139,10 +139,8 @@ def finished_at(jd: JobDir, node_rank: int) -> str | None:
             last_state = None
     if last_state is None or last_state.get("state") != SupervisorState.SUCCEEDED.value:
         return None
-    steps = [b.step for b in map(coordination.Heartbeat.read,
-                                 coordination.heartbeat_paths(jd.root)) if b is not None]
-    if not steps:
-        steps = committed_steps(jd.checkpoints)[:1]
+    beat = coordination.newest_heartbeat_step(jd.root)
+    steps = [beat] if beat is not None else committed_steps(jd.checkpoints)[:1]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(last_state.get("t_unix_s",
                                                                                    0))))
     return f"at step {max(steps)} on {when}" if steps else f"on {when}"

@@ -179,12 +179,10 @@ class JobMetrics:
         )
 
         self._read_new_events()
-        steps = [b.step for b in map(coordination.Heartbeat.read,
-                                     coordination.heartbeat_paths(self.jobdir.root))
-                 if b is not None]
-        if steps:
+        step = coordination.newest_heartbeat_step(self.jobdir.root)
+        if step is not None:
             yield GaugeMetricFamily("cfrun_current_step", "Highest optimizer step a rank reached",
-                                    value=max(steps))
+                                    value=step)
         if self.newest_committed is not None:
             yield GaugeMetricFamily("cfrun_newest_committed_step",
                                     "Step of the newest committed checkpoint",

@@ -315,9 +315,7 @@ class Monitor:
 
     def last_step(self) -> int | None:
         """The highest step in the ranks' heartbeats (``heartbeat-rank-*``), None before any."""
-        steps = [b.step for b in map(co.Heartbeat.read, co.heartbeat_paths(self.jobdir.root))
-                 if b is not None]
-        return max(steps) if steps else None
+        return co.newest_heartbeat_step(self.jobdir.root)
 
     def ended_marks(self, attempt: int) -> dict[int, dict[str, Any]]:
         """rank -> the end-of-script mark this node's rank wrote in ``attempt``
