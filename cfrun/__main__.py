@@ -1,3 +1,3 @@
-from cfrun.cli.app import main
+from cfrun.entry import main
 
 main()

@@ -24,7 +24,7 @@ import typer
 
 from cfrun import __version__
 from cfrun.cli.helpfmt import HELP_OPTIONS, CfrunCommand, root_help
-from cfrun.contract import coordination, faults
+from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
     RunConfig,
@@ -76,6 +76,8 @@ app = typer.Typer(
 )
 
 SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export", "peer"}
+JOB_COMMANDS = {"run", "resume", "profile"}
+"""The commands whose supervisor takes over a SIGTERM/SIGINT held since the first line."""
 _RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "NCCL_", "MKL_")
 _CODE_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_")
 """Interpreter and loader variables: never recorded, never taken back by ``cfrun resume``."""
@@ -946,6 +948,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     if args[0] not in SUBCOMMANDS:
         args = ["run", *args]
+    if args[0] not in JOB_COMMANDS:
+        early_signals.release()  # no supervisor takes a held SIGTERM over: let it act now
     _setup_logging()
     command = typer.main.get_command(app)
     debug = False

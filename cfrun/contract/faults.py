@@ -37,6 +37,9 @@ POINTS: dict[str, str] = {
         "float BYTES_PER_S: every level-2 write (cfrun.storage.tiers) and every write of the "
         "persist agent in this process goes at most this fast, through one token bucket "
         "(simulated network storage; ACUTE measured EBS/EFS ~90% slower than a local SSD)",
+    "supervisor.start_delay_s":
+        "float SECONDS: the supervisor sleeps this long right before it installs its SIGTERM/"
+        "SIGINT handlers (a slow start: a loaded machine, a slow job-dir filesystem)",
     "peer.flush_delay_s":
         "float SECONDS: the cfrun peer's flusher sleeps this long after the first file of each "
         "checkpoint (a slow level 2)",

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
-from cfrun.contract import coordination, ipc, slots
+from cfrun.contract import coordination, early_signals, faults, ipc, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import Command, Identity, RunConfig, check_identity
@@ -230,10 +230,17 @@ class Supervisor:
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
+        start_delay_s = faults.value("supervisor.start_delay_s")
+        if start_delay_s:
+            time.sleep(float(start_delay_s))
+        self._write_config()  # before a stop can be reported: `cfrun resume` needs it
         old_handlers = {s: signal.signal(s, self._on_signal)
                         for s in (signal.SIGTERM, signal.SIGINT)}
         old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
+            held = early_signals.take(old_handlers)  # a stop that came while cfrun was starting
+            if held is not None:
+                raise SignalReceived(held)
             self._start_agent()
             return self._run_locked()
         except SignalReceived as sig:
@@ -385,13 +392,6 @@ class Supervisor:
     def _run_locked(self) -> int:
         """The loop: monitor one attempt, decide, act, until an action stops the job."""
         jd = self.jobdir
-        cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
-                    "format_version": FORMAT_VERSION, **self._liveness()}
-        if self.identity is not None:
-            cfg_json.update(job_id=self.identity.job_id, job_name=self.identity.job_name,
-                            command_fingerprint=self.identity.command.fingerprint,
-                            command_changes=list(self.identity.changes))
-        atomic_write_json(jd.config_path, cfg_json)
         self._start_metrics()
         for stale in coordination.STALE_AT_START:
             (jd.root / stale).unlink(missing_ok=True)
@@ -407,6 +407,17 @@ class Supervisor:
             if code is not None:
                 return code
             attempt = action.attempt
+
+    def _write_config(self) -> None:
+        """``config.json``: the run's settings, versions, identity and this supervisor's
+        liveness (what ``cfrun resume`` and ``cfrun status`` read)."""
+        cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
+                    "format_version": FORMAT_VERSION, **self._liveness()}
+        if self.identity is not None:
+            cfg_json.update(job_id=self.identity.job_id, job_name=self.identity.job_name,
+                            command_fingerprint=self.identity.command.fingerprint,
+                            command_changes=list(self.identity.changes))
+        atomic_write_json(self.jobdir.config_path, cfg_json)
 
     @staticmethod
     def _liveness() -> dict[str, Any]:

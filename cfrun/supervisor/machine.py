@@ -402,8 +402,9 @@ def _preempted(outcome: Outcome, policy: Policy) -> Action:
         reports = [(f"cfrun: preempted at step {stop_step}; the final checkpoint "
                     f"(step {final}) is committed")]
     else:
-        reports = [("cfrun: no final checkpoint; newest committed is step "
-                    f"{newest if newest is not None else 'none (the job starts over)'}")]
+        reports = [f"cfrun: no final checkpoint; newest committed is step {newest}"
+                   if newest is not None else
+                   "cfrun: no final checkpoint and none committed before (the job starts over)"]
     if outcome.signal is not None:
         fields: dict[str, Any] = {"signal": outcome.signal}
         reports.append(f"cfrun: stopped by {outcome.signal}; resume with: cfrun resume "

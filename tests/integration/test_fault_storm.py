@@ -122,6 +122,7 @@ def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int) -> N
     try:
         for _ in range(kills_wanted + 5):
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err)
+            started_s = time.monotonic()
             storm.say(f"start cfrun pid {proc.pid}")
             cfrun = psutil.Process(proc.pid)
             progress_mark = storm.commits()
@@ -138,6 +139,8 @@ def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int) -> N
                 role = storm.rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
                 victim = storm.rng.choice(roles[role])
                 sig = signal.SIGTERM if role == "sigterm" else signal.SIGKILL
+                if role == "sigterm":  # not before the interpreter has run cfrun's first line
+                    time.sleep(max(0.0, started_s + 1.0 - time.monotonic()))
                 try:
                     victim.send_signal(sig)
                 except psutil.NoSuchProcess:

@@ -155,6 +155,51 @@ def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
     _resume_and_compare(tmp_path, "j", reference, pre["step"])
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_cfrun_starts_exits_75_and_the_job_resumes_exactly(reference, tmp_path, sig):
+    """A scheduler's SIGTERM in the second cfrun spends importing and checking the job dir,
+    before the supervisor's handlers exist (the start made slow by a fault point), is held from
+    cfrun's first line and reported as a preemption: exit 75, no rank started, then the job
+    runs from the start to the same bits (it was -15 and no word before)."""
+    env = faults.arm({}, **{"supervisor.start_delay_s": 3.0})
+    proc = _start(["--interval", "5", "--job-dir", "j", SLOW, "60", "j.pt", "0.05"], tmp_path,
+                  env)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    run = Run(proc.returncode, out, err, tmp_path / "j")
+    assert run.returncode == 75, (run.returncode, err[-2000:])
+    assert not run.events("attempt_start")
+    [pre] = run.events("preempted")
+    assert pre["signal"] == sig.name and pre["final_checkpoint"] is None
+    assert "none committed before (the job starts over)" in err
+    assert f"stopped by {sig.name}; resume with: cfrun resume" in err
+    _resume_and_compare(tmp_path, "j", reference, None)
+
+
+def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
+    """``cfrun status --watch`` runs no supervisor: the SIGTERM held while cfrun starts is let
+    go at once, so it ends the watch as it would any program (it was ignored for good)."""
+    env = faults.arm({}, **{"supervisor.start_delay_s": 8.0})
+    job = _start(["--job-dir", "j", SLOW, "60", "j.pt", "0.05"], tmp_path, env)
+    deadline = time.time() + 30  # a live supervisor, held in its slow start: a job to watch
+    while not (tmp_path / "j" / "config.json").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    proc = subprocess.Popen([sys.executable, "-m", "cfrun", "status", "--watch", "j"],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3.0)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=4)  # the job is still held in its slow start
+        assert proc.returncode == -signal.SIGTERM, (proc.returncode, out[-500:], err[-1000:])
+    finally:
+        proc.kill()
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) == 75
+
+
 @pytest.mark.timing
 def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within

@@ -251,7 +251,7 @@ def test_a_hang_or_a_nonzero_exit_after_a_clean_end_is_no_teardown_success() -> 
     (Outcome(attempt=3, returncode=0, ranks_stopped=1, stop_step=20, committed_steps=()),
      {"step": 20, "final_checkpoint": None, "newest_committed": None, "signal": None,
       "ranks_stopped": 1}, {"attempt": 3},
-     ("cfrun: no final checkpoint; newest committed is step none (the job starts over)",)),
+     ("cfrun: no final checkpoint and none committed before (the job starts over)",)),
 ])
 def test_preempted_exits_75_and_reports_the_final_checkpoint(outcome, event, fields,
                                                             reports) -> None:
