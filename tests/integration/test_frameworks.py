@@ -59,10 +59,10 @@ def test_hf_trainer_says_exactly_why_it_is_not_exact(tmp_path):
     script = str(EXAMPLES / "hf_trainer_train.py")
     plain = _plain([script, "--out", "plain.pt"], tmp_path)
     assert "FINAL loss" in plain.stdout
-    run = run_cfrun(["--interval", "5", "--job-dir", "j", "--inject-crash", "9@0,19@1,29@2",
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", "--inject-crash", "9@0",
                      script, "--out", "cf.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("attempt_start")) >= 2  # the first kill lands in epoch 0
+    assert len(run.events("attempt_start")) == 2  # the kill lands in epoch 0
     reason = _reason("transformers.Trainer")
     assert "TrainerState (global_step, epoch, log_history)" in reason
     first = run.stderr.split("injected crash: SIGKILL after step 9")[0]
@@ -79,12 +79,12 @@ def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
     plain = _plain([script, "--epochs", "2", "--out", "plain.pt"], tmp_path)
     assert final_line(plain.stdout) == "FINAL step 86"
     run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
-                     "20@0,45@1,70@2", script, "--epochs", "2", "--out", "cf.pt"], cwd=tmp_path)
+                     "45@0", script, "--epochs", "2", "--out", "cf.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("resumed")) == 3, run.stderr[-3000:]  # each kill landed and resumed
+    assert len(run.events("resumed")) == 1, run.stderr[-3000:]  # the kill landed and resumed
     reason = _reason("Lightning Trainer")
     assert set(_warned(run.stderr)) == {reason}
-    assert len(_warned(run.stderr)) == 4  # once per attempt
+    assert len(_warned(run.stderr)) == 2  # once per attempt
     assert {e["reason"] for e in run.events("not_exact")} == {reason}
     # what the reason says: the counters start over (the plain run ends at global step 86)
     assert final_line(run.stdout) != final_line(plain.stdout)
