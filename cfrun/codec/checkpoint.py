@@ -388,3 +388,28 @@ def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
                                              (got, keys, "live")) if a - b]
                 raise JobMismatchError(f"{kind} {i} ({type(obj).__name__}): "
                                        f"{'; '.join(parts)} (another class?)")
+
+
+def check_free_params(saved: Any, live: list[list[tuple[int, torch.Tensor]]]) -> None:
+    """The checkpoint's free parameters (fp32 master weights no module owns, per optimizer:
+    ``[{"index", "value"}]``) are the live job's: the same positions in each optimizer's
+    flattened ``param_groups``, each of the same dtype and shape. ``saved`` None: a checkpoint
+    of an older cfrun (nothing to check). Called by each rank before anything is applied.
+
+    Raises:
+        JobMismatchError: the first difference, in one line.
+    """
+    if saved is None:
+        return
+    if len(saved) != len(live):
+        raise JobMismatchError(f"the checkpoint holds free parameters of {len(saved)} "
+                               f"optimizers, the live job {len(live)}")
+    for i, (items, now) in enumerate(zip(saved, live)):
+        got = dict(now)
+        where = f"optimizer {i}'s parameters outside any model (master weights?)"
+        if sorted(int(it["index"]) for it in items) != sorted(got):
+            raise JobMismatchError(f"{where}: positions {[it['index'] for it in items]} in the "
+                                   f"checkpoint, {sorted(got)} live")
+        for it in items:
+            check_like(it["value"], got[int(it["index"])].detach(),
+                       f"{where} [{it['index']}]")

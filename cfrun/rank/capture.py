@@ -51,11 +51,17 @@ class Capture:
         tree: dict[str, Any] = {
             "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
             "optimizers": encode([o.state_dict() for o in opts], tensors),
+        }
+        free = free_params(opts, roots)  # fp32 master weights no module owns (issue 18)
+        async_ids |= {id(p) for per_opt in free for _, p in per_opt}
+        tree.update({
+            "free_params": encode([[{"index": k, "value": p} for k, p in per_opt]
+                                   for per_opt in free], tensors),
             "model_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self.found.optimizers()],
             "rng": encode(get_global_rng(), tensors),
             "data": encode(data, tensors),
-        }
+        })
         for kind, objs in (("schedulers", self.found.schedulers()),
                            ("scalers", self.found.scalers())):
             items = []
@@ -96,3 +102,18 @@ class Capture:
                                          rank0_only=how == "rank0")
         async_ids |= {v for v, orig in views.items() if orig in async_ids}
         return layout
+
+
+def free_params(opts: list[torch.optim.Optimizer], roots: list[torch.nn.Module]
+                ) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per optimizer, ``(k, p)`` for each parameter ``p`` at position ``k`` of its flattened
+    ``param_groups`` that no module in ``roots`` owns: the fp32 master weights of a
+    mixed-precision script (``nn.Parameter(p.float())`` copies). An optimizer's
+    ``state_dict()`` holds their moments, not their values, so the checkpoint stores them
+    beside it (issue 18, item 3). Training thread, at the boundary and at the resume."""
+    owned = {id(p) for m in roots for p in m.parameters()}
+    out = []
+    for o in opts:
+        flat = [p for g in o.param_groups for p in g["params"]]
+        out.append([(k, p) for k, p in enumerate(flat) if id(p) not in owned])
+    return out
