@@ -554,6 +554,8 @@ class Resume:
                                   in_tracer=in_tracer)
         except Exception as e:  # part of it may be in the live objects: restart
             self._unusable(plan.step, e)
+        for key in ("modules", "optimizers", "free_params"):  # loaded: free their tensors
+            st[key] = []  # (held for the whole run otherwise: a second copy of the state)
         self._restored(plan.step, plan.mode)
         self.resumed = True
         self.awaiting_loader = False
