@@ -67,7 +67,8 @@ class Capture:
             items = []
             for obj in objs:
                 try:
-                    items.append(encode(obj.state_dict(), tensors))
+                    sd = scaler_state(obj) if kind == "scalers" else obj.state_dict()
+                    items.append(encode(sd, tensors))
                 except UnsupportedValueError as e:
                     self._flag(f"{type(obj).__name__} state cannot be stored ({e})")
                     items.append(None)
@@ -116,4 +117,36 @@ def free_params(opts: list[torch.optim.Optimizer], roots: list[torch.nn.Module]
     for o in opts:
         flat = [p for g in o.param_groups for p in g["params"]]
         out.append([(k, p) for k, p in enumerate(flat) if id(p) not in owned])
+    return out
+
+
+def scaler_state(scaler: Any) -> dict[str, Any]:
+    """An AMP ``GradScaler``'s ``state_dict()`` with its scale and growth tracker as the live
+    tensors (copied with the checkpoint, converted back to numbers at the resume:
+    :func:`scaler_numbers`) instead of Python numbers: ``state_dict()`` calls ``.item()`` on
+    them, a host sync that waits for the whole queued step at every checkpoint (issue 18, item
+    8). A scaler whose class overrides ``state_dict``, or that is disabled or not yet used,
+    gives its own ``state_dict()``."""
+    if (type(scaler).state_dict is not torch.amp.GradScaler.state_dict
+            or not getattr(scaler, "_enabled", False)
+            or not isinstance(getattr(scaler, "_scale", None), torch.Tensor)
+            or not isinstance(getattr(scaler, "_growth_tracker", None), torch.Tensor)):
+        return dict(scaler.state_dict())
+    return {"scale": scaler._scale, "growth_factor": scaler._growth_factor,
+            "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval,
+            "_growth_tracker": scaler._growth_tracker}
+
+
+def scaler_numbers(sd: Any) -> Any:
+    """A stored scaler state (:func:`scaler_state`) as ``GradScaler.load_state_dict`` takes
+    it: ``scale`` a float, ``_growth_tracker`` an int (one-element CPU tensors at the resume;
+    no device sync). Anything else is returned unchanged."""
+    if not isinstance(sd, dict):
+        return sd
+    out = dict(sd)
+    for key, kind in (("scale", float), ("_growth_tracker", int)):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = kind(value.reshape(-1)[0].item())
     return out

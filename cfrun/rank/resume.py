@@ -60,7 +60,7 @@ from cfrun.contract.errors import IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
-from cfrun.rank.capture import free_params
+from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
@@ -581,7 +581,8 @@ class Resume:
                 flat = dict(live)
                 for item in saved:
                     flat[item["index"]].copy_(item["value"])
-        for objs, sds in ((schedulers, st["schedulers"]), (scalers, st["scalers"])):
+        for objs, sds in ((schedulers, st["schedulers"]),
+                          (scalers, [scaler_numbers(sd) for sd in st["scalers"]])):
             for obj, sd in zip(objs, sds):
                 if sd is not None:
                     obj.load_state_dict(sd)
