@@ -17,15 +17,19 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
   in the background (a CPU thread: ``copy_`` releases the GIL; on CUDA a side stream). The next
   ``optimizer.step()`` waits for that copy (:meth:`Snapshotter.gate`): on CPU by waiting for the
   thread, on CUDA by making the current stream wait for the copy's event (the host never blocks).
-  With ``gpu`` mode, state is first copied device-to-device into a buffer allocated once when
-  free memory allows (CheckFreq's GPU snapshot), so the step waits only for that fast copy.
+  With ``gpu`` mode, or when free device memory allows, state is first copied device-to-device
+  into a staging buffer taken from the caching allocator for that checkpoint only (CheckFreq's
+  GPU snapshot), so the step waits only for that fast copy.
 * **CUDA details.** Small tensors and module buffers are copied with ``non_blocking=True`` on the
   current stream, ordered before the next forward without a host sync. The rest is copied on one
-  side stream per device (created once, reused), which first waits for an event recorded at the
-  boundary; the slot is page-locked so these copies are asynchronous. The training thread never
-  waits for the queued step (only ``inline`` mode does); the background thread waits for the
-  copies' events before the hand-off and holds the source tensors until then. Tensors on several
-  devices get one stream, event and gate per device.
+  side stream per device (cfrun's own, created once, reused), which first waits for an event
+  recorded at the boundary and for those the step hook recorded on the streams the optimizer
+  steps ran on; the slot is page-locked so these copies are asynchronous. If it cannot be
+  page-locked, the snapshot thread does the copy once those events are complete, and the next
+  step waits for the thread. The snapshot thread makes the state's device current first. The
+  training thread never waits for the queued step (only ``inline`` mode does); the background
+  thread waits for the copies' events before the hand-off and holds the source tensors until
+  then. Tensors on several devices get one stream, event and gate per device.
 * **Hand-off.** When the copy is complete the rank sends the agent one message (step, slot,
   bytes, the JSON tree); from then on the agent persists and commits it even if the rank dies.
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
@@ -536,7 +540,8 @@ class Snapshotter:
                 if not idx:  # only current-stream copies from this device
                     done_events.append((device, ready))
                     continue
-                if not copy:
+                if not copy:  # the snapshot thread copies, on this side stream
+                    self._side_stream(device)
                     done_events.extend((device, ev) for ev in waits)
                     continue
                 side = self._side_stream(device)
@@ -570,6 +575,15 @@ class Snapshotter:
                 self._cuda_gates.append((device, gate))
                 done_events.append((device, done))
         return done_events
+
+    def _copy_on_side_streams(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Snapshot thread, slot not page-locked: copy each CUDA tensor into the slot on its
+        device's side stream (non-blocking to the others; the thread's default stream is the
+        legacy one, which the training thread's kernels would queue behind), waiting for each
+        copy. The step and boundary events are complete already."""
+        for dst, src in pairs:
+            with torch.cuda.device(src.device), torch.cuda.stream(self._streams[src.device]):
+                dst.copy_(src.detach())
 
     def quiesce(self, timeout_s: float) -> bool:
         """cfrun turns itself off (:meth:`cfrun.rank.runtime.Runtime.on_disabled`; the step
@@ -626,8 +640,7 @@ class Snapshotter:
                 dst.copy_(src.detach())
             if host_copy:
                 _synchronize(done_events)
-                for dst, src in cuda_pairs:
-                    dst.copy_(src.detach())
+                self._copy_on_side_streams(cuda_pairs)
             self.copy_done.set()
             _synchronize(done_events)
             cuda_pairs = []  # the side streams are done with the sources
@@ -742,11 +755,13 @@ def _synchronize(events: list[tuple[torch.device, Any]]) -> None:
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dst.copy_(src, non_blocking=True)`` for each pair, in one ``torch._foreach_copy_``
-    call where torch has it (one launch for many tensors of one device) (issue 18, item 11)."""
+    call where torch has it and every tensor is on one device (one launch for many tensors;
+    issue 18, item 11); else one ``copy_`` each."""
     if not dsts:
         return
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
+    device = dsts[0].device
+    if foreach is not None and all(t.device == device for t in (*dsts, *srcs)):
         foreach(dsts, srcs, non_blocking=True)
         return
     for d, s in zip(dsts, srcs):
