@@ -13,19 +13,31 @@ from conftest import SCRIPTS, run_cfrun
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_dtensor_parameters_make_the_job_unprotected_in_one_line(tmp_path: Path):
-    run = run_cfrun(["--interval", "2", "--job-dir", "job", str(SCRIPTS / "train_dtensor.py")],
-                    cwd=tmp_path)
+def _unprotected(tmp_path: Path, kind: str, word: str) -> None:
+    run = run_cfrun(["--interval", "2", "--job-dir", "job", str(SCRIPTS / "train_dtensor.py"),
+                     kind], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DONE" in run.stdout
     events = run.events("unprotected")
     assert [e["where"] for e in events] == ["FSDP / DTensor"], events
-    assert "DTensor" in events[0]["error"]
-    lines = [l for l in run.stderr.splitlines() if "DTensor" in l]
+    assert word in events[0]["error"]
+    lines = [l for l in run.stderr.splitlines() if word in l]
     assert len(lines) == 1 and "unprotected" in lines[0], run.stderr[-3000:]
     assert "saved as it is" not in run.stderr
     assert not run.events("checkpoint") and not run.events("checkpoint_failed")
     assert not list((run.job_dir / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.parametrize("kind", ["distribute", "fsdp2"])
+def test_dtensor_parameters_make_the_job_unprotected_in_one_line(tmp_path: Path, kind: str):
+    """distribute_module (tensor parallelism's DTensors) and FSDP2's fully_shard."""
+    _unprotected(tmp_path, kind, "DTensor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp1_makes_the_job_unprotected_in_one_line(tmp_path: Path):
+    _unprotected(tmp_path, "fsdp1", "FullyShardedDataParallel")
 
 
 @pytest.mark.gpu
