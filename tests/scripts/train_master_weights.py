@@ -20,17 +20,18 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(dtype)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(args.device, dtype)
     master = [nn.Parameter(q.detach().float()) for q in model.parameters()]
     opt = torch.optim.Adam(master, lr=1e-3)
-    target = torch.randn(8, 32)
+    target = torch.randn(8, 32, device=args.device)
     for step in range(args.steps):
-        x = torch.randn(16, 32)
+        x = torch.randn(16, 32, device=args.device)
         y = x @ target.T
         loss = F.mse_loss(model(x.to(dtype)).float(), y)
         model.zero_grad(set_to_none=True)
