@@ -197,9 +197,11 @@ class Boundary:
             tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
         if count <= self.step or self._resume.fast_forwarding:
             return  # a second optimizer in the same iteration (GAN), or a replayed epoch's step
-        if self._uncheckpointable is not None:
+        if self._uncheckpointable is not None:  # no checkpoints; a preemption still stops
             self.step = count
             self._marks.beat(self.step)
+            if self._preemption.stop_due(self.step):
+                self._preemption.stop_now(self.step, lambda: None)
             return
         if self._resume.awaiting_loader:
             # the epoch was jumped to, yet training goes on without the checkpoint's loader
