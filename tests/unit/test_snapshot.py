@@ -154,6 +154,28 @@ def test_copy_error_is_reported_and_flags_cleared(job):
         handle.wait(0)
 
 
+def test_turning_cfrun_off_waits_for_the_copy_or_drops_the_snapshot(job):
+    """Issue 18, item 2 (its CPU half): when cfrun turns itself off the step gate is gone, so
+    Runtime.on_disabled -> quiesce() waits for the copy; a copy that does not finish in time
+    is dropped, never handed off (the next step would tear it)."""
+    rank = Rank(job)
+    rank.snap._copy_delay_s = 1.0  # a slow copy
+    w = torch.randn(50_000)
+    rank.start(1, {"w": w}, {"w"})
+    assert not rank.snap.quiesce(0.05)
+    w.add_(1)  # the next step, no longer gated, while the copy runs
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == []
+    assert [s for s, _ in rank.lost] == [1] and "turned off" in rank.lost[0][1]
+    expected = w.clone()
+    rank.start(2, {"w": w}, {"w"})
+    assert rank.snap.quiesce(60.0)
+    w.add_(1)
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == [2]
+    assert_bit_identical(expected, rank.committed(2)["w"])
+
+
 # ---------------------------------------------------------------- CUDA (GPU only)
 
 def _long_kernel() -> None:
