@@ -415,6 +415,8 @@ class Boundary:
     def _at_boundary(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
         if self._pending is None:
             return
+        if self._cuda and cuda.is_capturing():  # no CUDA call of cfrun's may join a capture
+            return  # the trigger waits for the next boundary
         step, due, kill = self._pending
         self._pending = None
         if due and not self._stopping:

@@ -50,6 +50,8 @@ def runtime_library() -> ctypes.CDLL | None:
             continue
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaGetLastError.argtypes = []
+        lib.cudaThreadExchangeStreamCaptureMode.restype = ctypes.c_int
+        lib.cudaThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                                   ctypes.c_uint]
@@ -118,6 +120,22 @@ def dedicated_stream(device: torch.device) -> Any:
                 return torch.cuda.ExternalStream(handle.value, device=device)
             clear_error(device)
     return torch.cuda.Stream(device=device)
+
+
+CUDA_STREAM_CAPTURE_MODE_RELAXED = 2
+"""``cudaStreamCaptureModeRelaxed``: this thread's calls are not checked against captures."""
+
+
+def relax_capture_mode() -> None:
+    """Let this thread (the snapshot thread) wait on CUDA events while the training thread
+    captures a CUDA graph (``torch.cuda.graph`` captures in the global mode by default, in which
+    an event wait from any other thread fails and can invalidate the capture). Safe here: the
+    snapshot thread waits only on events of copies queued before, on streams not captured.
+    Without the runtime library, nothing changes."""
+    lib = runtime_library()
+    if lib is not None:
+        mode = ctypes.c_int(CUDA_STREAM_CAPTURE_MODE_RELAXED)
+        lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
 
 
 def is_capturing() -> bool:

@@ -633,6 +633,7 @@ class Snapshotter:
         try:
             if done_events:
                 torch.cuda.set_device(done_events[0][0])
+                cuda.relax_capture_mode()
             t0 = time.perf_counter()
             if self._copy_delay_s > 0:
                 time.sleep(self._copy_delay_s)
