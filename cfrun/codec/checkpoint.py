@@ -23,15 +23,19 @@ untouched.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from cfrun.codec.format import (
+    _DTYPES,
     FORMAT_VERSION,
+    TensorEntry,
     decode,
     dumps_json,
     meta_tensor,
@@ -60,6 +64,7 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
     write_file,
 )
 from cfrun.contract.errors import CheckpointCorruptError, FatalJobError, IncompatibleFormatError
+from cfrun.contract.fsio import UnsafeFileError, open_regular
 from cfrun.contract.jobdir import step_dir_name
 from cfrun.contract.shard import read_doc
 
@@ -127,7 +132,170 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
     if not 0 <= rank < manifest.world_size:
         raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
                                      f"{manifest.world_size} ranks")
-    return _assemble(step_dir, manifest, rank, {})
+    return _load_streamed(step_dir, manifest, rank)
+
+
+_Target = tuple[TensorEntry, "torch.Tensor | None", "torch.Tensor | None"]
+"""A tensor to fill from a shard file: its table entry, and either a fresh tensor of its own
+or a slice of a full (1/N-reassembled) tensor."""
+
+LOAD_CHUNK_BYTES = 16 << 20
+"""A rank streams each shard file through a buffer of this size at load (bounded memory)."""
+
+
+def _load_streamed(step_dir: Path, manifest: Manifest, rank: int) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s decoded state and meta, holding no more than its own state plus one
+    chunk (issue 18, item 10).
+
+    Each tensor is allocated once at its final size; each shard file is streamed once through a
+    :data:`LOAD_CHUNK_BYTES` buffer, checksummed as it goes, and only the bytes this rank needs
+    are copied out: its own tensors from its own file and, with 1/N sharding, every rank's
+    slice of each replicated tensor straight into the full tensor (no per-rank copies, no
+    ``torch.cat``). Reading every rank's whole file and reassembling held about twice the
+    state per rank.
+
+    Raises:
+        CheckpointCorruptError: see :func:`load_shard`; also the ranks' 1/N layouts disagree.
+    """
+    doc, entries = read_doc(step_dir, manifest, rank)
+    try:
+        tree = doc["tree"]
+        layout = (tree.get("sharded") if isinstance(tree, dict) else None) or []
+        tensors: list[torch.Tensor | None] = [None] * len(entries)
+        fulls: dict[int, torch.Tensor] = {}
+        for ent in layout:
+            i = int(ent["index"])
+            dtype = _DTYPES.get(str(ent["dtype"]))
+            if dtype is None or not 0 <= i < len(entries) or i in fulls:
+                raise ValueError(f"sharded entry {ent} names no tensor of the table")
+            fulls[i] = torch.empty([int(n) for n in ent["shape"]], dtype=dtype)
+        own: list[_Target] = []
+        for i, e in enumerate(entries):
+            if i in fulls:
+                continue
+            t = _empty_like_entry(e)
+            tensors[i] = t
+            own.append((e, t, None))
+        targets: dict[int, list[_Target]] = {rank: own}
+        for q in range(manifest.world_size) if layout else ():
+            q_entries = entries
+            q_layout = layout
+            if q != rank:
+                q_doc, q_entries = read_doc(step_dir, manifest, q)
+                q_tree = q_doc["tree"]
+                q_layout = (q_tree.get("sharded") if isinstance(q_tree, dict) else None) or []
+            if len(q_layout) != len(layout):
+                raise ValueError(f"rank {q} has {len(q_layout)} sharded tensors, rank {rank} "
+                                 f"{len(layout)}")
+            for k, (ent, q_ent) in enumerate(zip(layout, q_layout)):
+                if (q_ent["shape"], q_ent["dim"], q_ent["ranges"], q_ent["dtype"]) != (
+                        ent["shape"], ent["dim"], ent["ranges"], ent["dtype"]):
+                    raise ValueError(f"sharded tensor {k}: rank {q}'s layout {q_ent} differs "
+                                     f"from rank {rank}'s {ent}")
+                j = int(q_ent["index"])
+                if not 0 <= j < len(q_entries):
+                    raise ValueError(f"rank {q}'s sharded entry {k} names no tensor")
+                full = fulls[int(ent["index"])]
+                start, stop = (int(n) for n in ent["ranges"][q])
+                part = full.narrow(int(ent["dim"]), start, stop - start)
+                e = q_entries[j]
+                if list(e.shape) != list(part.shape) or e.dtype != ent["dtype"]:
+                    raise ValueError(f"sharded tensor {k}: rank {q}'s slice is {e.dtype} "
+                                     f"{list(e.shape)}, not {ent['dtype']} {list(part.shape)}")
+                targets.setdefault(q, []).append((e, None, part))
+        for i, full in fulls.items():
+            tensors[i] = full
+        for q in sorted(targets):
+            _stream_into(step_dir, manifest, q, sorted(targets[q], key=lambda x: x[0].offset))
+        meta = doc.get("meta", {})
+        return decode(tree, [t for t in tensors if t is not None]), meta  # every one is set
+    except CheckpointCorruptError:
+        raise
+    except _DECODE_ERRORS as e:
+        raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
+                                     f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _empty_like_entry(e: TensorEntry) -> torch.Tensor:
+    """A fresh CPU tensor of ``e``'s dtype and shape (its bytes come from the stream).
+
+    Raises:
+        ValueError: unknown dtype, or ``nbytes`` other than elements times item size.
+    """
+    dtype = _DTYPES.get(e.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown dtype {e.dtype!r} in checkpoint")
+    if e.nbytes != math.prod(e.shape) * dtype.itemsize:
+        raise ValueError(f"nbytes {e.nbytes} does not hold shape {list(e.shape)} of {e.dtype}")
+    return torch.empty(e.shape, dtype=dtype)
+
+
+def _stream_into(step_dir: Path, manifest: Manifest, q: int,
+                 targets: list[_Target]) -> None:
+    """Stream rank ``q``'s ``.bin`` once, checking its size and checksum, and copy each
+    target's byte range (sorted by offset, not overlapping: :func:`check_layout`) into its
+    tensor: a fresh contiguous one, or a slice of a full tensor (through a contiguous
+    temporary of the slice's size when the slice is not contiguous).
+
+    Raises:
+        CheckpointCorruptError: not a regular file, another size, unreadable, checksum.
+    """
+    bin_name, _ = shard_names(q)
+    entry = manifest.entry(bin_name)
+    where = f"{step_dir.name}/{bin_name}"
+    try:
+        fd, _size = open_regular(step_dir / bin_name, max_bytes=entry.nbytes)
+    except UnsafeFileError as err:
+        raise CheckpointCorruptError(f"{where}: refused ({err})") from None
+    except OSError as err:
+        raise CheckpointCorruptError(f"{where}: unreadable ({err.strerror or err})") from None
+    h = xxhash.xxh3_64()
+    chunk = bytearray(LOAD_CHUNK_BYTES)
+    view = memoryview(chunk)
+    src = torch.frombuffer(chunk, dtype=torch.uint8)
+    pos = 0
+    k = 0  # the first target not yet complete
+    temp: torch.Tensor | None = None
+    try:
+        while True:
+            n = os.readv(fd, [view])
+            if n == 0:
+                break
+            if pos + n > entry.nbytes:
+                raise CheckpointCorruptError(f"{where}: longer than the manifest's "
+                                             f"{entry.nbytes} bytes")
+            h.update(view[:n])
+            end = pos + n
+            while k < len(targets) and targets[k][0].offset < end:
+                e, fresh, part = targets[k]
+                if fresh is not None:
+                    dst = fresh.reshape(-1).view(torch.uint8) if e.nbytes else None
+                elif part is not None and part.is_contiguous():
+                    dst = part.reshape(-1).view(torch.uint8) if e.nbytes else None
+                else:
+                    if temp is None:
+                        temp = torch.empty(e.nbytes, dtype=torch.uint8)
+                    dst = temp
+                lo, hi = max(e.offset, pos), min(e.offset + e.nbytes, end)
+                if dst is not None and hi > lo:
+                    dst[lo - e.offset:hi - e.offset].copy_(src[lo - pos:hi - pos])
+                if e.offset + e.nbytes > end:
+                    break  # the rest of this tensor is in the next chunk
+                if fresh is None and part is not None and temp is not None:
+                    part.copy_(temp.view(part.dtype).view(part.shape))
+                temp = None
+                k += 1
+            pos = end
+    except OSError as err:
+        raise CheckpointCorruptError(f"{where}: unreadable ({err.strerror or err})") from None
+    finally:
+        os.close(fd)
+    while k < len(targets) and targets[k][0].nbytes == 0:  # empty tensors at the very end
+        k += 1
+    if pos != entry.nbytes or k != len(targets):
+        raise CheckpointCorruptError(f"{where}: {pos} bytes, manifest says {entry.nbytes}")
+    if h.hexdigest() != entry.xxh3_64:
+        raise CheckpointCorruptError(f"{where}: checksum mismatch")
 
 
 class WorldSizeChangedError(Exception):
@@ -388,3 +556,28 @@ def check_fits(state: dict[str, Any], models: list[Any], optimizers: list[Any],
                                              (got, keys, "live")) if a - b]
                 raise JobMismatchError(f"{kind} {i} ({type(obj).__name__}): "
                                        f"{'; '.join(parts)} (another class?)")
+
+
+def check_free_params(saved: Any, live: list[list[tuple[int, torch.Tensor]]]) -> None:
+    """The checkpoint's free parameters (fp32 master weights no module owns, per optimizer:
+    ``[{"index", "value"}]``) are the live job's: the same positions in each optimizer's
+    flattened ``param_groups``, each of the same dtype and shape. ``saved`` None: a checkpoint
+    of an older cfrun (nothing to check). Called by each rank before anything is applied.
+
+    Raises:
+        JobMismatchError: the first difference, in one line.
+    """
+    if saved is None:
+        return
+    if len(saved) != len(live):
+        raise JobMismatchError(f"the checkpoint holds free parameters of {len(saved)} "
+                               f"optimizers, the live job {len(live)}")
+    for i, (items, now) in enumerate(zip(saved, live)):
+        got = dict(now)
+        where = f"optimizer {i}'s parameters outside any model (master weights?)"
+        if sorted(int(it["index"]) for it in items) != sorted(got):
+            raise JobMismatchError(f"{where}: positions {[it['index'] for it in items]} in the "
+                                   f"checkpoint, {sorted(got)} live")
+        for it in items:
+            check_like(it["value"], got[int(it["index"])].detach(),
+                       f"{where} [{it['index']}]")

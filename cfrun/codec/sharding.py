@@ -8,7 +8,9 @@ from rank 0 alone puts the whole cost on one rank. DeepFreeze splits each replic
 * :func:`shard_replicated` (each rank, at the checkpoint boundary, before the snapshot): replaces
   every large replicated tensor in the rank's tensor list by the rank's slice (a view: nothing is
   copied here) and returns the layout, stored in the rank's JSON tree under ``"sharded"``.
-* :func:`reassemble` (each rank, at load): rebuilds the full tensors from every rank's slice.
+* :func:`reassemble` (each rank, checking every rank's tree before a resume): rebuilds the full
+  tensors from every rank's slice (``meta`` tensors there; the load itself streams the slices
+  straight into the full tensors, :func:`cfrun.codec.checkpoint.load_shard`).
 
 What stays per rank, whole: tensors smaller than ``SHARD_MIN_BYTES`` and 0-d ones (optimizer step
 counters), module buffers (BatchNorm statistics differ per rank between DDP's broadcasts), the RNG,
@@ -110,8 +112,15 @@ def reassemble(rank: int, tensors: list[torch.Tensor], layout: list[dict[str, An
             if part.shape[ent["dim"]] != stop - start:
                 raise ValueError(f"sharded tensor {k}: rank {q}'s slice has "
                                  f"{part.shape[ent['dim']]} rows, not {stop - start}")
-        full = torch.cat(parts, dim=ent["dim"])
-        if list(full.shape) != ent["shape"]:
-            raise ValueError(f"sharded tensor {k} reassembles to {list(full.shape)}, "
-                             f"not {ent['shape']}")
-        tensors[ent["index"]] = full
+        shapes = {tuple(s for d, s in enumerate(p.shape) if d != ent["dim"]) for p in parts}
+        rows = sum(int(p.shape[ent["dim"]]) for p in parts)
+        got = list(parts[0].shape)
+        got[ent["dim"]] = rows
+        if len(shapes) != 1 or got != ent["shape"]:
+            raise ValueError(f"sharded tensor {k}: its slices {[list(p.shape) for p in parts]} "
+                             f"do not make {ent['shape']}")
+        if all(p.is_meta for p in parts):  # a check (check_usable): no torch.cat, whose meta
+            # kernel imports torch's Python decompositions (~75 MB resident, for nothing)
+            tensors[ent["index"]] = torch.empty(got, dtype=parts[0].dtype, device="meta")
+        else:
+            tensors[ent["index"]] = torch.cat(parts, dim=ent["dim"])

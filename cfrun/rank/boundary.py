@@ -28,10 +28,12 @@ import torch
 from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.jobdir import JobDir
+from cfrun.rank import cuda
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, worker_rng_of
+from cfrun.rank.discovery import uncheckpointable
 from cfrun.rank.log import NotExact, say
 from cfrun.rank.preemption import Marks, Preemption
 from cfrun.rank.resume import Resume
@@ -136,6 +138,11 @@ class Boundary:
         """Checkpoint whose hand-off a step waited for (:meth:`on_before_step`)."""
         self._step_t0 = 0.0
         self._checked_bytes = False
+        self._checked_layout = False
+        self._uncheckpointable: str | None = None
+        """Why this process takes no checkpoints (FSDP / DTensor state, a CUDA graph step)."""
+        self._cuda: bool | None = None
+        """CUDA in use (decided at the first optimizer step)."""
         self._boundary = wrap("the checkpoint boundary", self._at_boundary)
         # fault points (cfrun.contract.faults), read once: None in every real run
         kill_after = faults.value("rank.kill_after_snapshot")
@@ -153,6 +160,8 @@ class Boundary:
         after the checkpoint's boundary then loses it only before the next step, so a kill
         recomputes at most K+1 iterations (the snapshot thread sends the hand-off; with tiny
         steps on a loaded machine it could otherwise still be unsent several steps later)."""
+        if self._uncheckpointable is not None or (self._cuda and cuda.is_capturing()):
+            return  # no checkpoints (no copy to wait for), or no CUDA call of cfrun's allowed
         self._snap.gate()
         if not self._snap.handed_off.is_set() and self._snap.inflight_step != self._waited_for:
             self._waited_for = self._snap.inflight_step  # once per checkpoint
@@ -166,6 +175,21 @@ class Boundary:
         if self._backward_watch is not None:  # an optimizer steps: the watch is done
             self._backward_watch.stop()
             self._backward_watch = None
+        if self._cuda is None:
+            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda and cuda.is_capturing():  # a whole step in a CUDA graph (issue 18)
+            self._unprotect("CUDA graph", "the optimizer step is captured in a CUDA graph: its "
+                            "replays run no optimizer hooks, so cfrun sees no steps and takes "
+                            "no checkpoints; capture the forward and backward only, and step "
+                            "the optimizer outside the graph")
+            return
+        if self._cuda:
+            self._snap.after_step(opt)
+        if not self._checked_layout:
+            self._checked_layout = True
+            why = uncheckpointable(self._capture.found)
+            if why is not None:
+                self._unprotect("FSDP / DTensor", why)
         count = opt.__dict__.get("_cfrun_steps", 0) + 1
         opt.__dict__["_cfrun_steps"] = count
         tuner = self._tuner
@@ -173,6 +197,12 @@ class Boundary:
             tuner.opt_step_s.append(time.perf_counter() - self._step_t0)
         if count <= self.step or self._resume.fast_forwarding:
             return  # a second optimizer in the same iteration (GAN), or a replayed epoch's step
+        if self._uncheckpointable is not None:  # no checkpoints; a preemption still stops
+            self.step = count
+            self._marks.beat(self.step)
+            if self._preemption.stop_due(self.step):
+                self._preemption.stop_now(self.step, lambda: None)
+            return
         if self._resume.awaiting_loader:
             # the epoch was jumped to, yet training goes on without the checkpoint's loader
             self._resume.loader_missing()
@@ -204,6 +234,19 @@ class Boundary:
         self._stopping = stop
         if self.mode == "loop":
             self._arm_loop_boundary()
+
+    def _unprotect(self, where: str, why: str) -> None:
+        """No checkpoints in this process from now on: say ``why`` once, on stderr and (rank 0)
+        as an ``unprotected`` event; the script goes on untouched. A state cfrun would save
+        wrongly is never claimed to be saved."""
+        if self._uncheckpointable is not None:
+            return
+        self._uncheckpointable = why
+        self._pending = None
+        say(f"WARNING: {why}; this job is unprotected (no checkpoints, a restart starts over)")
+        if self.s.rank == 0:
+            self.jobdir.emit_event("unprotected", where=where, error=why, step=self.step,
+                                   rank=self.s.rank, attempt=self.s.attempt)
 
     def _no_optimizer(self, backwards: int) -> None:
         """:class:`BackwardWatch`: ``backwards`` backward passes and no optimizer step. Says
@@ -372,6 +415,8 @@ class Boundary:
     def _at_boundary(self, frame: types.FrameType, data: dict[str, Any] | None) -> None:
         if self._pending is None:
             return
+        if self._cuda and cuda.is_capturing():  # no CUDA call of cfrun's may join a capture
+            return  # the trigger waits for the next boundary
         step, due, kill = self._pending
         self._pending = None
         if due and not self._stopping:

@@ -51,17 +51,24 @@ class Capture:
         tree: dict[str, Any] = {
             "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
             "optimizers": encode([o.state_dict() for o in opts], tensors),
+        }
+        free = free_params(opts, roots)  # fp32 master weights no module owns (issue 18)
+        async_ids |= {id(p) for per_opt in free for _, p in per_opt}
+        tree.update({
+            "free_params": encode([[{"index": k, "value": p} for k, p in per_opt]
+                                   for per_opt in free], tensors),
             "model_bytes": sum(t.numel() * t.element_size() for t in tensors),
             "opt_steps": [o.__dict__.get("_cfrun_steps", 0) for o in self.found.optimizers()],
             "rng": encode(get_global_rng(), tensors),
             "data": encode(data, tensors),
-        }
+        })
         for kind, objs in (("schedulers", self.found.schedulers()),
                            ("scalers", self.found.scalers())):
             items = []
             for obj in objs:
                 try:
-                    items.append(encode(obj.state_dict(), tensors))
+                    sd = scaler_state(obj) if kind == "scalers" else obj.state_dict()
+                    items.append(encode(sd, tensors))
                 except UnsupportedValueError as e:
                     self._flag(f"{type(obj).__name__} state cannot be stored ({e})")
                     items.append(None)
@@ -96,3 +103,50 @@ class Capture:
                                          rank0_only=how == "rank0")
         async_ids |= {v for v, orig in views.items() if orig in async_ids}
         return layout
+
+
+def free_params(opts: list[torch.optim.Optimizer], roots: list[torch.nn.Module]
+                ) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per optimizer, ``(k, p)`` for each parameter ``p`` at position ``k`` of its flattened
+    ``param_groups`` that no module in ``roots`` owns: the fp32 master weights of a
+    mixed-precision script (``nn.Parameter(p.float())`` copies). An optimizer's
+    ``state_dict()`` holds their moments, not their values, so the checkpoint stores them
+    beside it (issue 18, item 3). Training thread, at the boundary and at the resume."""
+    owned = {id(p) for m in roots for p in m.parameters()}
+    out = []
+    for o in opts:
+        flat = [p for g in o.param_groups for p in g["params"]]
+        out.append([(k, p) for k, p in enumerate(flat) if id(p) not in owned])
+    return out
+
+
+def scaler_state(scaler: Any) -> dict[str, Any]:
+    """An AMP ``GradScaler``'s ``state_dict()`` with its scale and growth tracker as the live
+    tensors (copied with the checkpoint, converted back to numbers at the resume:
+    :func:`scaler_numbers`) instead of Python numbers: ``state_dict()`` calls ``.item()`` on
+    them, a host sync that waits for the whole queued step at every checkpoint (issue 18, item
+    8). A scaler whose class overrides ``state_dict``, or that is disabled or not yet used,
+    gives its own ``state_dict()``."""
+    if (type(scaler).state_dict is not torch.amp.GradScaler.state_dict
+            or not getattr(scaler, "_enabled", False)
+            or not isinstance(getattr(scaler, "_scale", None), torch.Tensor)
+            or not isinstance(getattr(scaler, "_growth_tracker", None), torch.Tensor)):
+        return dict(scaler.state_dict())
+    return {"scale": scaler._scale, "growth_factor": scaler._growth_factor,
+            "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval,
+            "_growth_tracker": scaler._growth_tracker}
+
+
+def scaler_numbers(sd: Any) -> Any:
+    """A stored scaler state (:func:`scaler_state`) as ``GradScaler.load_state_dict`` takes
+    it: ``scale`` a float, ``_growth_tracker`` an int (one-element CPU tensors at the resume;
+    no device sync). Anything else is returned unchanged."""
+    if not isinstance(sd, dict):
+        return sd
+    out = dict(sd)
+    for key, kind in (("scale", float), ("_growth_tracker", int)):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = kind(value.reshape(-1)[0].item())
+    return out

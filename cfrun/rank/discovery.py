@@ -10,6 +10,7 @@ own the optimizers' parameters (:meth:`Discovery.model_roots`).
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -101,11 +102,6 @@ class Discovery:
         self.replicated_params = {id(p) for _, m in ranked
                                   if type(m).__name__ == "DistributedDataParallel"
                                   for p in m.parameters()}
-        for _, m in ranked:
-            if type(m).__name__ == "FullyShardedDataParallel" or any(
-                    type(p).__name__ == "DTensor" for p in m.parameters()):
-                self._flag("FSDP / DTensor parameters: each rank's state_dict() is saved as it "
-                           "is; a resume needs the same world size and sharding (README)")
         self.wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
@@ -127,3 +123,39 @@ def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
             m = m.module  # type: ignore[assignment]
             continue
         return m
+
+
+def uncheckpointable(found: Discovery) -> str | None:
+    """Why cfrun cannot checkpoint this rank's state, in one line, or None.
+
+    * **DTensor** parameters (FSDP2's ``fully_shard``, tensor parallelism): a checkpoint would
+      lay them out by their global element count and ``copy_`` a DTensor into a plain tensor;
+      both fail (issue 18, item 9).
+    * **FSDP1** (``FullyShardedDataParallel``): its ``state_dict()`` all-gathers the whole
+      model on the training process group at every boundary, and its flat parameters are not
+      the model's.
+
+    Called once, at the first optimizer step (training thread); costs one scan of the live
+    modules (:meth:`Discovery.model_roots`, cached for the first checkpoint).
+    """
+    module = sys.modules.get("torch.distributed.tensor")  # a script with DTensors imported it
+    dtensor: Any = getattr(module, "DTensor", None)
+    opts = found.optimizers()
+    params = [p for o in opts for g in o.param_groups for p in g["params"]]
+    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+        return ("the optimizer's parameters are DTensors (FSDP2 fully_shard or tensor "
+                "parallelism), which cfrun cannot checkpoint yet")
+    if any(type(p).__name__ == "FlatParameter" for p in params) or any(
+            type(m).__name__ == "FullyShardedDataParallel" for m in _outer_modules(found)):
+        return ("the model is wrapped in FSDP (FullyShardedDataParallel), which cfrun cannot "
+                "checkpoint (its state_dict() all-gathers the model at every checkpoint)")
+    return None
+
+
+def _outer_modules(found: Discovery) -> list[torch.nn.Module]:
+    """The outermost modules owning the optimizers' parameters, wrappers not unwrapped."""
+    found.model_roots()
+    ids = found.wrappers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and id(o) in ids]

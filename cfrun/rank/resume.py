@@ -52,6 +52,7 @@ from cfrun.codec.checkpoint import (
     RankLoadError,
     WorldSizeChangedError,
     check_fits,
+    check_free_params,
     load_newest,
     quarantine,
 )
@@ -59,6 +60,7 @@ from cfrun.contract.errors import IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
+from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
@@ -103,6 +105,11 @@ def check_state(state: Any, meta: dict[str, Any]) -> None:
              and isinstance(o.get("param_groups"), list)
              and all(isinstance(g, dict) and isinstance(g.get("params"), list)
                      for g in o["param_groups"]), "optimizer state is not a state_dict")
+    free = state.get("free_params", [])  # absent in checkpoints of an older cfrun
+    need(isinstance(free, list) and all(
+        isinstance(per, list) and all(isinstance(i, dict) and type(i.get("index")) is int
+                                      and isinstance(i.get("value"), torch.Tensor) for i in per)
+        for per in free), "free parameters (master weights) are not a list of index/value")
     need(len(state["opt_steps"]) == len(state["optimizers"])
          and all(type(n) is int for n in state["opt_steps"]), "optimizer step counts")
     rng = state.get("rng")
@@ -537,6 +544,7 @@ class Resume:
         schedulers, scalers = self.found.schedulers(), self.found.scalers()
         try:  # before anything is applied: a checksum cannot tell a changed layer width
             check_fits(st, roots, opts, schedulers, scalers)
+            check_free_params(st.get("free_params"), free_params(opts, roots))
         except JobMismatchError as e:
             self._fatal(f"checkpoint step {plan.step} does not fit this job: {e}; to go on, "
                         "start a new --job-dir (the checkpoints are kept), or restore the "
@@ -546,6 +554,8 @@ class Resume:
                                   in_tracer=in_tracer)
         except Exception as e:  # part of it may be in the live objects: restart
             self._unusable(plan.step, e)
+        for key in ("modules", "optimizers", "free_params"):  # loaded: free their tensors
+            st[key] = []  # (held for the whole run otherwise: a second copy of the state)
         self._restored(plan.step, plan.mode)
         self.resumed = True
         self.awaiting_loader = False
@@ -566,7 +576,13 @@ class Resume:
         for o, sd, count in zip(opts, st["optimizers"], st["opt_steps"]):
             o.load_state_dict(sd)
             o.__dict__["_cfrun_steps"] = count
-        for objs, sds in ((schedulers, st["schedulers"]), (scalers, st["scalers"])):
+        with torch.no_grad():  # fp32 master weights no module owns (check_fits matched them)
+            for live, saved in zip(free_params(opts, roots), st.get("free_params") or []):
+                flat = dict(live)
+                for item in saved:
+                    flat[item["index"]].copy_(item["value"])
+        for objs, sds in ((schedulers, st["schedulers"]),
+                          (scalers, [scaler_numbers(sd) for sd in st["scalers"]])):
             for obj, sd in zip(objs, sds):
                 if sd is not None:
                     obj.load_state_dict(sd)

@@ -108,10 +108,11 @@ class Runtime:
     def on_disabled(self) -> None:
         """cfrun failed inside a hook and turns itself off (``Guard.disable``): stop cfrun's
         tracers, drop a pending trigger, give the script its stdout back, and let a copy in
-        flight finish (the step gate is off from now on)."""
+        flight finish, its CUDA copies included, or drop it (the step gate is off from now on:
+        :meth:`Snapshotter.quiesce`)."""
         tracer = sys.gettrace()
         if getattr(tracer, "__module__", None) in ("cfrun.rank.boundary", "cfrun.rank.resume"):
             sys.settrace(None)  # a boundary or resume tracer of cfrun's
         self.boundary.cancel()
         self.resume.exit_fast_forward()
-        self.snap.wait_copied(60.0)
+        self.snap.quiesce(60.0)

@@ -17,15 +17,19 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
   in the background (a CPU thread: ``copy_`` releases the GIL; on CUDA a side stream). The next
   ``optimizer.step()`` waits for that copy (:meth:`Snapshotter.gate`): on CPU by waiting for the
   thread, on CUDA by making the current stream wait for the copy's event (the host never blocks).
-  With ``gpu`` mode, state is first copied device-to-device into a buffer allocated once when
-  free memory allows (CheckFreq's GPU snapshot), so the step waits only for that fast copy.
+  With ``gpu`` mode, or when free device memory allows, state is first copied device-to-device
+  into a staging buffer taken from the caching allocator for that checkpoint only (CheckFreq's
+  GPU snapshot), so the step waits only for that fast copy.
 * **CUDA details.** Small tensors and module buffers are copied with ``non_blocking=True`` on the
   current stream, ordered before the next forward without a host sync. The rest is copied on one
-  side stream per device (created once, reused), which first waits for an event recorded at the
-  boundary; the slot is page-locked so these copies are asynchronous. The training thread never
-  waits for the queued step (only ``inline`` mode does); the background thread waits for the
-  copies' events before the hand-off and holds the source tensors until then. Tensors on several
-  devices get one stream, event and gate per device.
+  side stream per device (cfrun's own, created once, reused), which first waits for an event
+  recorded at the boundary and for those the step hook recorded on the streams the optimizer
+  steps ran on; the slot is page-locked so these copies are asynchronous. If it cannot be
+  page-locked, the snapshot thread does the copy once those events are complete, and the next
+  step waits for the thread. The snapshot thread makes the state's device current first. The
+  training thread never waits for the queued step (only ``inline`` mode does); the background
+  thread waits for the copies' events before the hand-off and holds the source tensors until
+  then. Tensors on several devices get one stream, event and gate per device.
 * **Hand-off.** When the copy is complete the rank sends the agent one message (step, slot,
   bytes, the JSON tree); from then on the agent persists and commits it even if the rank dies.
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
@@ -55,6 +59,8 @@ import torch
 from cfrun.codec.format import FORMAT_VERSION, TensorEntry, plan_layout
 from cfrun.contract import faults, ipc, messages, slots
 from cfrun.contract.settings import SNAPSHOT_MODE
+from cfrun.contract.shard import ALIGN_BYTES as FORMAT_ALIGN_BYTES
+from cfrun.rank import cuda
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +84,9 @@ ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 
 def shm_dir(job_dir: Path, nbytes: int) -> Path:
     """Where this rank's slot goes: the job's private slot directory in shared memory (made by
-    the supervisor, published by the agent in ``agent.json``) when it has room for twice
-    ``nbytes`` (``$CFRUN_SHM_DIR``: always), else ``<job_dir>/.slots`` (private too, backed by
-    the disk)."""
+    the supervisor, published by the agent in ``agent.json``) when it has room for the node
+    (:func:`node_room_bytes`: every local rank's slot of about ``nbytes``, twice),
+    ``$CFRUN_SHM_DIR``: always; else ``<job_dir>/.slots`` (private too, backed by the disk)."""
     try:
         private = ipc.read_agent_record(job_dir).slot_dir
     except OSError:
@@ -89,9 +95,31 @@ def shm_dir(job_dir: Path, nbytes: int) -> Path:
         if os.environ.get(ENV_SHM_DIR):
             return Path(private)
         st = os.statvfs(private)
-        if st.f_bavail * st.f_frsize >= 2 * nbytes:
+        if st.f_bavail * st.f_frsize >= node_room_bytes(Path(private), nbytes):
             return Path(private)
     return slots.fallback_dir(job_dir)
+
+
+def node_room_bytes(directory: Path, nbytes: int) -> int:
+    """Free bytes ``directory`` must have before a rank puts a slot of ``nbytes`` there: twice
+    the slots of every rank of this node (``LOCAL_WORLD_SIZE``, torchrun's; ranks of a data
+    parallel job hold states of about one size), less what the slot files already there
+    occupy (those pages are already out of the free count). A per-rank check let eight ranks
+    each see room for their own slot in a /dev/shm that holds two (issue 18, item 11); the
+    first rank to run out then fails in the middle of a copy (SIGBUS on a full tmpfs)."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    written = 0
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.is_file(follow_symlinks=False):
+                    written += entry.stat(follow_symlinks=False).st_blocks * 512
+    except OSError:
+        pass
+    return max(2 * nbytes, 2 * nbytes * local - written)
 
 
 def slot_prefix(job_dir: Path) -> str:
@@ -115,13 +143,18 @@ class SnapshotSlot:
         self.buf: torch.Tensor | None = None
         self.generation = 0
         self.pinned = False
+        self.pin_error: str | None = None
+        """Why the slot could not be page-locked (a CUDA error's name), if it could not."""
 
-    def ensure(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+    def ensure(self, nbytes: int, *, pin: bool, device: torch.device | None = None
+               ) -> torch.Tensor:
         """A ``uint8`` tensor over the first ``nbytes`` of the slot, (re)allocating if needed.
 
-        With ``pin`` (the state has CUDA tensors), the slot is page-locked the first time it is
-        needed, even if it was created earlier for CPU tensors; :attr:`pinned` tells whether
-        that worked. Call only when the agent is not reading the slot (no persist in flight).
+        With ``pin`` (the state has CUDA tensors, the first on ``device``), the slot is
+        page-locked the first time it is needed, even if it was created earlier for CPU
+        tensors; :attr:`pinned` tells whether that worked and :attr:`pin_error` why not (the
+        CUDA error is cleared: :func:`cfrun.rank.cuda.host_register`). Call only when the agent
+        is not reading the slot (no persist in flight).
         """
         if self.buf is None or self.buf.numel() < nbytes:
             self.release()
@@ -132,14 +165,15 @@ class SnapshotSlot:
             self.buf = torch.from_file(str(self.path), shared=True, size=nbytes,
                                        dtype=torch.uint8)
         if pin and not self.pinned and torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
-            self.pinned = int(rc) == 0
+            self.pin_error = cuda.host_register(
+                self.buf, device or torch.device("cuda", torch.cuda.current_device()))
+            self.pinned = self.pin_error is None
         return self.buf[:nbytes]
 
     def release(self) -> None:
         """Unpin, unmap and delete the slot file (the agent must not be reading it)."""
         if self.buf is not None and self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            cuda.host_unregister(self.buf)
         self.pinned = False
         self.buf = None
         if self.path is not None:
@@ -264,7 +298,10 @@ class Snapshotter:
         self._inflight = -1
         self._cuda_gates: list[tuple[torch.device, Any]] = []
         self._streams: dict[torch.device, Any] = {}
-        self._gpu_bufs: dict[torch.device, torch.Tensor] = {}
+        self._step_events: dict[tuple[torch.device, int], Any] = {}
+        """(device, stream handle) -> an event recorded there after the last optimizer step
+        that ran on that stream (:meth:`after_step`): the side stream waits for all of them."""
+        self._cancel_handoff = False
         self._record: dict[str, Any] = {}
         self._record_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -380,24 +417,35 @@ class Snapshotter:
         entries, total = plan_layout(tensors)
         total = max(SLOT_ALIGN_BYTES, -(-total // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
         devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-        buf = self.slot.ensure(total, pin=bool(devices))
-        if devices and not self.slot.pinned:
-            self._warn_once("unpinned", "cfrun: the snapshot slot could not be page-locked; "
-                            "CUDA snapshots will block the training thread")
+        buf = self.slot.ensure(total, pin=bool(devices), device=devices[0] if devices else None)
+        host_copy = bool(devices) and not self.slot.pinned
+        if host_copy:
+            self._warn_once("unpinned", f"cfrun: the snapshot slot could not be page-locked "
+                            f"({self.slot.pin_error}); CUDA state is copied from the snapshot "
+                            "thread, and the next optimizer step waits for that copy")
         inline = self.mode == "inline"
         sync_max_bytes = self._sync_copy_max_bytes
         later_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         later_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda_entries: list[TensorEntry] = []
         for e, t in zip(entries, tensors):
             dst = _view(buf, e, t)
             if not inline and id(t) in async_ids and e.nbytes > sync_max_bytes:
-                (later_cuda if t.is_cuda else later_cpu).append((dst, t))
+                if t.is_cuda:
+                    later_cuda.append((dst, t))
+                    cuda_entries.append(e)
+                else:
+                    later_cpu.append((dst, t))
             else:  # a CUDA copy here is queued on the current stream, before the next forward
                 dst.copy_(t.detach(), non_blocking=t.is_cuda)
-        done_events = self._enqueue_cuda(later_cuda, devices) if devices else []
+        done_events = (self._enqueue_cuda(buf, later_cuda, cuda_entries, devices,
+                                          copy=not host_copy) if devices else [])
         if inline:
-            for event in done_events:
-                event.synchronize()
+            _synchronize(done_events)
+            if host_copy:
+                for dst, src in later_cuda:
+                    dst.copy_(src.detach())
+            later_cuda = []
         doc = {"format_version": FORMAT_VERSION, "rank": self.rank, "tree": tree,
                "tensors": [e.to_json() for e in entries], "meta": meta}
         msg = messages.PersistRequest(step, self.rank, self.world_size, str(self.slot.path),
@@ -405,81 +453,157 @@ class Snapshotter:
         self._inflight = step
         self.persist_done.clear()
         self.handed_off.clear()
-        if later_cpu:
+        if later_cpu or (host_copy and later_cuda):
             self.copy_done.clear()
+        self._cancel_handoff = False
         with self._record_lock:
             self._record = {"step": step, "t_trigger_unix_s": t_trigger}
         handle = SnapshotHandle(step)
         self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
-                                       args=(later_cpu, later_cuda, done_events, msg, handle),
-                                       daemon=True)
+                                       args=(later_cpu, later_cuda, done_events, msg, handle,
+                                             host_copy), daemon=True)
         self.thread.start()
         with self._record_lock:  # after every wait above: all of it is stall
             self._record["boundary_s"] = time.perf_counter() - t_boundary
         return handle
 
     def _side_stream(self, device: torch.device) -> Any:
-        """This device's side stream, created on first use and reused by every checkpoint."""
+        """This device's side stream, created on first use and reused by every checkpoint: a
+        stream of cfrun's own (:func:`cfrun.rank.cuda.dedicated_stream`), not one of torch's
+        pool that NCCL or the script may be using too."""
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = cuda.dedicated_stream(device)
         return stream
 
-    def _enqueue_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                      devices: list[torch.device]) -> list[Any]:
-        """Queue the device-to-host copies of ``pairs`` on each device's side stream.
+    def after_step(self, opt: torch.optim.Optimizer) -> None:
+        """Optimizer step post-hook (training thread): on each CUDA device of ``opt``'s
+        parameters, record an event on the stream current now, the one the step's kernels
+        went to. A checkpoint's side stream waits for these events as well as for the stream
+        current at the boundary: a loop body under ``with torch.cuda.stream(s)`` steps on
+        ``s``, and a copy ordered after the boundary's stream alone would race that step (a
+        snapshot mixing two steps; issue 18, item 6). Not while a CUDA graph is captured."""
+        groups = opt.param_groups
+        count = sum(len(g["params"]) for g in groups)
+        cached = opt.__dict__.get("_cfrun_cuda_devices")
+        if cached is None or cached[0] != count:
+            devs = sorted({p.device for g in groups for p in g["params"]
+                           if isinstance(p, torch.Tensor) and p.is_cuda}, key=str)
+            cached = opt.__dict__["_cfrun_cuda_devices"] = (count, devs)
+        if not cached[1]:
+            return
+        if len(self._step_events) > 64:  # streams come and go: keep the recent ones
+            self._step_events.clear()
+        for device in cached[1]:
+            stream = torch.cuda.current_stream(device)
+            key = (device, int(stream.cuda_stream))
+            event = self._step_events.get(key)
+            if event is None:
+                event = self._step_events[key] = torch.cuda.Event()
+            event.record(stream)
 
-        Training thread. Returns one event per device in ``devices``, complete once every copy
-        into the slot from that device (the ones on the current stream included) has landed;
-        sets the gates :meth:`gate` makes the next step's stream wait for. Never blocks the host
-        (unless the slot is not page-locked).
+    def _enqueue_cuda(self, buf: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                      entries: list[TensorEntry], devices: list[torch.device], *,
+                      copy: bool = True) -> list[tuple[torch.device, Any]]:
+        """Queue the device-to-host copies of ``pairs`` (slot view, live tensor; ``entries``
+        their places in the slot ``buf``) on each device's side stream.
+
+        Training thread. The side stream first waits for the stream current at the boundary
+        and for the streams the optimizer steps ran on (:meth:`after_step`). With the staging
+        buffer (``gpu`` mode, or free device memory for it), the tensors are first copied into
+        it with one ``torch._foreach_copy_`` and then into the slot with one copy per run of
+        tensors that lie back to back in the slot (the slot's alignment padding between them
+        is copied too, not zeroed); the buffer comes from the caching allocator for this
+        checkpoint only and goes back to it (``record_stream``) as soon as the copy is done,
+        so nothing stays reserved between checkpoints or after the tuner settles on ``inline``
+        (issue 18, item 5). Without it, one ``_foreach_copy_`` into the slot.
+
+        Returns ``(device, event)`` pairs: with ``copy``, one per device, complete once every
+        copy into the slot from that device (the current-stream ones included) has landed,
+        and sets the gates :meth:`gate` makes the next step's stream wait for. Without
+        ``copy`` (the slot is not page-locked: a copy into it would block this thread), nothing
+        is queued and the events are those the snapshot thread waits for before it copies.
+        Never blocks the host.
         """
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {
-            d: [] for d in devices}
-        for dst, src in pairs:
-            by_device[src.device].append((dst, src))
-        done_events: list[Any] = []
+        by_device: dict[torch.device, list[int]] = {d: [] for d in devices}
+        for i, (_, src) in enumerate(pairs):
+            by_device[src.device].append(i)
+        done_events: list[tuple[torch.device, Any]] = []
         self._cuda_gates = []
-        for device, dev_pairs in by_device.items():
+        for device, idx in by_device.items():
             with torch.cuda.device(device):
+                current = torch.cuda.current_stream(device)
                 ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(device))  # after the step's kernels
-                if not dev_pairs:  # only current-stream copies from this device
-                    done_events.append(ready)
+                ready.record(current)  # after the step's kernels and the boundary's copies
+                waits = [ready] + [ev for (d, _), ev in self._step_events.items()
+                                   if d == device]
+                if not idx:  # only current-stream copies from this device
+                    done_events.append((device, ready))
+                    continue
+                if not copy:  # the snapshot thread copies, on this side stream
+                    self._side_stream(device)
+                    done_events.extend((device, ev) for ev in waits)
                     continue
                 side = self._side_stream(device)
-                side.wait_event(ready)
-                sources = [s.detach() for _, s in dev_pairs]
-                offsets, staged_bytes = staging_layout(sources)
-                gpu_buf = self._gpu_bufs.get(device)
-                fits = gpu_buf is not None and gpu_buf.numel() >= staged_bytes
+                for ev in waits:
+                    side.wait_event(ev)
+                dsts = [pairs[i][0] for i in idx]
+                sources = [pairs[i][1].detach() for i in idx]
+                offsets, runs, staged_bytes = run_layout([entries[i] for i in idx])
                 use_gpu_buf = self.mode == "gpu" or (self.mode != "host" and (
-                    fits or torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))
-                if not use_gpu_buf or not fits:  # free it (its last use is complete) first
-                    self._gpu_bufs.pop(device, None)
-                    gpu_buf = None
-                with torch.cuda.stream(side):
-                    if use_gpu_buf:
-                        if not fits:
-                            self._gpu_bufs[device] = torch.empty(staged_bytes, dtype=torch.uint8,
-                                                                 device=device)
-                        gpu_buf = self._gpu_bufs[device]
-                        staged = [staged_view(gpu_buf, off, s) for off, s in zip(offsets, sources)]
-                        for g, s in zip(staged, sources):
-                            g.copy_(s, non_blocking=True)
-                        d2d = torch.cuda.Event()
-                        d2d.record(side)
-                        gate = d2d  # the next step waits only for the device-side copy
-                        for (dst, _), g in zip(dev_pairs, staged):
-                            dst.copy_(g, non_blocking=True)
-                    else:
-                        for dst, s in zip((d for d, _ in dev_pairs), sources):
-                            dst.copy_(s, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(side)
-                self._cuda_gates.append((device, gate if use_gpu_buf else done))
-                done_events.append(done)
+                    torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))
+                if use_gpu_buf:
+                    staging = torch.empty(staged_bytes, dtype=torch.uint8, device=device)
+                    staging.record_stream(side)  # reusable once the side stream is past it
+                    with torch.cuda.stream(side):
+                        staged = [staged_view(staging, off, s) for off, s in zip(offsets, sources)]
+                        copy_all(staged, sources)
+                        gate = torch.cuda.Event()
+                        gate.record(side)  # the next step waits only for the device-side copy
+                        for slot_lo, slot_hi, stage_lo in runs:
+                            buf[slot_lo:slot_hi].copy_(
+                                staging[stage_lo:stage_lo + slot_hi - slot_lo], non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    del staged, staging
+                else:
+                    with torch.cuda.stream(side):
+                        copy_all(dsts, sources)
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    gate = done
+                self._cuda_gates.append((device, gate))
+                done_events.append((device, done))
         return done_events
+
+    def _copy_on_side_streams(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Snapshot thread, slot not page-locked: copy each CUDA tensor into the slot on its
+        device's side stream (non-blocking to the others; the thread's default stream is the
+        legacy one, which the training thread's kernels would queue behind), waiting for each
+        copy. The step and boundary events are complete already."""
+        for dst, src in pairs:
+            with torch.cuda.device(src.device), torch.cuda.stream(self._streams[src.device]):
+                dst.copy_(src.detach())
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """cfrun turns itself off (:meth:`cfrun.rank.runtime.Runtime.on_disabled`; the step
+        gate is off from then on): wait up to ``timeout_s`` seconds until no copy of the
+        in-flight snapshot reads the live tensors, the snapshot thread's and the CUDA copies
+        the gate would have made the next step wait for (their events are polled: the host
+        waits, once). If they do not finish in time, the snapshot is dropped rather than handed
+        off: the next step may change the tensors under the copy, and a torn snapshot must not
+        be committed (issue 18, item 2). Returns True when nothing was left to copy."""
+        deadline = time.monotonic() + timeout_s
+        ok = self.copy_done.wait(timeout_s)
+        gates, self._cuda_gates = self._cuda_gates, []
+        for _, event in gates:
+            while ok and not event.query():
+                if time.monotonic() > deadline:
+                    ok = False
+                time.sleep(0.001)
+        if not ok:
+            self._cancel_handoff = True
+        return ok
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -489,26 +613,42 @@ class Snapshotter:
     # ------------------------------------------------------------------ background thread
 
     def _background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                    cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]], done_events: list[Any],
-                    msg: dict[str, Any], handle: SnapshotHandle) -> None:
+                    cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                    done_events: list[tuple[torch.device, Any]],
+                    msg: dict[str, Any], handle: SnapshotHandle, host_copy: bool = False
+                    ) -> None:
         """Copy, wait for the CUDA copies, hand off, await the persist. Never dies silently:
         any error is reported once (``on_lost``) and kept for ``handle.wait()``, and the
-        in-flight flags are always cleared."""
+        in-flight flags are always cleared.
+
+        Before any CUDA call the thread makes the state's first device its current one (a
+        thread starts on device 0, and its first CUDA call would create a context there: on
+        every rank, ~500 MB of GPU 0; issue 18, item 4). With ``host_copy`` (the slot is not
+        page-locked) it copies ``cuda_pairs`` itself once ``done_events`` (the step's and the
+        boundary's) are complete, and the next step's gate waits for it (issue 18, item 7)."""
         step = int(msg["step"])
         stage = "copy"
         committed = False
         error: BaseException | None = None
         try:
+            if done_events:
+                torch.cuda.set_device(done_events[0][0])
+                cuda.relax_capture_mode()
             t0 = time.perf_counter()
             if self._copy_delay_s > 0:
                 time.sleep(self._copy_delay_s)
             for dst, src in pairs:
                 dst.copy_(src.detach())
+            if host_copy:
+                _synchronize(done_events)
+                self._copy_on_side_streams(cuda_pairs)
             self.copy_done.set()
-            for event in done_events:
-                event.synchronize()
+            _synchronize(done_events)
             cuda_pairs = []  # the side streams are done with the sources
             snapshot_s = time.perf_counter() - t0
+            if self._cancel_handoff:
+                raise RuntimeError("cfrun was turned off before this snapshot's copy finished "
+                                   "(the next step may have changed it): dropped")
             stage = "hand-off"
             committed = self._hand_off(step, msg, snapshot_s)
         except Exception as e:
@@ -528,11 +668,10 @@ class Snapshotter:
                 logger.warning("cfrun: %s (reporting it failed too: %r)", self.last_error, e2)
         finally:
             self.copy_done.set()
-            for event in done_events:  # before the slot and the sources may be reused
-                try:
-                    event.synchronize()
-                except Exception:
-                    pass
+            try:  # before the slot and the sources may be reused
+                _synchronize(done_events)
+            except Exception:
+                pass
             del cuda_pairs
             handle._settle(committed, error)
             self.handed_off.set()
@@ -606,6 +745,55 @@ def _armed_int(point: str, attempt: int) -> int | None:
     """A step-valued fault point (cfrun.contract.faults): its step in attempt 0, else None."""
     value = faults.value(point)
     return int(value) if value is not None and attempt == 0 else None
+
+
+def _synchronize(events: list[tuple[torch.device, Any]]) -> None:
+    """Wait on the host for each CUDA event, with its device current."""
+    for device, event in events:
+        with torch.cuda.device(device):
+            event.synchronize()
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for each pair, in one ``torch._foreach_copy_``
+    call where torch has it and every tensor is on one device (one launch for many tensors;
+    issue 18, item 11); else one ``copy_`` each."""
+    if not dsts:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    device = dsts[0].device
+    if foreach is not None and all(t.device == device for t in (*dsts, *srcs)):
+        foreach(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
+
+
+def run_layout(entries: list[TensorEntry], align_bytes: int = STAGING_ALIGN_BYTES
+               ) -> tuple[list[int], list[tuple[int, int, int]], int]:
+    """The staging layout of tensors that go to the slot places ``entries`` (in slot order):
+    each run of entries that lie back to back in the slot (only alignment padding between
+    them) is staged as one block with the slot's spacing, so one copy moves the whole run
+    into the slot; runs start at multiples of ``align_bytes``.
+
+    Returns each entry's staging offset, the runs as ``(slot_start, slot_end,
+    staging_start)`` byte positions, and the staging size in bytes.
+    """
+    offsets: list[int] = []
+    runs: list[tuple[int, int, int]] = []
+    size = 0
+    run_slot = run_stage = run_end = -1
+    for e in entries:
+        if run_end < 0 or e.offset != -(-run_end // FORMAT_ALIGN_BYTES) * FORMAT_ALIGN_BYTES:
+            if run_end >= 0:
+                runs.append((run_slot, run_end, run_stage))
+            run_slot, run_stage = e.offset, size
+        offsets.append(run_stage + e.offset - run_slot)
+        run_end = e.offset + e.nbytes
+        size = -(-(run_stage + run_end - run_slot) // align_bytes) * align_bytes
+    if run_end >= 0:
+        runs.append((run_slot, run_end, run_stage))
+    return offsets, runs, size
 
 
 def _view(buf: torch.Tensor, e: TensorEntry, t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,28 @@ def test_copy_error_is_reported_and_flags_cleared(job):
         handle.wait(0)
 
 
+def test_turning_cfrun_off_waits_for_the_copy_or_drops_the_snapshot(job):
+    """Issue 18, item 2 (its CPU half): when cfrun turns itself off the step gate is gone, so
+    Runtime.on_disabled -> quiesce() waits for the copy; a copy that does not finish in time
+    is dropped, never handed off (the next step would tear it)."""
+    rank = Rank(job)
+    rank.snap._copy_delay_s = 1.0  # a slow copy
+    w = torch.randn(50_000)
+    rank.start(1, {"w": w}, {"w"})
+    assert not rank.snap.quiesce(0.05)
+    w.add_(1)  # the next step, no longer gated, while the copy runs
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == []
+    assert [s for s, _ in rank.lost] == [1] and "turned off" in rank.lost[0][1]
+    expected = w.clone()
+    rank.start(2, {"w": w}, {"w"})
+    assert rank.snap.quiesce(60.0)
+    w.add_(1)
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == [2]
+    assert_bit_identical(expected, rank.committed(2)["w"])
+
+
 # ---------------------------------------------------------------- CUDA (GPU only)
 
 def _long_kernel() -> None:
@@ -212,3 +235,171 @@ def test_cuda_side_stream_is_created_once_and_reused(job):
         rank.wait()
         assert_bit_identical(w.cpu(), rank.committed(step)["w"])
     assert len(rank.snap._streams) == 1
+
+
+# ---------------------------------------------------------------- issue 18 (GPU only)
+
+@needs_cuda
+def test_failed_host_register_leaves_no_pending_cuda_error(job):
+    """Item 1: a cudaHostRegister that fails (here: the range is registered already) must not
+    leave its error pending for the next unrelated CUDA call (the user's next forward), and
+    the slot then counts as unpinned, with the reason."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    slot = S.SnapshotSlot(job, 0)
+    buf = slot.ensure(1 << 20, pin=False)
+    rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    assert int(rc) == 0
+    try:
+        slot.ensure(1 << 20, pin=True, device=dev)
+        assert not slot.pinned and slot.pin_error
+        x = torch.ones(1000, device=dev) * 2  # a kernel launch checks the pending error
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 2000.0
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        slot.pinned = False
+        slot.release()
+
+
+@needs_cuda
+def test_snapshot_thread_makes_the_state_device_current_before_waiting(job, monkeypatch):
+    """Item 4: the snapshot thread sets its device before its first CUDA call (else its event
+    wait creates a context on GPU 0 from every rank)."""
+    calls: list[tuple[str, Any]] = []
+    real = torch.cuda.set_device
+
+    def recording(device):
+        calls.append((threading.current_thread().name, device))
+        real(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", recording)
+    rank = Rank(job)
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    w = torch.randn(1 << 18, device=dev)
+    rank.start(1, {"w": w}, {"w"})
+    rank.snap.gate()
+    rank.wait()
+    assert ("cfrun-snapshot", dev) in calls, calls
+    assert_bit_identical(w.cpu(), rank.committed(1)["w"])
+
+
+@needs_cuda
+def test_turning_cfrun_off_waits_for_the_cuda_copies(job):
+    """Item 2: Guard.disable (Runtime.on_disabled -> quiesce) waits for the pending CUDA copies
+    too: the next step, no longer gated, then cannot tear the snapshot."""
+    rank = Rank(job)
+    rank.snap.mode = "host"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(1 << 22, device=dev)
+    rank.start(1, {"w": w}, {"w"})  # warm-up: slot, pinning, side stream
+    rank.snap.gate()
+    rank.wait()
+    _long_kernel()
+    w.add_(1)
+    expected = w.clone()
+    rank.start(2, {"w": w}, {"w"})
+    assert rank.snap.quiesce(60.0)
+    w.mul_(3)  # the next step, ungated
+    rank.wait()
+    assert_bit_identical(expected.cpu(), rank.committed(2)["w"])
+
+
+@needs_cuda
+def test_a_copy_still_running_when_cfrun_is_turned_off_is_dropped(job):
+    """Item 2: if the copies do not finish within quiesce's time, the snapshot is not handed
+    off (a torn snapshot must never be committed)."""
+    rank = Rank(job)
+    rank.snap.mode = "host"
+    w = torch.randn(1 << 20, device="cuda")
+    _long_kernel()
+    rank.start(1, {"w": w}, {"w"})
+    assert not rank.snap.quiesce(0.0)
+    rank.wait()
+    assert committed_steps(job / "checkpoints") == []
+    assert [s for s, _ in rank.lost] == [1] and "turned off" in rank.lost[0][1]
+
+
+@needs_cuda
+def test_staging_buffer_is_returned_after_each_checkpoint(job):
+    """Item 5: the device staging buffer is the checkpoint's alone: once the copy is done its
+    memory is back with the caching allocator (a later, larger batch can use it)."""
+    rank = Rank(job)
+    rank.snap.mode = "gpu"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(1 << 22, device=dev)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    for step in (1, 2):
+        w.add_(1)
+        rank.start(step, {"w": w}, {"w"})
+        rank.snap.gate()
+        rank.wait()
+        torch.cuda.synchronize()
+        probe = torch.empty(1, device=dev)  # the allocator sees the side stream is past it
+        assert torch.cuda.memory_allocated(dev) <= base + 512
+        del probe
+        assert_bit_identical(w.cpu(), rank.committed(step)["w"])
+
+
+@needs_cuda
+def test_copy_is_ordered_after_a_step_on_another_stream(job):
+    """Item 6: a loop body under ``with torch.cuda.stream(s)`` steps on ``s``; the boundary
+    runs on the default stream. The copy waits for the event the step hook recorded on ``s``."""
+    rank = Rank(job)
+    rank.snap.mode = "host"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.nn.Parameter(torch.zeros(1 << 22, device=dev))
+    opt = torch.optim.SGD([w], lr=1.0)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        _long_kernel()
+        with torch.no_grad():
+            w.add_(1)  # the step's update, on s, after a second of work
+        rank.snap.after_step(opt)
+    rank.start(1, {"w": w}, {"w"})
+    rank.snap.gate()
+    rank.wait()
+    assert_bit_identical(torch.ones(1 << 22), rank.committed(1)["w"])
+
+
+@needs_cuda
+def test_unpinned_slot_copies_in_the_snapshot_thread(job, monkeypatch):
+    """Item 7: when the slot cannot be page-locked the device-to-host copy runs in the
+    snapshot thread after the step's event; start() does not wait for the queued step, and the
+    next step's gate waits for the copy."""
+    from cfrun.rank import cuda as C
+
+    monkeypatch.setattr(C, "host_register", lambda buf, device: "injected failure")
+    rank = Rank(job)
+    rank.snap.mode = "host"
+    w = torch.randn(1 << 22, device="cuda")
+    rank.start(1, {"w": w}, {"w"})  # warm-up
+    rank.snap.gate()
+    rank.wait()
+    assert not rank.snap.slot.pinned
+    _long_kernel()
+    w.add_(1)
+    expected = w.clone()
+    took_s = rank.start(2, {"w": w}, {"w"})
+    assert took_s < 0.2, f"start() blocked for {took_s:.3f} s behind the queued step"
+    rank.snap.gate()
+    w.mul_(3)
+    rank.wait()
+    assert_bit_identical(expected.cpu(), rank.committed(2)["w"])
+
+
+@needs_cuda
+def test_side_stream_is_cfruns_own_not_from_the_pool(job):
+    """Item 11: torch.cuda.Stream() hands out a small pool of streams round-robin; cfrun's side
+    stream is none of them."""
+    rank = Rank(job)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = rank.snap._side_stream(dev)
+    pool = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(80)}
+    assert side.cuda_stream not in pool
+    w = torch.randn(1 << 20, device=dev)
+    rank.start(1, {"w": w}, {"w"})
+    rank.snap.gate()
+    rank.wait()
+    assert_bit_identical(w.cpu(), rank.committed(1)["w"])

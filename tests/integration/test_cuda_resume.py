@@ -1,0 +1,57 @@
+"""The CUDA path end to end (issue 18; GPU only, skipped without one): a CUDA AMP trainer
+(float16 autocast, GradScaler, Adam, CUDA RNG) run plainly, under cfrun, and under cfrun
+SIGKILLed twice must save bit-identical final states, in each copy mode, with the loop body on
+the default stream or on a stream of its own (the step hook's events order the copy); and the
+master-weight script on CUDA (item 3)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _plain(cwd: Path, script: str, args: list[str]) -> dict:
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), "--out", "plain.pt", *args],
+                       cwd=cwd, env=clean_env(ENV), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return torch.load(cwd / "plain.pt", weights_only=True)
+
+
+def _cfrun(cwd: Path, name: str, script: str, args: list[str], mode: str, kills: str) -> dict:
+    inject = ["--inject-crash", kills] if kills else []
+    run = run_cfrun(["--interval", "4", *inject, "--job-dir", name, str(SCRIPTS / script),
+                     "--out", f"{name}.pt", *args], cwd=cwd,
+                    env={**ENV, "CFRUN_SNAPSHOT_MODE": mode})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.events("attempt_start")) == (len(kills.split(",")) if kills else 0) + 1
+    assert not run.events("not_exact") and not run.events("unprotected"), run.stderr[-3000:]
+    assert run.events("checkpoint"), run.stderr[-3000:]
+    assert "page-locked" not in run.stderr, run.stderr[-3000:]
+    return torch.load(cwd / f"{name}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("mode, side", [("thread", False), ("gpu", True), ("host", True),
+                                        ("inline", False)])
+def test_cuda_amp_resumes_bit_exactly_after_kills(tmp_path: Path, mode: str, side: bool):
+    args = ["--steps", "40"] + (["--side-stream"] if side else [])
+    ref = _plain(tmp_path, "train_cuda_amp.py", args)
+    assert_bit_identical(ref, _cfrun(tmp_path, "plain", "train_cuda_amp.py", args, mode, ""))
+    got = _cfrun(tmp_path, "kills", "train_cuda_amp.py", args, mode, "10@0,27@1")
+    assert_bit_identical(ref, got)
+
+
+def test_master_weights_on_cuda_resume_bit_exactly(tmp_path: Path):
+    args = ["--steps", "30", "--device", "cuda"]
+    ref = _plain(tmp_path, "train_master_weights.py", args)
+    got = _cfrun(tmp_path, "kills", "train_master_weights.py", args, "thread", "9@0,22@1")
+    assert_bit_identical(ref, got)
