@@ -14,8 +14,9 @@ That is the *time to recover*, broken down from the job's events and the kill ti
 * ``backoff``: ``attempt_end`` -> next ``attempt_start`` (the restart decision and its wait);
 * ``launch``: ``attempt_start`` -> the rank process's creation (torchrun's start and
   rendezvous);
-* ``import``: rank process creation -> the start of its checkpoint read (interpreter, cfrun's
-  hooks and torch);
+* ``import``: rank process creation -> cfrun's hooks installed (interpreter, torch, cfrun);
+* ``agent_wait``: the rank waiting for the persist agent to finish the killed attempt's
+  hand-off (``agent_wait_s`` of ``resumed``);
 * ``read``: cfrun reading and verifying the checkpoint (``read_s`` of ``resumed``);
 * ``to_boundary``: the script's own start-up to the loop head where the state is restored
   (imports, model and optimizer construction, DDP set-up, fast-forward);
@@ -57,7 +58,8 @@ import scaling  # noqa: E402
 TRAIN_SCRIPT = BENCH_DIR / "_recovery_train.py"
 RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_OUT = RESULTS_DIR / "recovery.json"
-PHASES = ["detect", "backoff", "launch", "import", "read", "to_boundary", "restore", "first_step"]
+PHASES = ["detect", "backoff", "launch", "import", "agent_wait", "read", "to_boundary", "restore",
+          "first_step"]
 """The breakdown's parts, in order; they add up to the time to recover."""
 SLACK_S = 1.0
 
@@ -184,6 +186,7 @@ def breakdown(t_kill, end, start, resumed, t_first):
     proc0 = resumed.get("process_start_unix_s")
     read0 = resumed.get("read_start_unix_s")
     read_s = resumed.get("read_s")
+    agent_s = resumed.get("agent_wait_s")
     restore_s = resumed.get("restore_s")
     t_res = resumed["t_unix_s"]
 
@@ -193,7 +196,9 @@ def breakdown(t_kill, end, start, resumed, t_first):
     read_end = None if read0 is None or read_s is None else read0 + read_s
     restore0 = None if restore_s is None else t_res - restore_s
     return {"detect": d(t_kill, end["t_unix_s"]), "backoff": d(end["t_unix_s"], start["t_unix_s"]),
-            "launch": d(start["t_unix_s"], proc0), "import": d(proc0, read0), "read": read_s,
+            "launch": d(start["t_unix_s"], proc0),
+            "import": d(proc0, None if read0 is None else read0 - (agent_s or 0.0)),
+            "agent_wait": agent_s, "read": read_s,
             "to_boundary": d(read_end, restore0), "restore": restore_s,
             "first_step": d(t_res, t_first)}
 

@@ -177,6 +177,8 @@ class Resume:
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
         self._read_timing: tuple[float, float] | None = None
+        self.agent_wait_s: float | None = None
+        """Seconds the rank waited at start for the agent's earlier hand-off (the runtime's)."""
         """(unix time the checkpoint read began, its seconds): the ``resumed`` event's."""
 
     # ---------------------------------------------------------------- at install
@@ -564,7 +566,8 @@ class Resume:
     def _timing(self, restore_s: float) -> dict[str, float]:
         """The ``resumed`` event's breakdown (bench/recovery.py, ``cfrun status``): when this
         process started (unix s), when its checkpoint read began and how long it took (verify
-        and load), and ``restore_s``, the seconds spent putting the state into the live objects."""
+        and load), the seconds it waited for the agent at start (``agent_wait_s``), and
+        ``restore_s``, the seconds spent putting the state into the live objects."""
         out = {"restore_s": round(restore_s, 4)}
         try:
             import psutil
@@ -572,6 +575,8 @@ class Resume:
             out["process_start_unix_s"] = round(psutil.Process().create_time(), 3)
         except Exception:  # psutil missing or /proc unreadable: the breakdown lacks one line
             pass
+        if self.agent_wait_s is not None:
+            out["agent_wait_s"] = round(self.agent_wait_s, 4)
         if self._read_timing is not None:
             out["read_start_unix_s"] = round(self._read_timing[0], 4)
             out["read_s"] = round(self._read_timing[1], 4)
