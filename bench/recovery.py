@@ -23,7 +23,7 @@ That is the *time to recover*, broken down from the job's events and the kill ti
 * ``restore``: putting the state into the live objects (``restore_s`` of ``resumed``);
 * ``first_step``: ``resumed`` -> the first optimizer step's stamp.
 
-The *plain start-up* is the same script without cfrun (``python SCRIPT`` for 1 rank,
+The *plain start-up* (measured before each kill, interleaved) is the same script without cfrun (``python SCRIPT`` for 1 rank,
 ``torchrun --standalone --nproc-per-node 2 SCRIPT`` for 2): from the launch to its first step.
 The *read floor* is the state's bytes over the disk's read bandwidth (a file dropped from the
 page cache, ``bench/scaling.measure_read``).
@@ -224,12 +224,13 @@ def main(argv=None):
         read = scaling.measure_read(work, state_bytes)
         floor_s = state_bytes / read["bandwidth_bytes_per_s"]
         for ranks in [int(x) for x in args.ranks.split(",") if x]:
-            plain = [plain_startup(ranks, work, args.timeout) for _ in range(args.repeats)]
-            kills = []
-            for i in range(args.repeats):
+            plain, kills = [], []
+            for i in range(args.repeats):  # interleaved: a slow phase of the machine hits both
+                plain.append(plain_startup(ranks, work, args.timeout))
                 rec = one_kill(ranks, args, work)
                 kills.append(rec)
-                print(f"[{ranks} rank(s)] kill {i + 1}: recovered in {rec['recover_s']:.2f} s "
+                print(f"[{ranks} rank(s)] plain start-up {plain[-1]:.2f} s; kill {i + 1}: "
+                      f"recovered in {rec['recover_s']:.2f} s "
                       + " ".join(f"{k}={fmt(v)}" for k, v in rec["phases"].items()), flush=True)
             results.append({"ranks": ranks, "plain_startup_s": plain, "kills": kills})
     finally:

@@ -23,7 +23,8 @@ def test_scaling_bench_writes_every_field(tmp_path):
         sys.path.pop(0)
     p = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "scaling.py"), "--sizes", "0.002", "--steps", "8",
-         "--interval", "3", "--contenders", "torch_save,dcp_thread,cfrun,cfrun_policy",
+         "--interval", "3", "--policy-steps", "60",
+         "--contenders", "torch_save,dcp_thread,cfrun,cfrun_policy",
          "--timeout", "240", "--out", str(out), "--tmp-root", str(tmp_path / "tmp")],
         env=clean_env(), capture_output=True, text=True, timeout=580, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -49,8 +50,9 @@ def test_scaling_bench_writes_every_field(tmp_path):
     assert [t["target"] for t in size["targets"]] == [
         "stall <= 1.2 x memcpy", "PGT <= 1.3 x bytes/write bw + 50 ms",
         "extra host memory <= 1.1 x state", "load <= 1.3 x bytes/read bw",
-        "overhead under --overhead 3.5% <= budget"]
+        "overhead under --overhead 3.5% (after its profile) <= budget"]
     assert all(t["passed"] in (True, False) for t in size["targets"])
+    assert runs["cfrun_policy"]["steady_overhead"] is not None
     assert set(size["ratios"]) >= {"stall_over_memcpy", "pgt_over_write_floor",
                                    "load_over_read_floor", "extra_memory_over_state"}
     assert "stall <= 1.2 x memcpy" in p.stdout
