@@ -147,7 +147,8 @@ def one_kill(ranks, args, work):
     run = Path(tempfile.mkdtemp(prefix=f"r{ranks}-", dir=work))
     job, stamps = run / "job", run / "stamps"
     cmd = [sys.executable, "-m", "cfrun", "--interval", str(args.interval), "--job-dir",
-           str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks), str(TRAIN_SCRIPT),
+           str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks),
+           *shlex.split(args.cfrun_args), str(TRAIN_SCRIPT),
            "--stamps", str(stamps)]
     out = open(run / "cfrun.log", "w")
     p = subprocess.Popen(cmd, env=scaling.env_for("cfrun"), cwd=run, stdout=out, stderr=out)
@@ -210,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="kills per rank count")
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per wait")
+    ap.add_argument("--cfrun-args", default="",
+                    help="more cfrun options, e.g. '--launcher python' (1 rank, no torchrun)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--tmp-root", default=str(RESULTS_DIR / "tmp"))
     args = ap.parse_args(argv)
