@@ -678,6 +678,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step "
                                f"{_or(r['step'], 'unknown')}"
                                for r in st["restarts"]) or "none"),
+        ("last resume", _resume_text(st.get("last_resume"))),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
         ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
@@ -690,6 +691,17 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
     return rows
 
 
+
+
+def _resume_text(r: dict[str, Any] | None) -> str:
+    """``attempt 1 at step 100: 3.21 s (backoff 0.00 s, launch 0.9 s, ...)`` or ``none``."""
+    if not r:
+        return "none"
+    parts = ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {r[name]:.2f} s"
+                      for name in r if name.endswith("_s") and name != "total_s"
+                      and r[name] is not None)
+    total = f"{r['total_s']:.2f} s" if r.get("total_s") is not None else "?"
+    return f"attempt {r['attempt']} at step {r['step']}: {total} ({parts})"
 
 
 def _gpu_text(gpus: list[dict[str, Any]]) -> str:

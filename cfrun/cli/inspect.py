@@ -167,7 +167,8 @@ def status(jd: JobDir) -> dict[str, Any]:
     ever stepped), gpus ([{index, uuid, name, memory_used_bytes, memory_total_bytes,
     utilization_pct}] of this machine's visible GPUs, through NVML; empty without), progress
     ({step, done_batches, total_batches} at the newest checkpoint whose epoch loop is a
-    ``range()`` over a loader of known length; None otherwise). Unknown
+    ``range()`` over a loader of known length; None otherwise), last_resume (the newest
+    resume's breakdown, :func:`last_resume`; None without one). Unknown
     values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
@@ -217,7 +218,55 @@ def status(jd: JobDir) -> dict[str, Any]:
         "unprotected": [{"attempt": e.get("attempt"), "step": e.get("step"),
                          "where": e.get("where"), "error": e.get("error")}
                         for e in events if e.get("event") == "unprotected"],
+        "last_resume": last_resume(events),
     }
+
+
+RESUME_PHASES = ("backoff", "launch", "import", "agent_wait", "read", "to_boundary", "restore")
+"""The parts of a resume that :func:`last_resume` reports, in order."""
+
+
+def last_resume(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest resume's breakdown from the events (rank 0's ``resumed`` and the supervisor's
+    ``attempt_end``/``attempt_start`` around it): ``{attempt, step, total_s, <phase>_s...}``
+    for :data:`RESUME_PHASES`: ``backoff`` (the previous attempt's end to this one's start),
+    ``launch`` (torchrun's start and rendezvous, to the rank process's creation), ``import``
+    (interpreter, torch, cfrun's hooks), ``agent_wait`` (waiting for the persist agent to
+    finish the earlier attempt's hand-off), ``read`` (verify and load the checkpoint),
+    ``to_boundary`` (the script's start-up and fast-forward), ``restore``; ``total_s`` from the
+    previous attempt's end to the restore's end. A part whose timestamps are missing (an older
+    cfrun, a resume in a new cfrun run) is None. None when no resume happened. Never raises
+    for odd events."""
+    resumed = [e for e in events if e.get("event") == "resumed" and e.get("rank", 0) == 0]
+    if not resumed:
+        return None
+    r = resumed[-1]
+    attempt = r.get("attempt")
+
+    def t(kind: str, att: Any) -> float | None:
+        got = [e.get("t_unix_s") for e in events if e.get("event") == kind
+               and e.get("attempt") == att]
+        return float(got[-1]) if got and isinstance(got[-1], (int, float)) else None
+
+    def num(key: str) -> float | None:
+        v = r.get(key)
+        return float(v) if isinstance(v, (int, float)) else None
+
+    def d(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(b - a, 3)
+
+    end_before = t("attempt_end", attempt - 1) if isinstance(attempt, int) else None
+    start = t("attempt_start", attempt)
+    proc, read0, read_s = num("process_start_unix_s"), num("read_start_unix_s"), num("read_s")
+    agent_s, restore_s, done = num("agent_wait_s"), num("restore_s"), num("t_unix_s")
+    read_end = None if read0 is None or read_s is None else read0 + read_s
+    import_end = None if read0 is None else read0 - (agent_s or 0.0)
+    return {"attempt": attempt, "step": r.get("step"), "total_s": d(end_before, done),
+            "backoff_s": d(end_before, start), "launch_s": d(start, proc),
+            "import_s": d(proc, import_end), "agent_wait_s": agent_s, "read_s": read_s,
+            "to_boundary_s": d(read_end, None if done is None or restore_s is None
+                               else done - restore_s),
+            "restore_s": restore_s}
 
 
 def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ import io
 import itertools
 import os
 import sys
+import time
 import traceback
 import types
 import warnings
@@ -182,6 +183,10 @@ class Resume:
         self._warn_filters: Any = None
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
+        self._read_timing: tuple[float, float] | None = None
+        self.agent_wait_s: float | None = None
+        """Seconds the rank waited at start for the agent's earlier hand-off (the runtime's)."""
+        """(unix time the checkpoint read began, its seconds): the ``resumed`` event's."""
 
     # ---------------------------------------------------------------- at install
 
@@ -197,6 +202,7 @@ class Resume:
                 f"as {reason}-{step_dir_name(step)}-*, falling back to the previous one")
             self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
 
+        read_start = time.time()
         try:
             got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
                               world_size=self.s.world_size, check_state=check_state)
@@ -207,6 +213,7 @@ class Resume:
             self._unusable(e.step, e)
         if got is None:
             return
+        self._read_timing = (read_start, time.time() - read_start)
         step, state, meta = got
         try:
             self._prepare(ResumePlan(step, state, meta))
@@ -538,6 +545,7 @@ class Resume:
 
     def _apply(self, plan: ResumePlan, frame: types.FrameType, *, in_tracer: bool) -> None:
         """Load the checkpoint into the live objects, RNG and script frames."""
+        restore_start = time.monotonic()
         st = plan.state
         roots = self.found.model_roots()
         opts = self.found.optimizers()
@@ -562,7 +570,27 @@ class Resume:
         self.exit_fast_forward()
         say(f"resumed at step {plan.step} ({len(restored)} script variables restored)")
         self.jobdir.emit_event("resumed", step=plan.step, attempt=self.s.attempt,
-                               rank=self.s.rank, variables=sorted(restored))
+                               rank=self.s.rank, variables=sorted(restored),
+                               **self._timing(time.monotonic() - restore_start))
+
+    def _timing(self, restore_s: float) -> dict[str, float]:
+        """The ``resumed`` event's breakdown (bench/recovery.py, ``cfrun status``): when this
+        process started (unix s), when its checkpoint read began and how long it took (verify
+        and load), the seconds it waited for the agent at start (``agent_wait_s``), and
+        ``restore_s``, the seconds spent putting the state into the live objects."""
+        out = {"restore_s": round(restore_s, 4)}
+        try:
+            import psutil
+
+            out["process_start_unix_s"] = round(psutil.Process().create_time(), 3)
+        except Exception:  # psutil missing or /proc unreadable: the breakdown lacks one line
+            pass
+        if self.agent_wait_s is not None:
+            out["agent_wait_s"] = round(self.agent_wait_s, 4)
+        if self._read_timing is not None:
+            out["read_start_unix_s"] = round(self._read_timing[0], 4)
+            out["read_s"] = round(self._read_timing[1], 4)
+        return out
 
     def _load(self, plan: ResumePlan, frame: types.FrameType, roots: list[Any],
               opts: list[Any], schedulers: list[Any], scalers: list[Any], *,

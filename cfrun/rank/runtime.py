@@ -77,8 +77,10 @@ class Runtime:
         """Connect to the node's persist agent (the supervisor started it) and wait until it has
         committed what an earlier attempt of this rank handed it. If it does not answer, each
         checkpoint tries again (and is reported lost if it still cannot)."""
+        t0 = time.monotonic()
         if not self.snap.ready():
             say("WARNING: the persist agent does not answer; each checkpoint tries again")
+        self.resume.agent_wait_s = time.monotonic() - t0
 
     def load_plan(self) -> None:
         """Find the newest verified checkpoint and prepare to fast-forward to it."""

@@ -199,6 +199,19 @@ def test_backoff_doubles_per_restart_up_to_30_s() -> None:
     assert MAX_BACKOFF_S == 30.0 and backoff_delay_s(1.0, 60) == 30.0  # no overflow either
 
 
+def test_no_backoff_after_an_attempt_that_committed_a_newer_checkpoint() -> None:
+    """A failure after progress restarts at once; attempts in a row that commit nothing new
+    back off, doubling from the base again, and progress resets the doubling."""
+    policy = Policy(max_restarts=8, crash_loop_limit=0, backoff_s=4.0)
+    commits = [(10,), (10,), (10,), (20, 10), (20, 10), (30, 20), ()]
+    actions = drive([sigkilled(12 + i, committed_steps=c) for i, c in enumerate(commits)],
+                    policy)
+    assert [a.backoff_s for a in actions] == [0.0, 4.0, 8.0, 0.0, 4.0, 0.0, 4.0]
+    assert [a.state_fields["backoff_s"] for a in actions] == [a.backoff_s for a in actions]
+    # a crash before anything was committed still waits
+    assert drive([raised(0)])[0].backoff_s == POLICY.backoff_s
+
+
 def test_a_restart_says_which_attempt_and_why() -> None:
     [action] = drive([hung(12)])
     assert action.kind is ActionKind.RESTART and action.attempt == 1

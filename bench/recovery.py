@@ -1,0 +1,280 @@
+"""Time to recover: from a rank's SIGKILL to its first optimizer step after cfrun's resume.
+
+What is measured
+----------------
+``bench/_recovery_train.py`` (``_overhead_train.py``'s MLP with Adam, ~126 MB of state, one
+thread per rank; DDP over gloo for 2 ranks) runs under ``cfrun --interval K`` with 1 and with 2
+ranks. Once a checkpoint is committed and the script is a few steps past it, the driver
+SIGKILLs one rank (rank 0's process for 1 rank, the last rank for 2) and waits for the script's
+first optimizer step after the kill (rank 0 stamps every step with the unix time into a file).
+That is the *time to recover*, broken down from the job's events and the kill time:
+
+* ``detect``: kill -> ``attempt_end`` (torchrun notices the dead rank, stops the others and
+  exits; cfrun's supervisor reaps it);
+* ``backoff``: ``attempt_end`` -> next ``attempt_start`` (the restart decision and its wait);
+* ``launch``: ``attempt_start`` -> the rank process's creation (torchrun's start and
+  rendezvous);
+* ``import``: rank process creation -> cfrun's hooks installed (interpreter, torch, cfrun);
+* ``agent_wait``: the rank waiting for the persist agent to finish the killed attempt's
+  hand-off (``agent_wait_s`` of ``resumed``);
+* ``read``: cfrun reading and verifying the checkpoint (``read_s`` of ``resumed``);
+* ``to_boundary``: the script's own start-up to the loop head where the state is restored
+  (imports, model and optimizer construction, DDP set-up, fast-forward);
+* ``restore``: putting the state into the live objects (``restore_s`` of ``resumed``);
+* ``first_step``: ``resumed`` -> the first optimizer step's stamp.
+
+The *plain start-up* (measured before each kill, interleaved) is the same script without cfrun (``python SCRIPT`` for 1 rank,
+``torchrun --standalone --nproc-per-node 2 SCRIPT`` for 2): from the launch to its first step.
+The *read floor* is the state's bytes over the disk's read bandwidth (a file dropped from the
+page cache, ``bench/scaling.measure_read``).
+
+Target (issue 16): recover <= plain start-up + read floor + 1 s, for 1 and 2 ranks.
+
+Usage::
+
+    .venv/bin/python bench/recovery.py                  # 3 kills each for 1 and 2 ranks (~5 min)
+    .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import scaling  # noqa: E402
+
+TRAIN_SCRIPT = BENCH_DIR / "_recovery_train.py"
+RESULTS_DIR = BENCH_DIR / "results"
+DEFAULT_OUT = RESULTS_DIR / "recovery.json"
+PHASES = ["detect", "backoff", "launch", "import", "agent_wait", "read", "to_boundary", "restore",
+          "first_step"]
+"""The breakdown's parts, in order; they add up to the time to recover."""
+SLACK_S = 1.0
+
+
+def read_stamps(path):
+    """(step, unix time) pairs of the stamps file ([] before the first)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out.append((int(parts[0]), float(parts[1])))
+    return out
+
+
+def wait_for(cond, timeout_s, what, period_s=0.05):
+    """Poll ``cond()`` until it returns something truthy; RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(period_s)
+    raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def rank_pids(root_pid):
+    """Pids of the processes under ``root_pid`` that run the training script itself (the ranks),
+    sorted by their RANK (from their environment, else pid order)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            if str(TRAIN_SCRIPT) in cmd and "torch.distributed.run" not in cmd \
+                    and not any("torchrun_log" in c for c in cmd):
+                out.append((int(p.environ().get("RANK", "0")), p.pid))
+        except psutil.Error:
+            continue
+    return [pid for _, pid in sorted(out)]
+
+
+def stop(proc, grace_s=30.0):
+    """SIGTERM ``proc`` (cfrun stops its job), SIGKILL after ``grace_s``; reap it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def plain_startup(ranks, work, timeout_s):
+    """Seconds from launching the plain script (no cfrun) to its first optimizer step."""
+    stamps = Path(tempfile.mkdtemp(dir=work)) / "stamps"
+    script = [str(TRAIN_SCRIPT), "--stamps", str(stamps), "--steps", "3"]
+    cmd = ([sys.executable, *script] if ranks == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", *script])
+    t0 = time.time()
+    p = subprocess.Popen(cmd, env=scaling.env_for("plain"), cwd=work,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_for(lambda: read_stamps(stamps), timeout_s, "the plain script's first step")
+        p.wait(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return first[0][1] - t0
+
+
+def events(job_dir):
+    return scaling.co_events(job_dir)
+
+
+def one_kill(ranks, args, work):
+    """One cfrun run: wait for a commit, SIGKILL a rank, wait for the first step after the
+    resume; returns the breakdown (seconds per phase of :data:`PHASES`) and raw times."""
+    run = Path(tempfile.mkdtemp(prefix=f"r{ranks}-", dir=work))
+    job, stamps = run / "job", run / "stamps"
+    cmd = [sys.executable, "-m", "cfrun", "--interval", str(args.interval), "--job-dir",
+           str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks),
+           *shlex.split(args.cfrun_args), str(TRAIN_SCRIPT),
+           "--stamps", str(stamps)]
+    out = open(run / "cfrun.log", "w")
+    p = subprocess.Popen(cmd, env=scaling.env_for("cfrun"), cwd=run, stdout=out, stderr=out)
+    rec = {"ranks": ranks, "cmd": shlex.join(cmd)}
+    try:
+        commit = wait_for(lambda: [e for e in events(job) if e.get("event") == "commit"],
+                          args.timeout, "the first commit")[0]
+        step0 = commit["step"]
+        wait_for(lambda: any(s >= step0 + 3 for s, _ in read_stamps(stamps)), args.timeout,
+                 "3 steps past the commit")
+        victim = rank_pids(p.pid)[-1]
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        first = wait_for(lambda: [t for _, t in read_stamps(stamps) if t > t_kill],
+                         args.timeout, "the first step after the resume")[0]
+        resumed = wait_for(lambda: [e for e in events(job) if e.get("event") == "resumed"
+                                    and e.get("rank") == 0], args.timeout, "resumed")[-1]
+        ev = events(job)
+        end = next(e for e in ev if e.get("event") == "attempt_end" and e["attempt"] == 0)
+        start = next(e for e in ev if e.get("event") == "attempt_start" and e["attempt"] == 1)
+        rec.update(t_kill=t_kill, t_first_step=first, recover_s=first - t_kill,
+                   resumed=resumed, resumed_step=resumed.get("step"))
+        rec["phases"] = breakdown(t_kill, end, start, resumed, first)
+    finally:
+        stop(p)
+        out.close()
+        rec["log_tail"] = (run / "cfrun.log").read_text()[-1500:]
+        shutil.rmtree(run, ignore_errors=True)
+    return rec
+
+
+def breakdown(t_kill, end, start, resumed, t_first):
+    """Seconds per phase (:data:`PHASES`) from the kill time, the supervisor's events of the
+    two attempts, rank 0's ``resumed`` event and the first step's stamp; a phase whose
+    timestamps the event lacks (an older cfrun) is None."""
+    proc0 = resumed.get("process_start_unix_s")
+    read0 = resumed.get("read_start_unix_s")
+    read_s = resumed.get("read_s")
+    agent_s = resumed.get("agent_wait_s")
+    restore_s = resumed.get("restore_s")
+    t_res = resumed["t_unix_s"]
+
+    def d(a, b):
+        return None if a is None or b is None else b - a
+
+    read_end = None if read0 is None or read_s is None else read0 + read_s
+    restore0 = None if restore_s is None else t_res - restore_s
+    return {"detect": d(t_kill, end["t_unix_s"]), "backoff": d(end["t_unix_s"], start["t_unix_s"]),
+            "launch": d(start["t_unix_s"], proc0),
+            "import": d(proc0, None if read0 is None else read0 - (agent_s or 0.0)),
+            "agent_wait": agent_s, "read": read_s,
+            "to_boundary": d(read_end, restore0), "restore": restore_s,
+            "first_step": d(t_res, t_first)}
+
+
+def main(argv=None):
+    """Measure the plain start-up and the time to recover for each rank count; print, save."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="1,2", help="rank counts, comma separated")
+    ap.add_argument("--repeats", type=int, default=3, help="kills per rank count")
+    ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--timeout", type=int, default=180, help="seconds per wait")
+    ap.add_argument("--cfrun-args", default="",
+                    help="more cfrun options, e.g. '--launcher python' (1 rank, no torchrun)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--tmp-root", default=str(RESULTS_DIR / "tmp"))
+    args = ap.parse_args(argv)
+    command = shlex.join([sys.executable, *sys.argv])
+    print(f"command: {command}", flush=True)
+    Path(args.tmp_root).mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="recovery-", dir=args.tmp_root)
+    results = []
+    try:
+        sys.path.insert(0, str(BENCH_DIR))
+        state_bytes = scaling.co.state_bytes_of_script()
+        read = scaling.measure_read(work, state_bytes)
+        floor_s = state_bytes / read["bandwidth_bytes_per_s"]
+        for ranks in [int(x) for x in args.ranks.split(",") if x]:
+            plain, kills = [], []
+            for i in range(args.repeats):  # interleaved: a slow phase of the machine hits both
+                plain.append(plain_startup(ranks, work, args.timeout))
+                rec = one_kill(ranks, args, work)
+                kills.append(rec)
+                print(f"[{ranks} rank(s)] plain start-up {plain[-1]:.2f} s; kill {i + 1}: "
+                      f"recovered in {rec['recover_s']:.2f} s "
+                      + " ".join(f"{k}={fmt(v)}" for k, v in rec["phases"].items()), flush=True)
+            results.append({"ranks": ranks, "plain_startup_s": plain, "kills": kills})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\ncommand: {command}")
+    print(f"state {state_bytes / 1e6:.0f} MB; read {read['bandwidth_bytes_per_s'] / 1e9:.2f} "
+          f"GB/s -> read floor {floor_s:.2f} s; medians over {args.repeats} kill(s)")
+    hdr = ["ranks", "plain start", "recover", *PHASES, "target", ""]
+    print("  ".join(f"{h:>11}" for h in hdr))
+    summary = []
+    for r in results:
+        plain = statistics.median(r["plain_startup_s"])
+        rec = statistics.median(k["recover_s"] for k in r["kills"])
+        phases = {ph: med([k["phases"][ph] for k in r["kills"]]) for ph in PHASES}
+        limit = plain + floor_s + SLACK_S
+        ok = rec <= limit
+        summary.append({"ranks": r["ranks"], "plain_startup_s": plain, "recover_s": rec,
+                        "phases": phases, "limit_s": limit, "passed": ok})
+        print("  ".join(f"{x:>11}" for x in [str(r["ranks"]), fmt(plain), fmt(rec),
+                                              *(fmt(phases[ph]) for ph in PHASES), fmt(limit),
+                                              "PASS" if ok else "FAIL"]))
+    for s in summary:
+        print(f"{s['ranks']} rank(s): {'PASS' if s['passed'] else 'FAIL'}  recover "
+              f"{s['recover_s']:.2f} s <= plain start-up {s['plain_startup_s']:.2f} s + read "
+              f"floor {floor_s:.2f} s + {SLACK_S:g} s = {s['limit_s']:.2f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command, "state_bytes": state_bytes, "read": read,
+                               "read_floor_s": floor_s, "summary": summary,
+                               "runs": results}, indent=1))
+    print(f"raw numbers: {out}")
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    main()
