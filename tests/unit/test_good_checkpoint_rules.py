@@ -116,6 +116,34 @@ def test_an_own_shard_that_fails_after_the_checks_is_a_rank_load_error(tmp_path:
     assert committed_steps(ckpts) == [10]  # the caller moves it aside and restarts
 
 
+@pytest.mark.parametrize("ranks,bad", [(1, 0), (2, 1)])
+def test_a_corrupt_own_shard_is_read_once_and_every_rank_falls_back_to_the_same_step(
+        tmp_path: Path, monkeypatch, ranks: int, bad: int) -> None:
+    """check_usable leaves the loading rank's own .bin to the load, which checksums it as it
+    streams (one read, not two); a flipped byte there is still a verdict: every rank, the one
+    that owns the file included, skips the step and loads the same older one."""
+    ckpts = tmp_path / "c"
+    _save(ckpts, 10, ranks=ranks)
+    step_dir = _save(ckpts, 20, ranks=ranks)
+    import cfrun.contract.manifest as cm
+
+    checked: list[str] = []
+    real_check = cm.Manifest.check_file
+    monkeypatch.setattr(cm.Manifest, "check_file",
+                        lambda self, d, name: (checked.append(name), real_check(self, d, name)))
+    got = load_newest(ckpts, 0, world_size=ranks)
+    assert got is not None and got[0] == 20
+    assert "rank-00000.bin" not in checked and len(checked) == 2 * ranks - 1
+    bin_path = step_dir / f"rank-{bad:05d}.bin"
+    raw = bytearray(bin_path.read_bytes())
+    raw[-1] ^= 0xFF
+    bin_path.write_bytes(bytes(raw))
+    got = [load_newest(ckpts, r, world_size=ranks) for r in range(ranks)]
+    assert [g[0] for g in got if g is not None] == [10] * ranks
+    assert all(torch.equal(g[1]["w"], torch.full((3,), 10.0)) for g in got if g is not None)
+    assert committed_steps(ckpts) == [10]
+
+
 def _job(width: int = 4, groups: int = 1, sched: str = "step") -> tuple[Any, ...]:
     model = nn.Sequential(nn.Linear(3, width), nn.Linear(width, 1))
     params: list[dict[str, Any]] = ([{"params": list(model.parameters())}] if groups == 1 else
