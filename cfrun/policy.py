@@ -124,7 +124,7 @@ def choose_interval(c: Costs, budget: float, mtbf_s: float | None = None) -> Dec
 
 
 def adapt_interval(k: int, measured: float, budget: float, k_min: int,
-                   run_overhead: float | None = None) -> tuple[int, str]:
+                   run_overhead: float | None = None, noise: float = 0.0) -> tuple[int, str]:
     """The next interval after a window whose measured overhead was ``measured``.
 
     Over budget: grow ``k`` by the ratio to ``AIM_FRACTION`` of the budget (at least +1, at
@@ -138,6 +138,10 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int,
     least 1 and at most by half per window: one window's measurement is noisy (a window whose
     mean came out below its baseline measures 0%), and a halving that overshoots costs one
     window over budget, where jumping from k to ``k_min`` on noise costs many checkpoints.
+    ``noise`` (:attr:`WindowOverhead.noise`, one standard error of ``measured``): ``k`` is
+    lowered only when ``measured`` is under half the budget by two of them, so a window
+    whose checkpoints the machine's noise hides never buys more checkpoints; where the noise
+    alone is larger than the budget the reason says so (issue 16: err towards fewer).
     """
     run = run_overhead if run_overhead is not None else 0.0
     if measured > budget or run > budget:
@@ -149,6 +153,11 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int,
     if k < k_min:
         return k_min, f"one checkpoint in flight needs k >= {k_min}"
     if measured < ADAPT_UNDER_FRACTION * budget and k > k_min:
+        if measured + 2 * noise >= ADAPT_UNDER_FRACTION * budget:
+            if noise > budget:
+                return k, (f"kept: the machine's noise (+-{noise:.2%} per window) is larger "
+                           f"than the budget {budget:.2%}; fewer checkpoints, not more")
+            return k, f"within budget ({measured:.2%} +- {noise:.2%} of noise)"
         target = math.ceil(k * max(measured, 1e-9) / (AIM_FRACTION * budget))
         new = max(k_min, math.ceil(k / ADAPT_MAX_SHRINK), min(k - 1, target))
         return new, (f"well under budget ({measured:.2%} < {ADAPT_UNDER_FRACTION:.0%} of "
@@ -170,6 +179,13 @@ class WindowOverhead:
     flight) took beyond the baseline."""
     iters: int
     clean_iters: int
+    iter_spread_s: float = 0.0
+    """Robust spread of one clean iteration: 1.4826 x the median absolute deviation of the
+    window's clean iterations from their median (the standard deviation for Gaussian noise)."""
+    noise: float = 0.0
+    """One standard error of :attr:`overhead` from the spread of the clean iterations (robust:
+    1.4826 x their median absolute deviation per iteration, times the square root of the
+    checkpoint-affected iterations, over the window's baseline time); a fraction like it."""
 
     @property
     def mean_iter_s(self) -> float:
@@ -244,7 +260,11 @@ def measure_overhead(iters: list[tuple[int, float, bool]], ckpt_steps: list[int]
         extra += d
         if p in excess:
             excess[p] += d
-    return WindowOverhead(extra / (len(counted) * base), base, excess, len(counted), len(clean))
+    spread_s = 1.4826 * statistics.median(abs(dt - base) for _, dt in clean)
+    affected = len(counted) - len(clean)
+    noise = spread_s * math.sqrt(max(affected, 1)) / (len(counted) * base)
+    return WindowOverhead(extra / (len(counted) * base), base, excess, len(counted), len(clean),
+                          spread_s, noise)
 
 
 def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:

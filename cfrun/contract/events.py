@@ -102,7 +102,7 @@ EVENTS: dict[str, EventKind] = {
                     "k_in_flight", "k_daly", "fingerprint"]),
     "reprofile": _k("rank 0", ["reason"], ["cached_bytes", "state_bytes"]),
     "adapt": _k("rank 0", ["step", "interval", "reason"],
-                ["window", "measured_overhead", "budget", "mean_iter_s", "clean_iter_s",
+                ["window", "measured_overhead", "noise", "budget", "mean_iter_s", "clean_iter_s",
                  "baseline_iters", "iters", "checkpoints", "pgt_s", "k_in_flight",
                  "run_overhead", "old_interval"]),
 }

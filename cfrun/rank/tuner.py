@@ -271,6 +271,12 @@ class Tuner:
         pooled = [e - float(r["stall_s"]) for m in records
                   for e, r in zip(excess[m], records[m])]
         interference_s = max(0.0, statistics.median(pooled)) if pooled else 0.0
+        if window is not None and pooled:  # a cost the machine's noise hides is not 0: take
+            # the standard error of the pooled median (NEAR_STEPS noisy iterations per probe)
+            # as its least value, so noise buys fewer checkpoints, never more (issue 16)
+            noise_s = window.iter_spread_s * math.sqrt(NEAR_STEPS) * 1.2533 / math.sqrt(
+                len(pooled))
+            interference_s = max(interference_s, noise_s)
         out = {}
         for mode, recs in records.items():
             stall_s = statistics.median(float(r["stall_s"]) for r in recs)
@@ -337,9 +343,11 @@ class Tuner:
             self._spent_s += window.excess_total_s
             self._base_total_s += window.base_total_s
         run_overhead = self._spent_s / max(self._base_total_s, 1e-9)
-        new, reason = adapt_interval(self.interval, measured, self.budget, k_min, run_overhead)
+        new, reason = adapt_interval(self.interval, measured, self.budget, k_min, run_overhead,
+                                     noise=window.noise)
         self.jobdir.emit_event("adapt", step=step, window=[lo, hi],
                                measured_overhead=round(measured, 5), budget=self.budget,
+                               noise=round(window.noise, 5),
                                mean_iter_s=round(window.mean_iter_s, 6),
                                clean_iter_s=round(window.base_s, 6),
                                baseline_iters=window.clean_iters, iters=window.iters,

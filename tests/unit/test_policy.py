@@ -82,6 +82,29 @@ def test_adapt_lowers_well_under_budget_but_not_below_the_floor():
     assert adapt_interval(3, 0.0, 0.035, 3)[0] == 3
 
 
+def test_adapt_does_not_lower_k_on_a_window_the_noise_hides():
+    """Under noise the policy errs towards fewer checkpoints (issue 16, item 4): a window that
+    measured 0% with +-1% of noise is not proof of spare budget; bench/budget_noise.py saw
+    k halved to the floor eleven times in two runs on noise alone."""
+    k, why = adapt_interval(30, 0.0, 0.035, 1, noise=0.01)
+    assert k == 30 and "noise" in why
+    k, why = adapt_interval(30, 0.0, 0.035, 1, noise=0.05)
+    assert k == 30 and "larger than the budget" in why
+    assert adapt_interval(30, 0.0, 0.035, 1, noise=0.002)[0] == 15  # a quiet machine: as before
+    assert adapt_interval(10, 0.07, 0.035, 1, noise=0.05)[0] > 10  # over budget still raises
+
+
+def test_measure_overhead_says_how_noisy_its_window_was():
+    quiet = [(s, 0.100, False) for s in range(60)]
+    noisy = [(s, 0.100 + (0.03 if s % 2 else -0.03), False) for s in range(60)]
+    w_quiet = measure_overhead(quiet, [20, 40], 0, 60)
+    w_noisy = measure_overhead(noisy, [20, 40], 0, 60)
+    assert w_quiet is not None and w_noisy is not None
+    assert w_quiet.noise == 0.0 and w_quiet.iter_spread_s == 0.0
+    assert w_noisy.iter_spread_s == pytest.approx(1.4826 * 0.03)
+    assert 0.002 < w_noisy.noise < 0.05
+
+
 def test_adapt_growth_is_capped_and_the_in_flight_floor_holds():
     # a window read during a burst of a second job's writes: 40x the budget
     assert adapt_interval(16, 1.4, 0.035, 1)[0] == math.ceil(16 * ADAPT_MAX_GROW)
