@@ -106,11 +106,28 @@ def plan_kills(stop_step: int, interval: int, epoch_ends: list[int], world_size:
             for attempt, (step, moment, rank, case) in enumerate(chosen)]
 
 
-def first_divergence(ref: list[V.StepDigest], other: list[V.StepDigest]
+_DIGEST_RNG = {"torch": "torch", "cuda": "cuda", "python": "random", "numpy": "numpy"}
+"""Digest RNG key -> the checkpoint's name for that RNG (:func:`cfrun.codec.compare.rng_kind`)."""
+
+
+def unseeded_rngs(ref: list[V.StepDigest], other: list[V.StepDigest]) -> set[str]:
+    """The global RNGs (checkpoint names: ``random``, ``numpy``...) whose states differ between
+    two fresh runs already right after step 1 of their first attempt: the script never seeds
+    them, so they come from the process's entropy."""
+    a = next((r for r in ref if r.step == 1 and r.attempt == 0), None)
+    b = next((r for r in other if r.step == 1 and r.attempt == 0), None)
+    if a is None or b is None:
+        return set()
+    return {_DIGEST_RNG.get(k, k) for k in set(a.rng) | set(b.rng) if a.rng.get(k) != b.rng.get(k)}
+
+
+def first_divergence(ref: list[V.StepDigest], other: list[V.StepDigest],
+                     ignore: set[str] | frozenset[str] = frozenset()
                      ) -> tuple[int, list[str]] | None:
     """The first step at which a record of ``other`` (any attempt) differs from ``ref``'s
     record of that step, and what differs there (``model parameters``, ``RNG numpy``...);
-    None when every step both recorded is the same."""
+    None when every step both recorded is the same. RNGs named in ``ignore`` (checkpoint
+    names, :func:`unseeded_rngs`) are left out."""
     by_step: dict[int, V.StepDigest] = {}
     for rec in ref:
         by_step.setdefault(rec.step, rec)
@@ -123,7 +140,7 @@ def first_divergence(ref: list[V.StepDigest], other: list[V.StepDigest]
         names = {"torch": "RNG torch", "cuda": "RNG cuda", "python": "RNG python random",
                  "numpy": "RNG numpy"}
         what += [names.get(k, f"RNG {k}") for k in sorted(set(rec.rng) | set(mine.rng))
-                 if rec.rng.get(k) != mine.rng.get(k)]
+                 if rec.rng.get(k) != mine.rng.get(k) and _DIGEST_RNG.get(k, k) not in ignore]
         if what:
             found = (rec.step, what)
     return found
@@ -248,20 +265,20 @@ def _kill_results(kills: list[Kill], job_dir: Path) -> list[dict[str, Any]]:
 
 
 def _compare(ref_dir: Path, other_dir: Path, step: int, world_size: int, loader: str | None
-             ) -> tuple[list[dict[str, str]], int]:
+             ) -> tuple[list[dict[str, Any]], int]:
     """Differences of every rank's shard of the two checkpoints of ``step``, and the number
     of entries compared."""
     from cfrun.codec.checkpoint import load_shard
     from cfrun.codec.compare import differences, entry_names
 
-    diffs: list[dict[str, str]] = []
+    diffs: list[dict[str, Any]] = []
     compared = 0
     for rank in range(world_size):
         a, _ = load_shard(ref_dir / "checkpoints" / step_dir_name(step), rank)
         b, _ = load_shard(other_dir / "checkpoints" / step_dir_name(step), rank)
         compared += len(entry_names(a, loader=loader))
         prefix = f"rank {rank}: " if world_size > 1 else ""
-        diffs += [{"entry": prefix + d.entry, "detail": d.detail}
+        diffs += [{"entry": prefix + d.entry, "detail": d.detail, "rng": d.rng}
                   for d in differences(a, b, loader=loader)]
     return diffs, compared
 
@@ -270,11 +287,15 @@ def _digests(job_dir: Path, world_size: int) -> list[list[V.StepDigest]]:
     return [V.read_digests(V.digests_path(job_dir, r)) for r in range(world_size)]
 
 
-def _divergence(ref: list[list[V.StepDigest]], other: list[list[V.StepDigest]]
-                ) -> dict[str, Any] | None:
+def _unseeded(ref: list[list[V.StepDigest]], other: list[list[V.StepDigest]]) -> set[str]:
+    return set().union(*(unseeded_rngs(a, b) for a, b in zip(ref, other)))
+
+
+def _divergence(ref: list[list[V.StepDigest]], other: list[list[V.StepDigest]],
+                ignore: set[str] | frozenset[str] = frozenset()) -> dict[str, Any] | None:
     found: dict[str, Any] | None = None
     for rank, (a, b) in enumerate(zip(ref, other)):
-        d = first_divergence(a, b)
+        d = first_divergence(a, b, ignore)
         if d is not None and (found is None or d[0] < found["step"]):
             found = {"step": d[0], "rank": rank, "what": d[1]}
     return found
@@ -320,16 +341,32 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
             say(f"cfrun verify: run 3: the plain script, without cfrun, to step {stop}")
             run3 = _plain_run(base, root, stop)
             runs.append(run3)
-            d = _divergence(_digests(run1.job_dir, world), _digests(run3.job_dir, world))
-            plain_steps = max((r.step for r in _digests(run3.job_dir, world)[0]), default=0)
+            ref, got = _digests(run1.job_dir, world), _digests(run3.job_dir, world)
+            unseeded = _unseeded(ref, got)
+            d = _divergence(ref, got, unseeded)
+            plain_steps = max((r.step for r in got[0]), default=0)
             plain = {"equal": d is None and plain_steps >= stop, "steps": plain_steps,
-                     "first_difference": d}
+                     "first_difference": d if d is not None else _divergence(ref, got),
+                     "unseeded_rngs": sorted(unseeded)}
         diffs, compared = _compare(run1.job_dir, run2.job_dir, stop, world, info.loader)
         kill_rows = _kill_results(plan, run2.job_dir)
         bound = interval + 1
         over = [k for k in kill_rows if k["recomputed"] is not None and k["recomputed"] > bound]
-        divergence = _divergence(_digests(run1.job_dir, world), _digests(run2.job_dir, world))
-        exact = not diffs and not over and divergence is None
+        ref, got = _digests(run1.job_dir, world), _digests(run2.job_dir, world)
+        unseeded = _unseeded(ref, got)
+        loose = _divergence(ref, got, unseeded)
+        # RNGs the script never seeds differ between any two runs: they are the news only when
+        # the runs differ before any kill (in the killed run's first attempt); else they are
+        # left aside (listed apart)
+        nondeterministic = _divergence(ref, [[r for r in g if r.attempt == 0] for g in got],
+                                       unseeded) is not None
+        relevant = [d for d in diffs if d["rng"] is None or d["rng"] not in unseeded]
+        exact = not over and loose is None and not relevant
+        shown = diffs if nondeterministic else relevant
+        aside = [] if nondeterministic else [d for d in diffs if d not in relevant]
+        divergence = _divergence(ref, got) if nondeterministic else loose
+        for d in diffs:
+            del d["rng"]
         return {
             "verdict": "exact" if exact else "not exact",
             "exact": exact,
@@ -338,9 +375,12 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
             "epoch_ends": list(info.epoch_ends), "training_loader": info.loader,
             "kills": kill_rows,
             "compared_entries": compared,
-            "first_difference": diffs[0] if diffs else None,
-            "differences": diffs,
+            "first_difference": shown[0] if shown else None,
+            "differences": shown,
+            "unseeded_rng_differences": aside,
+            "differ_before_the_first_kill": nondeterministic,
             "first_differing_step": divergence,
+            "unseeded_rngs": sorted(unseeded),
             "too_many_recomputed": over,
             "known_causes": _known_causes(run1.job_dir, run2.job_dir),
             "against_plain": plain,
@@ -380,11 +420,19 @@ def format_report(rep: dict[str, Any]) -> str:
             lines.append("  the uninterrupted run differs from the plain script (without "
                          "cfrun)" + (f" from step {d['step']} ({', '.join(d['what'])})" if d
                                      else f": the plain run made {plain['steps']} steps"))
+    names = {"random": "RNG python random", "numpy": "RNG numpy", "torch": "RNG torch",
+             "cuda": "RNG cuda"}
+    if rep["unseeded_rngs"] and not rep["differ_before_the_first_kill"]:
+        lines.append("  not seeded by the script (they differ between two fresh runs; the "
+                     "parameters do not follow them, so they are left aside): "
+                     + ", ".join(names.get(k, k) for k in rep["unseeded_rngs"]))
     if rep["exact"]:
         most = max((k["recomputed"] for k in rep["kills"] if k["recomputed"] is not None),
                    default=0)
-        lines.append(f"exact: every entry bit-identical at step {rep['steps']}, at most {most} "
-                     f"steps recomputed per kill (bound {rep['recompute_bound']})")
+        lines.append(f"exact: every entry bit-identical at step {rep['steps']}"
+                     + (" (the unseeded RNGs aside)" if rep["unseeded_rng_differences"] else "")
+                     + f", at most {most} steps recomputed per kill (bound "
+                     f"{rep['recompute_bound']})")
         return "\n".join(lines)
     lines.append("not exact:")
     first = rep["first_difference"]
@@ -397,8 +445,7 @@ def format_report(rep: dict[str, Any]) -> str:
             lines.append(f"  also differ: {shown}")
     d = rep["first_differing_step"]
     if d is not None:
-        first_kill = min((k["step"] for k in rep["kills"]), default=None)
-        before = first_kill is not None and d["step"] <= first_kill
+        before = rep["differ_before_the_first_kill"]
         lines.append(f"  the runs first differ at step {d['step']} ({', '.join(d['what'])})"
                      + (": before the first kill, so the script does not compute the same "
                         "twice (wall clock, unseeded randomness, nondeterministic kernels?)"

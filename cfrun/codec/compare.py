@@ -32,9 +32,25 @@ class Difference:
 
     entry: str
     detail: str
+    rng: str | None = None
+    """The global RNG (``torch``, ``cuda``, ``random``, ``numpy``) whose state this entry is
+    (the global one, or the copy a loader's epoch was drawn from), else None."""
 
     def to_json(self) -> dict[str, str]:
         return {"entry": self.entry, "detail": self.detail}
+
+
+def rng_kind(path: tuple[Any, ...]) -> str | None:
+    """The global RNG whose state the entry at ``path`` holds: ``rng.<kind>`` or the copy in
+    the loader position's ``epoch_rng``; None otherwise (DataLoader workers' RNGs are seeded
+    by torch from the global torch RNG, never from the process's entropy)."""
+    if path[:1] == ("rng",) and len(path) > 1:
+        return str(path[1])
+    if path[:2] == ("data", "epoch_rng"):
+        for p in path[2:]:
+            if p in _RNG_NAMES:
+                return str(p)
+    return None
 
 
 def _short(value: Any) -> str:
@@ -131,7 +147,9 @@ def entry_name(path: tuple[Any, ...], loader: str, frames: dict[int, str]) -> st
             return (f"RNG of DataLoader worker {rest[1]} of {loader}" if len(rest) > 1
                     else f"RNG of the DataLoader workers of {loader}")
         if rest and rest[0] == "epoch_rng":
-            return f"RNG that {loader}'s epoch was drawn from"
+            kind = rng_kind(path)
+            rng = _RNG_NAMES[kind] if kind is not None else "RNG"
+            return f"{rng} that {loader}'s epoch was drawn from"
         return f"loader position of {loader}"
     if head == "script":
         if len(rest) >= 3 and rest[1] == "values":
@@ -167,7 +185,7 @@ def differences(a: dict[str, Any], b: dict[str, Any], *, loader: str | None = No
             name = entry_name(path, loader_name, frames)
             if name not in seen:
                 seen.add(name)
-                out.append(Difference(name, detail))
+                out.append(Difference(name, detail, rng_kind(path)))
     return out
 
 
