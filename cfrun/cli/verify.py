@@ -82,7 +82,8 @@ def plan_kills(stop_step: int, interval: int, epoch_ends: list[int], world_size:
     inside = k + max(1, k // 2) if k > 1 else 2
     if end is None or inside < end:
         candidates.append((inside, AFTER_STEP, last_rank,
-                           "inside an epoch" + (", one rank of several" if last_rank else "")))
+                           ("inside an epoch" if end is not None else "between two checkpoints")
+                           + (", one rank of several" if last_rank else "")))
     if end is not None and end < stop_step:
         candidates.append((end, AFTER_STEP, 0, "right after an epoch's last step"))
     persist = ((end // k) + 1) * k if end is not None else max(k, (3 * stop_step // 4) // k * k)
@@ -311,6 +312,9 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
     """
     world = base.nproc_per_node * base.nnodes
     interval = base.interval or DEFAULT_INTERVAL
+    if steps is not None and kills and not plan_kills(steps, interval, [], world, kills):
+        raise BadInputError(f"--steps {steps} leaves no room for a kill with checkpoints every "
+                            f"{interval} steps; give more --steps or a smaller --interval")
     root = Path(tempfile.mkdtemp(prefix="cfrun-verify-"))  # 0700
     try:
         cfg1 = dataclasses.replace(base, job_dir=str(root / "uninterrupted"), verify=True,
@@ -328,6 +332,10 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
                 f"--steps below {last}" if last > 1 else
                 "cfrun verify: the script made no optimizer step under cfrun; nothing to verify")
         plan = plan_kills(stop, interval, list(info.epoch_ends), world, kills)
+        if kills and not plan:
+            raise BadInputError(f"cfrun verify: step {stop} leaves no room for a kill with "
+                                f"checkpoints every {interval} steps; give more --steps or a "
+                                "smaller --interval")
         say(f"cfrun verify: run 1 reached step {stop} in {run1.seconds:.1f} s; run 2: "
             f"{len(plan)} kills: " + "; ".join(k.describe() for k in plan))
         cfg2 = dataclasses.replace(cfg1, job_dir=str(root / "killed"), verify_stop_step=stop,

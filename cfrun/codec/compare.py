@@ -130,16 +130,16 @@ def entry_name(path: tuple[Any, ...], loader: str, frames: dict[int, str]) -> st
     each recorded script frame, by its index in ``script``."""
     head, rest = path[0], path[1:]
     if head == "modules" and rest:
-        return f"model{rest[0]}" + ("." + _dotted(rest[1:]) if rest[1:] else "")
+        return f"model{rest[0]}" + ("." + _dotted(rest[1:2]) if rest[1:] else "")
     if head == "optimizers" and rest:
         tail = rest[1:]
         if len(tail) >= 3 and tail[0] == "state":
-            return f"optimizer{rest[0]}.state[{tail[1]}].{_dotted(tail[2:])}"
-        return f"optimizer{rest[0]}" + ("." + _dotted(tail) if tail else "")
+            return f"optimizer{rest[0]}.state[{tail[1]}].{_dotted(tail[2:3])}"
+        return f"optimizer{rest[0]}" + ("." + _dotted(tail[:3]) if tail else "")
     if head == "opt_steps":
         return f"optimizer{rest[0]} step count" if rest else "optimizer step counts"
     if head in ("schedulers", "scalers") and rest:
-        return f"{head[:-1]}{rest[0]}" + ("." + _dotted(rest[1:]) if rest[1:] else "")
+        return f"{head[:-1]}{rest[0]}" + ("." + _dotted(rest[1:2]) if rest[1:] else "")
     if head == "rng":
         return _RNG_NAMES.get(rest[0], f"RNG {rest[0]}") if rest else "RNG states"
     if head == "data":
@@ -190,11 +190,12 @@ def differences(a: dict[str, Any], b: dict[str, Any], *, loader: str | None = No
 
 
 def _leaves(a: Any, path: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    if path[:1] == ("script",) and path[2:3] == ("code",):
+        return  # which frame: not an entry
     if isinstance(a, dict):
         for key, value in a.items():
             yield from _leaves(value, path + (key,))
-    elif isinstance(a, (list, tuple)) and a and not all(
-            isinstance(x, (int, float, str, bool)) or x is None for x in a):
+    elif isinstance(a, (list, tuple)):
         for i, value in enumerate(a):
             yield from _leaves(value, path + (i,))
     else:

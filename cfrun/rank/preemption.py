@@ -36,7 +36,7 @@ from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
 
-VERIFY_STOP_S = 600.0
+VERIFY_STOP_S = 120.0
 """The time a ``cfrun verify`` stop gives its final checkpoint (the deadline's stand-in)."""
 
 
