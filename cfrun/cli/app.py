@@ -48,7 +48,13 @@ from cfrun.contract.config import (
     parse_overhead,
     parse_positive_int,
 )
-from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
+from cfrun.contract.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_PREEMPTED,
+    BadInputError,
+    CfrunError,
+    JobFailedError,
+)
 from cfrun.policy import parse_duration
 
 # typer < 0.22 raises click's exceptions; newer typer vendors click (typer._click) and raises its
@@ -562,6 +568,9 @@ def verify_cmd(
     try:
         rep = V.verify(cfg, steps=steps_n, kills=kills_n, against_plain=against_plain,
                        say=lambda line: log.info("%s", line))
+    except KeyboardInterrupt:  # Ctrl-C between two runs (a run's own supervisor takes it)
+        print("cfrun verify: interrupted; nothing was compared", file=sys.stderr)
+        raise typer.Exit(EXIT_PREEMPTED) from None
     finally:
         if restore is not None:
             restore()

@@ -356,6 +356,9 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
             plain = {"equal": d is None and plain_steps >= stop, "steps": plain_steps,
                      "first_difference": d if d is not None else _divergence(ref, got),
                      "unseeded_rngs": sorted(unseeded)}
+        if not (run2.job_dir / "checkpoints" / step_dir_name(stop)).is_dir():
+            raise JobFailedError(f"cfrun verify: the killed run ended without its checkpoint at "
+                                 f"step {stop}; nothing was compared")
         diffs, compared = _compare(run1.job_dir, run2.job_dir, stop, world, info.loader)
         kill_rows = _kill_results(plan, run2.job_dir)
         bound = interval + 1
