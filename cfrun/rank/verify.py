@@ -267,8 +267,9 @@ def observe(config_json: str) -> None:
     register_optimizer_step_post_hook``) that counts steps as cfrun does (the highest step
     count of any optimizer), appends the same :class:`~cfrun.contract.verify.StepDigest` per
     step (it reads the parameters and RNG states, changes nothing) to
-    ``digests-rank-R.jsonl`` in the directory ``dir``, and ends the process with exit code 0
-    (``os._exit``) right after the digest of step ``stop_step``. ``config_json``: ``{"dir":
+    ``digests-rank-R.jsonl`` in the directory ``dir``, and ends the script with exit code 0
+    (``SystemExit``, as cfrun's own stop does: ``finally`` blocks run, the code after the loop
+    does not) right after the digest of step ``stop_step``. ``config_json``: ``{"dir":
     ..., "stop_step": N}``.
 
     Raises:
@@ -294,12 +295,7 @@ def observe(config_json: str) -> None:
             return
         done[0] = count
         _append(fd, step_digest(opt, count, 0).to_line())
-        if count >= stop_step:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(0)
+        if count >= stop_step:  # as cfrun's own stop: the script's tail does not run
+            raise SystemExit(0)
 
     register_optimizer_step_post_hook(hook)

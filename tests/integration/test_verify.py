@@ -6,10 +6,13 @@ cfrun cannot restore it or that change behaviour after a restart. Not timed."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,11 +21,20 @@ from conftest import EXAMPLES, SCRIPTS, clean_env, run_cfrun
 pytestmark = pytest.mark.timeout(600)
 
 
-def _verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
-    """``cfrun verify --json ARGS`` in ``tmp_path`` (its TMPDIR inside): exit code, report,
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    """A short TMPDIR for cfrun verify (where it puts its job dirs): DataLoader workers pass
+    batches through AF_UNIX sockets under TMPDIR, whose paths may not exceed 107 bytes (in
+    pytest's deep tmp_path a worker's batch is lost and the loader waits for ever, with or
+    without cfrun)."""
+    path = Path(tempfile.mkdtemp(prefix="cfv", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _verify(tmp_path: Path, tmp: Path, *args: str) -> tuple[int, dict, str]:
+    """``cfrun verify --json ARGS`` in ``tmp_path`` with TMPDIR ``tmp``: exit code, report,
     stderr. Every temporary job dir is gone afterwards."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
     run = run_cfrun(["verify", "--json", *args], cwd=tmp_path, env={"TMPDIR": str(tmp)},
                     timeout=540)
     assert not list(tmp.glob("cfrun-verify-*")), "a temporary job dir was left behind"
@@ -30,12 +42,10 @@ def _verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     return run.returncode, json.loads(run.stdout), run.stderr
 
 
-def test_verify_says_exact_for_the_digits_example(tmp_path: Path) -> None:
+def test_verify_says_exact_for_the_digits_example(tmp_path: Path, tmp: Path) -> None:
     """The README's "Check your script first": 3 kills (inside the first epoch, right after
     its last step, during the persist of the next epoch's first checkpoint), the stop step
     chosen past the first epoch, every entry bit-identical, the text report."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
     run = run_cfrun(["verify", str(EXAMPLES / "digits_train.py")], cwd=tmp_path,
                     env={"TMPDIR": str(tmp)}, timeout=540)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
@@ -50,10 +60,11 @@ def test_verify_says_exact_for_the_digits_example(tmp_path: Path) -> None:
     assert not (tmp_path / "digits_model.pt").exists()  # the script's tail did not run
 
 
-def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path) -> None:
+def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path,
+                                                               tmp: Path) -> None:
     """DDP on 2 ranks: a kill of rank 1 alone and one after the epoch's last step, then a
     third run without cfrun whose parameters equal the uninterrupted run's at every step."""
-    code, rep, err = _verify(tmp_path, "--nproc-per-node", "2", "--kills", "2",
+    code, rep, err = _verify(tmp_path, tmp, "--nproc-per-node", "2", "--kills", "2",
                              "--against-plain", str(SCRIPTS / "train_ddp.py"), "out.pt")
     assert code == 0, json.dumps(rep, indent=1) + err[-3000:]
     assert rep["verdict"] == "exact" and rep["world_size"] == 2
@@ -73,10 +84,10 @@ def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path) -
     ("verify_unseeded.py", "RNG python random", None, True),
     ("verify_wall_clock.py", "script variable lr", None, False),
 ])
-def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, script: str,
+def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, tmp: Path, script: str,
                                                          first: str, cause: str | None,
                                                          before_kill: bool) -> None:
-    code, rep, err = _verify(tmp_path, "--launcher", "python", "--steps", "20", "--interval",
+    code, rep, err = _verify(tmp_path, tmp, "--launcher", "python", "--steps", "20", "--interval",
                              "5", "--kills", "1", str(SCRIPTS / script))
     assert code == 6, json.dumps(rep, indent=1) + err[-3000:]
     assert rep["verdict"] == "not exact" and rep["kills"][0]["landed"]
@@ -91,9 +102,7 @@ def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, script:
         assert any(cause in c for c in rep["known_causes"]), rep["known_causes"]
 
 
-def test_verify_refuses_steps_the_script_never_reaches(tmp_path: Path) -> None:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_verify_refuses_steps_the_script_never_reaches(tmp_path: Path, tmp: Path) -> None:
     run = run_cfrun(["verify", "--launcher", "python", "--steps", "400", "--interval", "5",
                      str(SCRIPTS / "verify_unseeded.py")], cwd=tmp_path,
                     env={"TMPDIR": str(tmp)}, timeout=300)
@@ -104,10 +113,8 @@ def test_verify_refuses_steps_the_script_never_reaches(tmp_path: Path) -> None:
     assert not list(tmp.glob("cfrun-verify-*"))
 
 
-def test_ctrl_c_stops_verify_and_leaves_no_job_dir(tmp_path: Path) -> None:
+def test_ctrl_c_stops_verify_and_leaves_no_job_dir(tmp_path: Path, tmp: Path) -> None:
     """SIGINT while the first run trains: exit 75 (preempted), the temporary dirs removed."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "cfrun", "verify", "--launcher", "python",
                              "--steps", "250", str(SCRIPTS / "slow_steps.py"), "300",
                              "out.pt", "0.05"],
