@@ -13,9 +13,35 @@ import os
 import sys
 
 
+def _cfrun_observe():
+    """cfrun verify --against-plain: the plain run's observer (cfrun.rank.verify.observe), in
+    the script's own process only, installed once the script imports torch."""
+    env = os.environ
+    config = env["CFRUN_VERIFY_OBSERVE"]
+    if ("RANK" not in env or "LOCAL_RANK" not in env) and '"launcher": "python"' not in config:
+        return  # torchrun's agent
+    owner = env.get("CFRUN_HOOK_OWNER_PID")
+    if owner and owner != str(os.getpid()):
+        return
+    env["CFRUN_HOOK_OWNER_PID"] = str(os.getpid())
+    try:
+        from cfrun.rank.install import when_torch_imported
+
+        def start():
+            from cfrun.rank.verify import observe
+
+            observe(config)
+
+        when_torch_imported(start)
+    except Exception as e:
+        sys.stderr.write(f"[cfrun] WARNING: cfrun verify's observer failed ({e!r})\n")
+
+
 def _cfrun_activate():
     env = os.environ
     if "CFRUN_RANK_SETTINGS" not in env:
+        if "CFRUN_VERIFY_OBSERVE" in env:
+            _cfrun_observe()
         return
     # torchrun's ranks have RANK; --launcher python's one process is the rank itself
     if ("RANK" not in env or "LOCAL_RANK" not in env) and \

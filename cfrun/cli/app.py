@@ -24,6 +24,18 @@ import typer
 
 from cfrun import __version__
 from cfrun.cli.helpfmt import HELP_OPTIONS, CfrunCommand, root_help
+from cfrun.cli.options import (
+    CrashLoopOption,
+    GraceOption,
+    HangTimeoutOption,
+    IntervalOption,
+    KeepOption,
+    LauncherOption,
+    LocalAddrOption,
+    LogFormatOption,
+    MaxRestartsOption,
+    NprocPerNodeOption,
+)
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
@@ -36,7 +48,13 @@ from cfrun.contract.config import (
     parse_overhead,
     parse_positive_int,
 )
-from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError, CfrunError, JobFailedError
+from cfrun.contract.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_PREEMPTED,
+    BadInputError,
+    CfrunError,
+    JobFailedError,
+)
 from cfrun.policy import parse_duration
 
 # typer < 0.22 raises click's exceptions; newer typer vendors click (typer._click) and raises its
@@ -75,8 +93,8 @@ app = typer.Typer(
     context_settings={"help_option_names": HELP_OPTIONS},
 )
 
-SUBCOMMANDS = {"run", "resume", "profile", "status", "ls", "export", "peer"}
-JOB_COMMANDS = {"run", "resume", "profile"}
+SUBCOMMANDS = {"run", "resume", "profile", "verify", "status", "ls", "export", "peer"}
+JOB_COMMANDS = {"run", "resume", "profile", "verify"}
 """The commands whose supervisor takes over a SIGTERM/SIGINT held since the first line."""
 _RECORDED_ENV_PREFIXES = ("CFRUN_", "CUDA_", "OMP_", "NCCL_", "MKL_")
 _CODE_ENV_PREFIXES = ("PYTHON", "LD_", "DYLD_")
@@ -234,45 +252,23 @@ def run_cmd(
         help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "
              "and the launch command as JSON, and exit without starting or writing anything."
     )] = False,
-    log_format: Annotated[str, typer.Option(
-        "--log-format", metavar="[auto|text|json]", envvar=E.LOG_FORMAT,
-        help="cfrun's own log lines: auto (rich on a terminal, text elsewhere), text (one line "
-             "per record, never wrapped) or json (JSON lines).")] = "auto",
-    interval: Annotated[str | None, typer.Option(
-        "--interval", metavar="INTEGER", envvar=E.INTERVAL,
-        help="Checkpoint every K optimizer steps (turns the overhead policy off).")] = None,
+    log_format: LogFormatOption = "auto",
+    interval: IntervalOption = None,
     overhead: Annotated[str, typer.Option(
         "--overhead", metavar="PERCENT", envvar=E.OVERHEAD,
         help="Overhead budget in percent: 3.5% and 3.5 both mean 3.5% (from 0.1% to below "
              "100%); ignored with --interval.")] = "3.5%",
-    nproc_per_node: Annotated[str, typer.Option(
-        "--nproc-per-node", "--nproc_per_node", metavar="INTEGER", envvar=E.NPROC_PER_NODE,
-        help="Ranks on this node (torchrun).")] = "1",
-    launcher: Annotated[str, typer.Option(
-        "--launcher", metavar="[torchrun|python]", envvar=E.LAUNCHER,
-        help="torchrun, or python: one process run as python SCRIPT would be (no RANK, "
-             "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
-    )] = "torchrun",
-    max_restarts: Annotated[str, typer.Option(
-        "--max-restarts", "--max_restarts", metavar="INTEGER", envvar=E.MAX_RESTARTS,
-        help="Restarts after failures before giving up (exit code 4).")] = "5",
-    keep: Annotated[str, typer.Option(
-        "--keep", metavar="INTEGER", envvar=E.KEEP, help="Committed checkpoints to keep.")] = "2",
-    grace: Annotated[str, typer.Option(
-        "--grace", metavar="DURATION", envvar=E.GRACE,
-        help="Time the ranks get after SIGTERM before SIGKILL: seconds, or 30s, 2m.")] = "25",
+    nproc_per_node: NprocPerNodeOption = "1",
+    launcher: LauncherOption = "torchrun",
+    max_restarts: MaxRestartsOption = "5",
+    keep: KeepOption = "2",
+    grace: GraceOption = "25",
     mtbf: Annotated[str | None, typer.Option(
         "--mtbf", metavar="DURATION", envvar=E.MTBF,
         help="Mean time between failures (e.g. 6h): never checkpoint more often than the "
              "Young/Daly optimum needs. Default: learned from this job's restarts.")] = None,
-    hang_timeout: Annotated[str, typer.Option(
-        "--hang-timeout", metavar="DURATION", envvar=E.HANG_TIMEOUT,
-        help="Time without an optimizer step before a rank counts as hung and the job "
-             "restarts: seconds, or 30m, 1h (0: off).")] = "1800",
-    crash_loop: Annotated[str, typer.Option(
-        "--crash-loop", metavar="INTEGER", envvar=E.CRASH_LOOP,
-        help="Stop (exit 5) after the same failure at the same step this many times in a row "
-             "(0: off).")] = "3",
+    hang_timeout: HangTimeoutOption = "1800",
+    crash_loop: CrashLoopOption = "3",
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", metavar="STEP[@ATTEMPT],...", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
@@ -303,10 +299,7 @@ def run_cmd(
     rdzv_id: Annotated[str | None, typer.Option(
         "--rdzv-id", "--rdzv_id", metavar="TEXT", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
-    local_addr: Annotated[str | None, typer.Option(
-        "--local-addr", "--local_addr", metavar="ADDRESS", envvar=E.LOCAL_ADDR,
-        help="This node's address for the rendezvous and the ranks' store (torchrun "
-             "--local-addr), where the host name does not resolve to it.")] = None,
+    local_addr: LocalAddrOption = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
@@ -523,6 +516,71 @@ def profile_cmd(
         table.add_row(name, str(value))
     Console().print(table)
     print(f"strategy written to {strategy}")
+
+
+@app.command("verify", cls=CfrunCommand, context_settings={"allow_interspersed_args": False},
+             help="Check that SCRIPT resumes exactly: run it to step N uninterrupted and again "
+                  "with SIGKILLs at chosen steps, then compare the two states at step N bit "
+                  "for bit. Exit 0: exact; 6: not exact, with the first differing entry.")
+def verify_cmd(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(metavar="SCRIPT",
+                                          help="The training script, run unchanged.")],
+    script_args: Annotated[list[str] | None, typer.Argument(
+        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
+    steps: Annotated[str | None, typer.Option(
+        "--steps", metavar="INTEGER",
+        help="Optimizer steps each run makes before it stops (default: the first epoch of "
+             "the training loader plus two checkpoint intervals when the loader has a "
+             "length, else 200).")] = None,
+    kills: Annotated[str, typer.Option(
+        "--kills", metavar="INTEGER",
+        help="SIGKILLs in the second run, at the hard cases: inside an epoch, right after an "
+             "epoch's last step, during a persist, before the first checkpoint.")] = "3",
+    against_plain: Annotated[bool, typer.Option(
+        "--against-plain",
+        help="Also run the script without cfrun to step N and check that the uninterrupted "
+             "run computes the same at every step (a third run).")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object (the script's output goes to stderr).")] = False,
+    interval: IntervalOption = None,
+    nproc_per_node: NprocPerNodeOption = "1",
+    launcher: LauncherOption = "torchrun",
+    max_restarts: MaxRestartsOption = "5",
+    grace: GraceOption = "25",
+    hang_timeout: HangTimeoutOption = "1800",
+    crash_loop: CrashLoopOption = "3",
+    local_addr: LocalAddrOption = None,
+    log_format: LogFormatOption = "auto",
+) -> None:
+    """Check that SCRIPT resumes exactly (:mod:`cfrun.cli.verify`)."""
+    from cfrun.cli import verify as V
+
+    if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
+        _setup_logging(log_format)
+    steps_n = parse_positive_int("--steps", steps, minimum=2) if steps is not None else None
+    kills_n = parse_positive_int("--kills", kills, minimum=0)
+    cfg = _build_config(script, script_args, None, interval or str(V.DEFAULT_INTERVAL), "3.5%",
+                        nproc_per_node, max_restarts, "2", grace, None, hang_timeout,
+                        crash_loop, "", profile_only=False, launcher=launcher,
+                        local_addr=local_addr)
+    restore = V.json_stdout_guard()[1] if as_json else None
+    try:
+        rep = V.verify(cfg, steps=steps_n, kills=kills_n, against_plain=against_plain,
+                       say=lambda line: log.info("%s", line))
+    except KeyboardInterrupt:  # Ctrl-C between two runs (a run's own supervisor takes it)
+        print("cfrun verify: interrupted; nothing was compared", file=sys.stderr)
+        raise typer.Exit(EXIT_PREEMPTED) from None
+    finally:
+        if restore is not None:
+            restore()
+    if as_json:
+        print(json.dumps(rep, indent=1))
+    else:
+        print(f"cfrun verify: {Path(cfg.script).name} {' '.join(cfg.script_args)}".rstrip()
+              + f", {rep['steps']} steps, checkpoint every {rep['interval']} steps")
+        print(V.format_report(rep))
+    raise typer.Exit(V.exit_code(rep))
 
 
 @app.command("resume", cls=CfrunCommand,

@@ -177,6 +177,13 @@ class RunConfig:
     """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: str = ""
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
+    verify: bool = False
+    """A run of ``cfrun verify`` (:class:`cfrun.rank.settings.RankSettings`: digests, a stop
+    step, kills)."""
+    verify_stop_step: int | None = None
+    """``cfrun verify``: the step every rank stops at (None: rank 0 chooses)."""
+    verify_kills: tuple[tuple[int, int, int, int], ...] = ()
+    """``cfrun verify``: ``(step, attempt, rank, moment)`` kills (:mod:`cfrun.rank.verify`)."""
     peer: str | None = None
     """``HOST:PORT`` of a ``cfrun peer``: checkpoints go to its RAM first (ACUTE level 1)."""
     peer_token_file: str | None = None
@@ -252,7 +259,10 @@ class RunConfig:
     def from_json(cls, data: dict[str, Any]) -> RunConfig:
         """Rebuild from :meth:`to_json` output, ignoring keys this version does not know."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        doc = {k: v for k, v in data.items() if k in names}
+        if isinstance(doc.get("verify_kills"), list):
+            doc["verify_kills"] = tuple(tuple(k) for k in doc["verify_kills"])
+        return cls(**doc)
 
 
 def default_job_dir(script: str, cwd: Path) -> Path:

@@ -20,6 +20,9 @@ EXIT_FAILED = 4
 """The script kept failing until ``--max-restarts`` ran out. Retrying may help."""
 EXIT_FATAL = 5
 """The same failure repeated (crash loop) or the job dir is unusable. Retrying will not help."""
+EXIT_NOT_EXACT = 6
+"""``cfrun verify``: the resume of the script is not exact (a killed run's state at the stop
+step differs from the uninterrupted run's, or a kill recomputed more than K+1 steps)."""
 EXIT_UNAVAILABLE = 69
 """``cfrun peer`` cannot listen on the address given (in use, or not an address of this host)
 (EX_UNAVAILABLE)."""

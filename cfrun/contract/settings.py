@@ -204,6 +204,11 @@ RANK_SUPERVISOR_PID = _declare(
     "pid of the supervisor that started this torchrun; marks every process of the job "
     "(inherited by ranks, workers and their children) so that none outlives the supervisor "
     "(cfrun.supervisor.launcher.kill_job_processes)", set_by="launcher")
+VERIFY_OBSERVE = _declare("CFRUN_VERIFY_OBSERVE", "json", None,
+                          "cfrun verify --against-plain: the plain run's observer (a step hook "
+                          "that records a digest per step and ends the process at the stop "
+                          "step), a JSON object set for that run only",
+                          set_by="launcher")
 HOOK_OWNER_PID = _declare("CFRUN_HOOK_OWNER_PID", "int", None,
                           "pid of the rank process whose hook is live; children that inherit it "
                           "stay inert (hooks/sitecustomize.py)", set_by="hook")

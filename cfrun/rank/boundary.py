@@ -40,6 +40,7 @@ from cfrun.rank.resume import Resume
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
 from cfrun.rank.tuner import Tuner
+from cfrun.rank.verify import Verify
 
 Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 """``Guard.wrap`` (:mod:`cfrun.rank.install`): a hook made safe for the user's script."""
@@ -96,7 +97,8 @@ class Boundary:
 
     def __init__(self, settings: RankSettings, jobdir: JobDir, capture: Capture,
                  snap: Snapshotter, tuner: Tuner, resume: Resume, preemption: Preemption,
-                 marks: Marks, not_exact: NotExact, wrap: Wrap) -> None:
+                 marks: Marks, not_exact: NotExact, wrap: Wrap,
+                 verify: Verify | None = None) -> None:
         self.s = settings
         self.jobdir = jobdir
         self._capture = capture
@@ -107,6 +109,8 @@ class Boundary:
         self._marks = marks
         self._not_exact = not_exact
         self._flag = not_exact.flag
+        self._verify = verify
+        """``cfrun verify``'s digests, stop step and kills (None in every other run)."""
         self.step = 0
         """Optimizer steps completed (the checkpoint's name); restored on resume."""
         self.mode: str | None = None
@@ -218,6 +222,10 @@ class Boundary:
             self.mode = "loop"
         self._next_since_step = False
         self._marks.beat(self.step)
+        if self._verify is not None:  # may SIGKILL this rank, as cfrun verify chose
+            self._verify.on_step(opt, self.step, self._train_iter, self.mode)
+            if self._verify.stop_step is not None:
+                self._preemption.stop_for_verify(self._verify.stop_step)
         while self._done_records:  # checkpoint results from the snapshot thread
             rec = self._done_records.pop(0)
             tuner.on_checkpoint_done(int(rec["step"]), rec)
@@ -225,7 +233,8 @@ class Boundary:
         if self.s.profile_only and tuner.done_profiling:
             say("profiling done; stopping the script (cfrun profile)")
             raise SystemExit(0)
-        due = tuner.due(self.step) or (self._pending is not None and self._pending[1])
+        due = tuner.due(self.step) or (self._pending is not None and self._pending[1]) or (
+            self._verify is not None and self._verify.kill_in_persist(self.step))
         kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
         stop = self._preemption.stop_due(self.step)
         if not (due or kill or stop):
@@ -419,11 +428,13 @@ class Boundary:
             return  # the trigger waits for the next boundary
         step, due, kill = self._pending
         self._pending = None
+        persist_kill = self._verify is not None and self._verify.kill_in_persist(step)
         if due and not self._stopping:
             try:
                 # one rank defers a due checkpoint by one boundary at most (then waits for the
                 # previous persist), so no more than K+1 iterations separate two checkpoints
-                may_defer = self._deferred_from is None or self._tuner.phase == "profiling"
+                may_defer = (self._deferred_from is None or self._tuner.phase == "profiling") \
+                    and not persist_kill
                 if self.checkpoint(self.step, frame, data, may_defer=may_defer) is None:
                     self._pending = (step, True, False)  # previous one in flight: next boundary
                     if self._deferred_from is None:
@@ -437,6 +448,8 @@ class Boundary:
         if self._stopping:
             self._pending = None
             self._preemption.stop_now(self.step, lambda: self.checkpoint(self.step, frame, data))
+        if persist_kill and self._verify is not None:
+            self._verify.kill_after_handoff(self._snap.handed_off, step)
         if kill:
             say(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
             for stream in (sys.stdout, sys.stderr):

@@ -231,7 +231,10 @@ def _wrap_init(cls: type, register: Any) -> None:
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Calls :func:`install` right after ``import torch`` completes, and only then."""
+    """Calls ``then`` (:func:`install`) right after ``import torch`` completes, and only then."""
+
+    def __init__(self, then: Callable[[], None] | None = None) -> None:
+        self.then = then or install
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname != "torch":
@@ -243,12 +246,23 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         loader = spec.loader
         orig_exec = loader.exec_module
 
+        then = self.then
+
         def exec_module(module: Any) -> None:
             orig_exec(module)
-            install()
+            then()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def when_torch_imported(then: Callable[[], None]) -> None:
+    """Call ``then`` now if torch is already imported, else right after the script imports it
+    (``cfrun verify``'s observer of a plain run, :func:`cfrun.rank.verify.observe`)."""
+    if "torch" in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _TorchWatcher(then))
 
 
 def arm() -> None:

@@ -36,6 +36,9 @@ from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
 
+VERIFY_STOP_S = 120.0
+"""The time a ``cfrun verify`` stop gives its final checkpoint (the deadline's stand-in)."""
+
 
 def _flush_std_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
@@ -165,11 +168,26 @@ class Preemption:
         self._deadline_unix_s: float | None = None
         self.preempted = False
         """True once this rank stopped for a preemption (its hooks then end the process)."""
+        self.for_verify = False
+        """The stop is ``cfrun verify``'s (:meth:`stop_for_verify`), not a preemption: no
+        ``preempted`` mark, the script ends clean (exit 0)."""
 
     @property
     def deadline_unix_s(self) -> float | None:
         """The grace deadline of a requested stop (unix seconds), None when none was seen."""
         return self._deadline_unix_s
+
+    def stop_for_verify(self, step: int) -> None:
+        """``cfrun verify``: stop every rank at ``step`` (:mod:`cfrun.rank.verify`) as a
+        preemption would (a final checkpoint, all ranks or none, then the end of the script),
+        with no grace deadline to speak of and no ``preempted`` mark, so that the attempt ends
+        clean. Called every step once the stop step is known; the first call sets it."""
+        if self._stop_step is not None:
+            return
+        self._stop_step = step
+        self._deadline_unix_s = time.time() + VERIFY_STOP_S
+        self.for_verify = True
+        say(f"cfrun verify: stopping at step {step}")
 
     def stop_due(self, step: int) -> bool:
         """True at the step where every rank stops for a preemption (SIGTERM to cfrun).
@@ -231,6 +249,12 @@ class Preemption:
             except Exception as e:
                 say(f"WARNING: final checkpoint failed: {e!r}")
         last = self._last_committed_step()
+        if self.for_verify:
+            say(f"cfrun verify: stopped at step {step}; final checkpoint "
+                + ("committed" if committed is not None else "NOT committed"))
+            self.preempted = True  # the hooks end a script that swallows the SystemExit
+            _flush_std_streams()
+            raise SystemExit(0)
         if committed is not None:
             say(f"preempted: final checkpoint at step {committed} is durable")
         else:

@@ -63,8 +63,14 @@ class Runtime:
                            budget=settings.overhead, fixed_interval=settings.interval,
                            mtbf_s=settings.mtbf_s, profile_only=settings.profile_only,
                            key=fingerprint(settings.script, sys.argv[1:], settings.world_size))
+        verify = None
+        if settings.verify:
+            from cfrun.rank.verify import Verify
+
+            verify = Verify(settings, self.jobdir)
         self.boundary = Boundary(settings, self.jobdir, self.capture, self.snap, self.tuner,
-                                 self.resume, self.preemption, self.marks, self.not_exact, wrap)
+                                 self.resume, self.preemption, self.marks, self.not_exact, wrap,
+                                 verify)
 
     @property
     def step(self) -> int:
@@ -96,7 +102,8 @@ class Runtime:
 
     def at_exit(self) -> None:
         """atexit: the end mark, the script's stdout back, the last hand-off and persist."""
-        self.marks.mark_end(self.boundary.step, self.preemption.preempted)
+        self.marks.mark_end(self.boundary.step,
+                            self.preemption.preempted and not self.preemption.for_verify)
         self.resume.exit_fast_forward()
         timeout_s = 60.0
         deadline = self.preemption.deadline_unix_s

@@ -64,6 +64,18 @@ class RankSettings:
     launcher: str = "torchrun"
     """``torchrun``, or ``python``: this process is the job's one rank, started as
     ``python SCRIPT`` without torchrun's variables (rank 0 of world 1; ``--launcher``)."""
+    verify: bool = False
+    """A run of ``cfrun verify`` (:mod:`cfrun.rank.verify`): record a digest per step, stop at
+    :attr:`verify_stop_step` with a final checkpoint, make the :attr:`verify_kills`."""
+    verify_stop_step: int | None = None
+    """``cfrun verify``: every rank stops at this optimizer step with a final, committed
+    checkpoint, and the script ends there (exit 0; its tail does not run). None with
+    :attr:`verify`: rank 0 chooses it (:func:`cfrun.rank.verify.auto_stop_step`)."""
+    verify_kills: tuple[tuple[int, int, int, int], ...] = ()
+    """``cfrun verify``: ``(step, attempt, rank, moment)``: in that attempt that rank SIGKILLs
+    itself at that step, right after its optimizer step (moment 0,
+    :data:`cfrun.rank.verify.AFTER_STEP`) or while the checkpoint it takes at the step's
+    boundary persists (moment 1, :data:`cfrun.rank.verify.DURING_PERSIST`)."""
     rank: int = 0
     """torchrun's ``RANK`` (not in the JSON)."""
     world_size: int = 1
@@ -89,6 +101,13 @@ class RankSettings:
         if self.launcher == "python" and self.world_size != 1:
             raise BadInputError(f"{ENV}: launcher 'python' runs one rank, not WORLD_SIZE "
                                 f"{self.world_size}")
+        if self.verify_stop_step is not None and self.verify_stop_step < 1:
+            raise BadInputError(f"{ENV}: verify_stop_step {self.verify_stop_step} must be at "
+                                "least 1")
+        for kill in self.verify_kills:
+            if len(kill) != 4 or min(kill) < 0 or kill[0] < 1 or kill[3] not in (0, 1):
+                raise BadInputError(f"{ENV}: verify_kills entry {list(kill)} must be [step >= 1, "
+                                    "attempt, rank, moment 0 or 1]")
         for name in ("attempt", "supervisor_pid", "node_rank", "rank", "local_rank"):
             if getattr(self, name) < 0:
                 raise BadInputError(f"{ENV}: {name} {getattr(self, name)} must not be negative")
@@ -102,6 +121,7 @@ class RankSettings:
                if f.name not in _FROM_TORCHRUN}
         doc["job_dir"] = str(self.job_dir)
         doc["inject_crash"] = [list(pair) for pair in self.inject_crash]
+        doc["verify_kills"] = [list(kill) for kill in self.verify_kills]
         return json.dumps(doc, sort_keys=True)
 
     @classmethod
@@ -134,6 +154,12 @@ class RankSettings:
                 isinstance(p, list) and len(p) == 2 for p in pairs):
             raise BadInputError(f"{ENV}: inject_crash {pairs!r} must be a list of "
                                 "[step, attempt] pairs")
+        kills = doc.get("verify_kills", [])
+        if not isinstance(kills, list) or not all(
+                isinstance(k, list) and len(k) == 4 for k in kills):
+            raise BadInputError(f"{ENV}: verify_kills {kills!r} must be a list of "
+                                "[step, attempt, rank, moment] lists")
+        doc["verify_kills"] = tuple(tuple(k) for k in kills)
         doc["job_dir"] = Path(doc["job_dir"])
         doc["script"] = os.path.realpath(doc["script"])
         doc["inject_crash"] = tuple(tuple(p) for p in pairs)
@@ -182,7 +208,7 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         ok = isinstance(value, str)
     elif ann == "Path":
         ok = isinstance(value, Path)
-    else:  # inject_crash
+    else:  # inject_crash, verify_kills
         ok = isinstance(value, tuple) and all(
             isinstance(x, int) and not isinstance(x, bool) for pair in value for x in pair)
     if not ok:

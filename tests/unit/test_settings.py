@@ -20,7 +20,8 @@ SETTINGS_PY = "cfrun/contract/settings.py"
 LITERAL_ALLOWED: dict[str, set[str]] = {
     # the hook runs in every process on the ranks' PYTHONPATH: it imports nothing from cfrun
     # before it knows it is a rank
-    "hooks/sitecustomize.py": {"CFRUN_RANK_SETTINGS", "CFRUN_HOOK_OWNER_PID"},
+    "hooks/sitecustomize.py": {"CFRUN_RANK_SETTINGS", "CFRUN_HOOK_OWNER_PID",
+                               "CFRUN_VERIFY_OBSERVE"},
 }
 
 

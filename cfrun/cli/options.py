@@ -1,0 +1,56 @@
+"""Options that several commands share (``cfrun run``, ``cfrun verify``): one typer definition
+each, so a command that takes the run options takes them with the same names, environment
+variables, metavars and help."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cfrun.contract import settings as E
+
+LogFormatOption = Annotated[str, typer.Option(
+    "--log-format", metavar="[auto|text|json]", envvar=E.LOG_FORMAT,
+    help="cfrun's own log lines: auto (rich on a terminal, text elsewhere), text (one line "
+         "per record, never wrapped) or json (JSON lines).")]
+
+IntervalOption = Annotated[str | None, typer.Option(
+    "--interval", metavar="INTEGER", envvar=E.INTERVAL,
+    help="Checkpoint every K optimizer steps (turns the overhead policy off).")]
+
+NprocPerNodeOption = Annotated[str, typer.Option(
+    "--nproc-per-node", "--nproc_per_node", metavar="INTEGER", envvar=E.NPROC_PER_NODE,
+    help="Ranks on this node (torchrun).")]
+
+LauncherOption = Annotated[str, typer.Option(
+    "--launcher", metavar="[torchrun|python]", envvar=E.LAUNCHER,
+    help="torchrun, or python: one process run as python SCRIPT would be (no RANK, "
+         "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
+)]
+
+MaxRestartsOption = Annotated[str, typer.Option(
+    "--max-restarts", "--max_restarts", metavar="INTEGER", envvar=E.MAX_RESTARTS,
+    help="Restarts after failures before giving up (exit code 4).")]
+
+KeepOption = Annotated[str, typer.Option(
+    "--keep", metavar="INTEGER", envvar=E.KEEP, help="Committed checkpoints to keep.")]
+
+GraceOption = Annotated[str, typer.Option(
+    "--grace", metavar="DURATION", envvar=E.GRACE,
+    help="Time the ranks get after SIGTERM before SIGKILL: seconds, or 30s, 2m.")]
+
+HangTimeoutOption = Annotated[str, typer.Option(
+    "--hang-timeout", metavar="DURATION", envvar=E.HANG_TIMEOUT,
+    help="Time without an optimizer step before a rank counts as hung and the job "
+         "restarts: seconds, or 30m, 1h (0: off).")]
+
+CrashLoopOption = Annotated[str, typer.Option(
+    "--crash-loop", metavar="INTEGER", envvar=E.CRASH_LOOP,
+    help="Stop (exit 5) after the same failure at the same step this many times in a row "
+         "(0: off).")]
+
+LocalAddrOption = Annotated[str | None, typer.Option(
+    "--local-addr", "--local_addr", metavar="ADDRESS", envvar=E.LOCAL_ADDR,
+    help="This node's address for the rendezvous and the ranks' store (torchrun "
+         "--local-addr), where the host name does not resolve to it.")]
