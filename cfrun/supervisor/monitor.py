@@ -247,11 +247,12 @@ class Monitor:
         now = time.monotonic()
         if not self.progress_s or now - self._progress_at < self.progress_s:
             return
-        first = self._progress_at == 0.0
         self._progress_at = now
         step = self.last_step()
-        if first or step is None:
-            self._progress_step = (now, step or 0)
+        if step is None:  # no beat yet, or one being rewritten: keep the previous sample
+            return
+        if self._progress_step[0] == 0.0:  # the first sample: a rate needs two
+            self._progress_step = (now, step)
             return
         t0, s0 = self._progress_step
         rate = (step - s0) / max(now - t0, 1e-9)
