@@ -15,7 +15,6 @@ own state). There the boundary captures (:mod:`cfrun.rank.capture`) and starts t
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 import types
@@ -34,7 +33,7 @@ from cfrun.rank import frameworks as FW
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
-from cfrun.rank.log import NotExact, say
+from cfrun.rank.log import NotExact, kill_self, say
 from cfrun.rank.preemption import Marks, Preemption
 from cfrun.rank.resume import Resume
 from cfrun.rank.settings import RankSettings
@@ -451,13 +450,7 @@ class Boundary:
         if persist_kill and self._verify is not None:
             self._verify.kill_after_handoff(self._snap.handed_off, step)
         if kill:
-            say(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
 
     def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None,
                    *, may_defer: bool = True) -> SnapshotHandle | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -17,6 +18,18 @@ def say(msg: str) -> None:
         sys.__stderr__.flush()  # type: ignore[union-attr]
     except Exception:
         pass
+
+
+def kill_self(msg: str) -> None:
+    """Say ``msg`` (:func:`say`), flush the script's stdio streams so its last lines show, and
+    SIGKILL this rank: ``--inject-crash`` and ``cfrun verify``'s planned kills, a real kill."""
+    say(msg)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NotExact:

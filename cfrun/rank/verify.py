@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from cfrun.contract import coordination as co
 from cfrun.contract import verify as V
 from cfrun.contract.fsio import atomic_write_json
 from cfrun.contract.jobdir import JobDir
+from cfrun.rank import log
 from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 
@@ -135,14 +135,8 @@ def _open_digests(job_root: Any, rank: int) -> int:
 
 
 def kill_self(what: str) -> None:
-    """SIGKILL this process (the stdio streams flushed first, so its last lines show)."""
-    say(f"cfrun verify: SIGKILL {what}")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this rank for a planned kill (:func:`cfrun.rank.log.kill_self`)."""
+    log.kill_self(f"cfrun verify: SIGKILL {what}")
 
 
 class Verify:
