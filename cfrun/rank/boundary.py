@@ -251,9 +251,15 @@ class Boundary:
             return
         self._uncheckpointable = why
         self._pending = None
-        say(f"WARNING: {why}; this job is unprotected (no checkpoints, a restart starts over)")
+        self._report_unprotected(
+            where, f"{why}; this job is unprotected (no checkpoints, a restart starts over)", why)
+
+    def _report_unprotected(self, where: str, line: str, error: str) -> None:
+        """``WARNING: line`` on stderr, and (rank 0) an ``unprotected`` event naming ``where``
+        and ``error``."""
+        say(f"WARNING: {line}")
         if self.s.rank == 0:
-            self.jobdir.emit_event("unprotected", where=where, error=why, step=self.step,
+            self.jobdir.emit_event("unprotected", where=where, error=error, step=self.step,
                                    rank=self.s.rank, attempt=self.s.attempt)
 
     def _no_optimizer(self, backwards: int) -> None:
@@ -261,16 +267,14 @@ class Boundary:
         once, on stderr and (rank 0) as an ``unprotected`` event, that no checkpoint will be
         taken; the script goes on untouched."""
         self._backward_watch = None
-        say(f"WARNING: no torch.optim optimizer stepped after {backwards} backward() calls: "
-            "this job is unprotected (no checkpoints, a restart starts over). cfrun counts "
-            "steps and checkpoints at optimizer.step(); update the parameters with a "
-            "torch.optim optimizer (e.g. torch.optim.SGD(params, lr)) instead of by hand")
-        if self.s.rank == 0:
-            self.jobdir.emit_event(
-                "unprotected", where="no optimizer",
-                error=f"no torch.optim optimizer stepped after {backwards} backward() calls "
-                      "(parameters updated by hand?): no checkpoints",
-                step=self.step, rank=self.s.rank, attempt=self.s.attempt)
+        self._report_unprotected(
+            "no optimizer",
+            f"no torch.optim optimizer stepped after {backwards} backward() calls: this job is "
+            "unprotected (no checkpoints, a restart starts over). cfrun counts steps and "
+            "checkpoints at optimizer.step(); update the parameters with a torch.optim "
+            "optimizer (e.g. torch.optim.SGD(params, lr)) instead of by hand",
+            f"no torch.optim optimizer stepped after {backwards} backward() calls (parameters "
+            "updated by hand?): no checkpoints")
 
     def restore(self, step: int, mode: str) -> None:
         """Resume: the checkpoint of ``step``, taken in ``mode``, was restored; count on."""
