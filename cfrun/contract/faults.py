@@ -46,6 +46,9 @@ POINTS: dict[str, str] = {
     "rank.raise_in_step":
         "int STEP: cfrun's optimizer-step hook raises RuntimeError at this step (an internal "
         "error of cfrun: the Guard must keep the script running)",
+    "rank.step_delay_s":
+        "float SECONDS: cfrun's optimizer-step hook sleeps this long after every step (a slow "
+        "step: a long job in wall time without more work, for storms and preemption tests)",
     "rank.checkpoint_stall_s":
         "'SECONDS@FIRST-LAST': every checkpoint taken at a step in [FIRST, LAST) holds the "
         "training thread SECONDS more (a checkpoint made expensive by outside pressure, e.g. a "

@@ -17,6 +17,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -137,12 +138,15 @@ def _install() -> Any:
     register_optimizer_step_pre_hook(guard.wrap("the optimizer step pre-hook",
                                                 boundary.on_before_step))
     raise_at = int(faults.value("rank.raise_in_step") or 0)
+    step_delay_s = float(faults.value("rank.step_delay_s") or 0.0)
     on_step: Callable[..., None] = boundary.on_optimizer_step
-    if raise_at:  # the fault point's extra layer only where it is armed (every step pays it)
+    if raise_at or step_delay_s:  # the fault points' extra layer only where armed
 
         def on_step(opt: Any, args: Any, kwargs: Any) -> None:
             boundary.on_optimizer_step(opt, args, kwargs)
-            if boundary.step == raise_at:
+            if step_delay_s:
+                time.sleep(step_delay_s)
+            if raise_at and boundary.step == raise_at:
                 raise RuntimeError(f"injected internal error at step {raise_at} "
                                    "(fault point rank.raise_in_step)")
 

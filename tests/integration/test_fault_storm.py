@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from cfrun.contract import faults
 from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference, tiny_reference
 
 pytestmark = pytest.mark.timeout(900)
@@ -113,10 +114,17 @@ def _wait_for_progress(storm: Storm, proc: subprocess.Popen[bytes], since: int,
         time.sleep(0.1)
 
 
-def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int) -> None:
+def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int,
+               step_delay_s: float = 0.0) -> None:
     """Run ``argv`` (a cfrun command) under the storm until it exits 0; the same command again
-    after a killed supervisor or a preemption, as a scheduler would."""
+    after a killed supervisor or a preemption, as a scheduler would.
+
+    ``step_delay_s`` (fault point ``rank.step_delay_s``) makes each step that much longer in wall
+    time, the same bits: a short job then lasts long enough for ``kills_wanted`` kills however
+    fast the machine is (kills come every 0.3-2.5 s of wall time)."""
     env = clean_env()
+    if step_delay_s:
+        env = faults.arm(env, rank__step_delay_s=step_delay_s)
     out = open(cwd / "storm.out", "ab")
     err = open(cwd / "storm.err", "ab")
     try:
@@ -198,7 +206,7 @@ def test_storm_on_a_loader_job_with_workers(tmp_path, tmp_path_factory):
     argv = [sys.executable, "-m", "cfrun", "--interval", "10", "--job-dir", "j",
             "--max-restarts", "1000", str(SCRIPTS / "train_tiny.py"), "--epochs", "8",
             "--out", "got.pt"]
-    _run_storm(storm, argv, tmp_path, kills_wanted=14)
+    _run_storm(storm, argv, tmp_path, kills_wanted=14, step_delay_s=0.05)
     assert storm.kills >= 14, storm.report()
     got = torch.load(tmp_path / "got.pt", weights_only=True)
     assert_bit_identical(got, ref_state)
@@ -214,7 +222,7 @@ def test_storm_on_a_two_rank_ddp_job(tmp_path, tmp_path_factory):
     argv = [sys.executable, "-m", "cfrun", "--nproc-per-node", "2", "--interval", "10",
             "--keep", "3", "--job-dir", "j", "--max-restarts", "1000",
             str(SCRIPTS / "train_ddp.py"), "got.pt"]
-    _run_storm(storm, argv, tmp_path, kills_wanted=8)
+    _run_storm(storm, argv, tmp_path, kills_wanted=8, step_delay_s=0.1)
     assert storm.kills >= 8, storm.report()
     got = torch.load(tmp_path / "got.pt", weights_only=True)
     assert_bit_identical(got, ref_state)
