@@ -25,8 +25,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from cfrun.contract import faults
 from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference, tiny_reference
+
+from cfrun.contract import faults
 
 pytestmark = pytest.mark.timeout(900)
 
