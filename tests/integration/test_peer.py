@@ -621,6 +621,7 @@ print("opened", opened, flush=True)
 """
 
 
+@pytest.mark.timing
 def test_a_flood_of_slow_unauthenticated_connections_does_not_lock_out_a_valid_client(
         tmp_path, peers):
     """300 connections from one address, each sending one byte of a hello a second and coming
