@@ -81,6 +81,17 @@ def final_line(stdout: str) -> str:
     return lines[-1]
 
 
+def epoch_ends_run_again(kills: list[int], resumed: list[int], steps_per_epoch: int,
+                         epochs: int) -> int:
+    """How many epoch ends (validation, the epoch's line) a run with these kills and resume
+    steps runs a second time: an epoch ending after step ``E`` ran before a kill at step ``k``
+    when ``E < k``, and runs again when the resume step ``r <= E`` (the checkpoint of the
+    epoch's last step is taken before its end; an older one, when the newest was not yet
+    committed at the kill, recomputes the end too)."""
+    ends = [steps_per_epoch * (j + 1) for j in range(epochs)]
+    return sum(1 for k, r in zip(kills, resumed) for e in ends if r <= e < k)
+
+
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     return tmp_path

@@ -263,7 +263,9 @@ def observe(config_json: str) -> None:
     step (it reads the parameters and RNG states, changes nothing) to
     ``digests-rank-R.jsonl`` in the directory ``dir``, and ends the script with exit code 0
     (``SystemExit``, as cfrun's own stop does: ``finally`` blocks run, the code after the loop
-    does not) right after the digest of step ``stop_step``. ``config_json``: ``{"dir":
+    does not) right after the digest of step ``stop_step``; a rank of an initialized process
+    group leaves with ``os._exit(0)`` instead, as the interpreter's teardown of a live group
+    can abort it. ``config_json``: ``{"dir":
     ..., "stop_step": N}``.
 
     Raises:
@@ -290,6 +292,16 @@ def observe(config_json: str) -> None:
         done[0] = count
         _append(fd, step_digest(opt, count, 0).to_line())
         if count >= stop_step:  # as cfrun's own stop: the script's tail does not run
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # a live process group torn down by the interpreter's exit can abort the rank
+                # (gloo: "terminate called without an active exception", exit -6); the
+                # digests are written, so leave without the teardown
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
+                os._exit(0)
             raise SystemExit(0)
 
     register_optimizer_step_post_hook(hook)
