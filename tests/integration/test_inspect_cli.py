@@ -7,6 +7,7 @@ the point (an exported file loaded without cfrun, a lock held by another process
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -49,7 +50,8 @@ def test_status_json_shape(job):
     assert set(st["pgt_s"]) == {"count", "median", "p95", "max"}
     assert st["disk_bytes"] > 0 and 0 <= st["overhead"]["stall_pct"] < 100
     resume = st["last_resume"]  # the crash's resume, broken down from the events
-    assert resume["attempt"] == 1 and resume["step"] == 30
+    # the newest checkpoint before the kill at 35: step 30, or 20 when 30 was still persisting
+    assert resume["attempt"] == 1 and resume["step"] in (20, 30)
     phases = ("backoff_s", "launch_s", "import_s", "agent_wait_s", "read_s", "to_boundary_s",
               "restore_s")
     assert all(resume[p] is not None and resume[p] >= 0 for p in phases), resume
@@ -60,7 +62,8 @@ def test_status_json_shape(job):
 def test_status_table_and_ls(job):
     table = cfrun_in_process(["status", "j"], cwd=job)
     assert table.returncode == 0 and "last committed step" in table.stdout
-    assert "last resume" in table.stdout and "attempt 1 at step 30" in table.stdout
+    assert "last resume" in table.stdout
+    assert re.search(r"attempt 1 at step (20|30)\b", table.stdout), table.stdout
     rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=job).stdout)
     assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True)
     assert len(rows) == 3 and all(r["verified"] == "ok" for r in rows)
