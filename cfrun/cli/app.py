@@ -35,6 +35,8 @@ from cfrun.cli.options import (
     LogFormatOption,
     MaxRestartsOption,
     NprocPerNodeOption,
+    ScriptArgsArgument,
+    ScriptArgument,
 )
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
@@ -218,10 +220,8 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
 )
 def run_cmd(
     ctx: typer.Context,
-    script: Annotated[str, typer.Argument(metavar="SCRIPT",
-                                          help="The training script, run unchanged.")],
-    script_args: Annotated[list[str] | None, typer.Argument(
-        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
+    script: ScriptArgument,
+    script_args: ScriptArgsArgument = None,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job directory (checkpoints, events, config). Default: "
@@ -441,10 +441,8 @@ def _parse_seconds(name: str, text: str, example: str) -> float:
              help="Profile SCRIPT: measure checkpoint costs, choose the snapshot mode and the "
                   "interval, then stop.")
 def profile_cmd(
-    script: Annotated[str, typer.Argument(metavar="SCRIPT",
-                                          help="The training script, run unchanged.")],
-    script_args: Annotated[list[str] | None, typer.Argument(
-        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
+    script: ScriptArgument,
+    script_args: ScriptArgsArgument = None,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>); a later "
@@ -524,10 +522,8 @@ def profile_cmd(
                   "for bit. Exit 0: exact; 6: not exact, with the first differing entry.")
 def verify_cmd(
     ctx: typer.Context,
-    script: Annotated[str, typer.Argument(metavar="SCRIPT",
-                                          help="The training script, run unchanged.")],
-    script_args: Annotated[list[str] | None, typer.Argument(
-        metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")] = None,
+    script: ScriptArgument,
+    script_args: ScriptArgsArgument = None,
     steps: Annotated[str | None, typer.Option(
         "--steps", metavar="INTEGER",
         help="Optimizer steps each run makes before it stops (default: the first epoch of "

@@ -1,6 +1,6 @@
-"""Options that several commands share (``cfrun run``, ``cfrun verify``): one typer definition
-each, so a command that takes the run options takes them with the same names, environment
-variables, metavars and help."""
+"""Arguments and options that several commands share (``cfrun run``, ``profile``,
+``verify``): one typer definition each, so every command takes them with the same names,
+environment variables, metavars and help."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ from typing import Annotated
 import typer
 
 from cfrun.contract import settings as E
+
+ScriptArgument = Annotated[str, typer.Argument(
+    metavar="SCRIPT", help="The training script, run unchanged.")]
+
+ScriptArgsArgument = Annotated[list[str] | None, typer.Argument(
+    metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")]
 
 LogFormatOption = Annotated[str, typer.Option(
     "--log-format", metavar="[auto|text|json]", envvar=E.LOG_FORMAT,
