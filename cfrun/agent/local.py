@@ -215,7 +215,7 @@ class LocalWriter:
             SlotRefused, OSError: the slot cannot be read or the file not written.
         """
         staging = staging_dir(self.jobdir.checkpoints, req.step)
-        staging.mkdir(parents=True, exist_ok=True)
+        staging.mkdir(mode=0o700, parents=True, exist_ok=True)
         bin_name, json_name = shard_names(req.rank)
         for stale in (bin_name, json_name):  # from an attempt that died before this step committed
             (staging / stale).unlink(missing_ok=True)

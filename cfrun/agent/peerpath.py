@@ -233,7 +233,7 @@ class PeerPath:
                         raise ForeignCheckpoint(why)
                     files = manifest_files_to(
                         staging, manifest,
-                        lambda name, n: store.read_file(self.job, step, name))  # noqa: B023 (called here)
+                        lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
                        keep=self.keep)

@@ -301,7 +301,7 @@ def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],
     """
     if not isinstance(manifest, Manifest):
         manifest = Manifest.from_json(manifest, "fetched manifest")
-    staging.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
     out = []
     for f in manifest.files:  # names and sizes checked by Manifest.parse
         if f.nbytes > MAX_FETCH_BYTES:

@@ -477,7 +477,7 @@ def profile_cmd(
                             "new --job-dir (profiling must not replace a job's checkpoints)")
     code = Supervisor(cfg).run()
     shutil.rmtree(jd.checkpoints, ignore_errors=True)  # profiling checkpoints are not a job's
-    jd.checkpoints.mkdir(parents=True, exist_ok=True)
+    jd.checkpoints.mkdir(mode=0o700, parents=True, exist_ok=True)
     for hb in coordination.heartbeat_paths(jd.root):
         hb.unlink()
     strategy = jd.strategy_path

@@ -17,9 +17,10 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cfrun.contract import coordination as co
 from cfrun.contract import gpus
@@ -328,6 +329,31 @@ def _save_dcp(state: dict[str, Any], directory: Path) -> None:
         dcp.save(state, checkpoint_id=str(directory), no_dist=True)
 
 
+def _write_export(f: BinaryIO, obj: Any, modules: list[dict[str, Any]], fmt: str,
+                  step: int) -> None:
+    """Write an export file to ``f``: ``torch.save`` of ``obj``, or safetensors of
+    ``modules`` (keys prefixed ``model0.`` etc. when there are several).
+
+    Raises:
+        BadInputError: safetensors is not installed.
+    """
+    import torch
+
+    if fmt == "torch":
+        torch.save(obj, f)
+        return
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise BadInputError("--format safetensors needs the safetensors package; "
+                            "pip install safetensors") from None
+    flat = {}
+    for i, m in enumerate(modules):
+        for k, v in m.items():
+            flat[k if len(modules) == 1 else f"model{i}.{k}"] = v.contiguous()
+    f.write(save(flat, metadata={"cfrun_step": str(step)}))
+
+
 def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, int]:
     """Write the model weights of a checkpoint as a plain file. Returns (step, tensors).
 
@@ -367,34 +393,30 @@ def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, i
             for m in modules):
         raise BadInputError(f"checkpoint step {step} holds no model weights cfrun wrote "
                             "(no list of state_dicts under 'modules'); export another --step")
-    # written beside ``out`` and renamed: a failed export leaves no torn file and an existing
-    # ``out`` as it was
-    tmp = out.with_name(f".{out.name}.cfrun-tmp-{os.getpid()}")
+    # written beside ``out`` under a fresh random name (O_EXCL: a link or file planted at a
+    # predictable name is never followed nor overwritten; issue 24, item 10) and renamed: a
+    # failed export leaves no torn file and an existing ``out`` as it was
+    obj = modules[0] if len(modules) == 1 else {f"model{i}": m for i, m in enumerate(modules)}
+    tmp = ""
     try:
-        obj = modules[0] if len(modules) == 1 else {f"model{i}": m
-                                                    for i, m in enumerate(modules)}
-        if fmt == "torch":
-            torch.save(obj, tmp)
-        elif fmt == "dcp":
-            _save_dcp(obj, tmp)
+        if fmt == "dcp":
+            tmp = tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".cfrun-tmp")
+            _save_dcp(obj, Path(tmp))
         else:
-            try:
-                from safetensors.torch import save_file
-            except ImportError:
-                raise BadInputError("--format safetensors needs the safetensors package; "
-                                    "pip install safetensors") from None
-            flat = {}
-            for i, m in enumerate(modules):
-                for k, v in m.items():
-                    flat[k if len(modules) == 1 else f"model{i}.{k}"] = v.contiguous()
-            save_file(flat, str(tmp), metadata={"cfrun_step": str(step)})
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.",
+                                       suffix=".cfrun-tmp")
+            with os.fdopen(fd, "wb") as f:
+                _write_export(f, obj, modules, fmt, step)
+                umask = os.umask(0)
+                os.umask(umask)
+                os.fchmod(f.fileno(), 0o666 & ~umask)  # as torch.save's file would be
         os.replace(tmp, out)
     except (OSError, RuntimeError) as e:  # torch.save wraps I/O errors in RuntimeError
         raise BadInputError(f"cannot write {str(out)!r} ({getattr(e, 'strerror', None) or e}); "
                             "give a writable path with free space") from None
     finally:
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
+        if tmp and os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.lexists(tmp):
+        elif tmp and os.path.lexists(tmp):
             os.unlink(tmp)
     return step, sum(len(m) for m in modules)

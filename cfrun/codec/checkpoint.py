@@ -96,7 +96,7 @@ def write_shard(staging: Path, rank: int, tree: Any, tensors: list[torch.Tensor]
     Raises:
         OSError: the disk refused the write (full, read-only...).
     """
-    staging.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
     entries, total = plan_layout(tensors)
     bin_name, json_name = shard_names(rank)
     chunks: list[memoryview | bytes] = []

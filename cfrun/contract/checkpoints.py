@@ -24,7 +24,7 @@ from typing import Any
 
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import fsync_dir, write_atomic
-from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
+from cfrun.contract.jobdir import STAGING_PREFIX, parse_step_dir_name, step_dir_name
 from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest, shard_names
 from cfrun.contract.shard import check_docs
 
@@ -193,7 +193,8 @@ def committed_steps(checkpoints: Path) -> list[int]:
     steps = []
     if checkpoints.is_dir():
         for p in checkpoints.iterdir():
-            if not p.name.startswith(STEP_PREFIX) or not p.name[len(STEP_PREFIX):].isdigit():
+            step = parse_step_dir_name(p.name)
+            if step is None:
                 continue
             try:
                 if not stat.S_ISDIR(p.lstat().st_mode):
@@ -201,7 +202,7 @@ def committed_steps(checkpoints: Path) -> list[int]:
                 os.lstat(p / MANIFEST)
             except OSError:
                 continue
-            steps.append(int(p.name[len(STEP_PREFIX):]))
+            steps.append(step)
     return sorted(steps, reverse=True)
 
 

@@ -227,7 +227,13 @@ def _kind(mode: int) -> str:
 def tree_bytes(path: Path) -> int:
     """Bytes of the regular files under ``path`` (links not followed, files that vanish while
     walking skipped); 0 for a missing ``path``. Used for disk accounting: ``cfrun status`` and
-    the agent's pruning for free space."""
+    the agent's pruning for free space. A ``path`` that is itself a link counts 0: ``os.walk``
+    follows its top (a ``checkpoints`` linked to ``/`` walked the whole machine; issue 24)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return 0
+    except OSError:
+        return 0
     total = 0
     for root, _, names in os.walk(path):
         for name in names:

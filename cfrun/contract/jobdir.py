@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import sys
 import threading
@@ -127,6 +128,19 @@ best_effort = BestEffortWrites()
 def step_dir_name(step: int) -> str:
     """``step-000120`` for step 120: names sort in step order."""
     return f"{STEP_PREFIX}{step:06d}"
+
+
+_STEP_DIR = re.compile(r"step-([0-9]{1,18})", re.ASCII)
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a ``step-NNNNNN`` name, or None for any other name.
+
+    Only ASCII digits count: ``str.isdigit`` accepts ``step-\u00b2`` (then ``int()`` fails) and
+    ``int()`` accepts other scripts' digits (``step-\u0663`` would read as step 3), so a name
+    planted at level 2 could stop a flusher or pose as a step (issue 24, item 9)."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 class JobDir:

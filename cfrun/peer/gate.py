@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import secrets
 import selectors
 import socket
@@ -99,6 +100,9 @@ class Gate:
         self.sel.register(sock, selectors.EVENT_READ)
         self.evicted = 0
         self.expired = 0
+        self.repeated = 0
+        """Rejections whose reason was already logged in this summary period."""
+        self.reasons_logged: set[str] = set()
         self.next_summary = time.monotonic() + SUMMARY_EVERY_S
 
     def step(self, timeout_s: float) -> None:
@@ -120,13 +124,15 @@ class Gate:
             self._drop(p)
         if now >= self.next_summary:
             self.next_summary = now + SUMMARY_EVERY_S
-            if self.evicted or self.expired:
+            if self.evicted or self.expired or self.repeated:
                 logger.warning("rejected %d unauthenticated connections in the last %.0f s "
                                "(%d evicted: at most %d mid-handshake, %d per address; %d past "
-                               "the %g s handshake deadline)", self.evicted + self.expired,
-                               SUMMARY_EVERY_S, self.evicted, self.max_unauthenticated,
-                               self.max_per_address, self.expired, self.deadline_s)
-                self.evicted = self.expired = 0
+                               "the %g s handshake deadline; %d for a reason logged above)",
+                               self.evicted + self.expired + self.repeated, SUMMARY_EVERY_S,
+                               self.evicted, self.max_unauthenticated, self.max_per_address,
+                               self.expired, self.deadline_s, self.repeated)
+                self.evicted = self.expired = self.repeated = 0
+            self.reasons_logged.clear()
 
     def close(self) -> None:
         """Drop every pending handshake (the listening socket is the caller's)."""
@@ -183,7 +189,16 @@ class Gate:
         p.sock.close()
 
     def _reject(self, p: _Pending, why: str, answer: bytes = b"") -> None:
-        logger.warning("rejected %s: %s; connection closed", p.who, why)
+        """Close ``p`` (after ``answer``). The first rejection of each kind of reason in a
+        summary period gets a line of its own, the rest are counted in the summary: a flood
+        of 2,000 bad connections wrote 2,000 lines (issue 24, item 10)."""
+        kind = re.sub(r"\d+", "N", why)
+        if kind in self.reasons_logged:
+            self.repeated += 1
+        else:
+            self.reasons_logged.add(kind)
+            logger.warning("rejected %s: %s; connection closed (more of this kind are counted "
+                           "in a summary every %.0f s)", p.who, why, SUMMARY_EVERY_S)
         if answer:
             try:
                 p.sock.send(answer)

@@ -177,11 +177,16 @@ def parse_address(text: str, *, option: str = "--listen") -> tuple[str, int]:
     return host, port
 
 
+MIN_TOKEN_BYTES = 32
+"""A token's least length: ``openssl rand -hex 16`` (128 bits of entropy in 32 characters).
+16 bytes were accepted before, 64 bits when written as hex (issue 24, item 10)."""
+
+
 def read_token(path: str, *, option: str = "--token-file") -> bytes:
     """Read the shared secret from ``path`` (surrounding whitespace stripped).
 
     The file must be a regular file (a symbolic link is not followed), owned by the calling
-    user, with no group or other permission bits, holding 16 to 4096 bytes.
+    user, with no group or other permission bits, holding :data:`MIN_TOKEN_BYTES` to 4096 bytes.
 
     Raises:
         BadInputError: missing, unreadable, a link or not a regular file, owned by someone
@@ -214,10 +219,10 @@ def read_token(path: str, *, option: str = "--token-file") -> bytes:
                             f"{fix}") from None
     finally:
         os.close(fd)
-    if len(data) < 16 or len(data) > 4096:
-        what = "no" if not data else "a too short" if len(data) < 16 else "a too long"
-        raise BadInputError(f"{option} {path!r} holds {what} token (16 to 4096 bytes); create "
-                            f"one with {fix}")
+    if len(data) < MIN_TOKEN_BYTES or len(data) > 4096:
+        what = "no" if not data else "a too short" if len(data) < MIN_TOKEN_BYTES else "a too long"
+        raise BadInputError(f"{option} {path!r} holds {what} token ({len(data)} bytes; "
+                            f"{MIN_TOKEN_BYTES} to 4096 needed); create one with {fix}")
     return data
 
 

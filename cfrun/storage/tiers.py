@@ -43,7 +43,7 @@ from cfrun.contract import faults, settings
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.errors import BadInputError, CfrunError, CheckpointCorruptError
 from cfrun.contract.fsio import UnsafeFileError, fsync_dir, read_regular, write_atomic
-from cfrun.contract.jobdir import STAGING_PREFIX, STEP_PREFIX, step_dir_name
+from cfrun.contract.jobdir import STAGING_PREFIX, parse_step_dir_name, step_dir_name
 from cfrun.contract.manifest import MANIFEST, MAX_MANIFEST_BYTES, SHARD_FILE_RE, Manifest
 
 WRITE_CHUNK_BYTES = 8 << 20
@@ -124,7 +124,7 @@ class Storage(Protocol):
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]: ...
 
-    def read_file(self, job: str, step: int, name: str) -> bytes: ...
+    def read_file(self, job: str, step: int, name: str, max_bytes: int) -> bytes: ...
 
     def begin(self, job: str, step: int) -> CheckpointWriter: ...
 
@@ -153,7 +153,7 @@ class _DirWriter:
         self.final = final
         self.staging = final.parent / f"{STAGING_PREFIX}{final.name}"
         shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(parents=True)
+        self.staging.mkdir(mode=0o700, parents=True)
 
     def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
         if not FILE_RE.match(name):
@@ -206,15 +206,24 @@ class DirStorage:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
         return Manifest.parse(raw, str(path)).to_json()
 
-    def read_file(self, job: str, step: int, name: str) -> bytes:
+    def read_file(self, job: str, step: int, name: str, max_bytes: int) -> bytes:
+        """File ``name`` of step ``step``, at most ``max_bytes`` (the manifest's size for it).
+
+        Raises:
+            ValueError: ``name`` is not a checkpoint file's name.
+            CheckpointCorruptError: larger than ``max_bytes``, not a regular file, or unreadable.
+        """
         if not FILE_RE.match(name):
             raise ValueError(f"bad checkpoint file name {name!r}")
-        return bytes(read_regular(self._job(job) / step_dir_name(step) / name,
-                                  max_bytes=1 << 50))
+        path = self._job(job) / step_dir_name(step) / name
+        try:
+            return bytes(read_regular(path, max_bytes=max_bytes))
+        except (UnsafeFileError, OSError) as e:
+            raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
 
     def begin(self, job: str, step: int) -> _DirWriter:
         d = self._job(job)
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
         return _DirWriter(d / step_dir_name(step))
 
     def delete(self, job: str, step: int) -> None:
@@ -314,11 +323,9 @@ class FsspecStorage:
         steps = []
         for path in names:
             rel = path[len(prefix):].strip("/").split("/")
-            if len(rel) == 2 and rel[1] == MANIFEST and rel[0].startswith(STEP_PREFIX):
-                try:
-                    steps.append(int(rel[0][len(STEP_PREFIX):]))
-                except ValueError:
-                    continue
+            step = parse_step_dir_name(rel[0]) if len(rel) == 2 and rel[1] == MANIFEST else None
+            if step is not None:
+                steps.append(step)
         return sorted(steps, reverse=True)
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]:
@@ -336,10 +343,25 @@ class FsspecStorage:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
         return Manifest.parse(raw, path).to_json()
 
-    def read_file(self, job: str, step: int, name: str) -> bytes:
+    def read_file(self, job: str, step: int, name: str, max_bytes: int) -> bytes:
+        """File ``name`` of step ``step``; reads at most ``max_bytes`` + 1 bytes, so an object
+        larger than its manifest says is refused without being read whole (issue 24, item 10).
+
+        Raises:
+            ValueError: ``name`` is not a checkpoint file's name.
+            CheckpointCorruptError: larger than ``max_bytes``, or unreadable.
+        """
         if not FILE_RE.match(name):
             raise ValueError(f"bad checkpoint file name {name!r}")
-        return bytes(self.fs.cat_file(f"{self._job(job)}/{step_dir_name(step)}/{name}"))
+        path = f"{self._job(job)}/{step_dir_name(step)}/{name}"
+        try:
+            raw = self.fs.cat_file(path, start=0, end=max_bytes + 1)
+        except (FileNotFoundError, OSError) as e:
+            raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
+        if len(raw) > max_bytes:
+            raise CheckpointCorruptError(f"{path}: larger than the {max_bytes} bytes its "
+                                         "manifest declares")
+        return bytes(raw)
 
     def begin(self, job: str, step: int) -> _FsspecWriter:
         return _FsspecWriter(self.fs, f"{self._job(job)}/{step_dir_name(step)}")
@@ -370,7 +392,7 @@ class FsspecStorage:
                 continue
             for entry in entries:
                 name = entry.rstrip("/").rsplit("/", 1)[-1]
-                if not name.startswith(STEP_PREFIX):
+                if parse_step_dir_name(name) is None:
                     continue
                 if not self.fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
                     try:

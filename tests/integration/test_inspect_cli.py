@@ -107,6 +107,30 @@ def test_export_loads_without_cfrun(job, tmp_path, fmt):
         assert all(torch.equal(got[k], state["modules"][0][k]) for k in got)
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_export_follows_no_planted_link_and_respects_the_umask(job, tmp_path, fmt):
+    """Issue 24, item 10: a link planted at the temporary name export used to predict
+    (``.NAME.cfrun-tmp-PID``) made it overwrite the link's target; and the safetensors file
+    was 0600 where the torch one was 0644 (issue 27, item 8). Now the temporary name is
+    random and created exclusively, and a file export gets the umask's mode."""
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "model.out"
+    os.symlink(victim, tmp_path / f".{out.name}.cfrun-tmp-{os.getpid()}")
+    old = os.umask(0o022)
+    try:
+        run = cfrun_in_process(["export", "j", str(out), "--format", fmt], cwd=job)
+    finally:
+        os.umask(old)
+    assert run.returncode == 0, run.stderr
+    assert victim.read_text() == "precious" and not out.is_symlink()
+    if fmt != "dcp":
+        assert out.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.glob(".model.out*")] == [f".model.out.cfrun-tmp-{os.getpid()}"]
+
+
 def test_export_dcp_is_read_by_dcp_itself(job, tmp_path):
     """``--format dcp``: a torch.distributed.checkpoint directory that DCP's own loader and
     ``dcp_to_torch_save`` read in an interpreter without cfrun, equal to the checkpoint."""

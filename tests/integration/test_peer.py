@@ -278,7 +278,7 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
     for step in storage.list_steps("j"):
         manifest = storage.read_manifest("j", step)
         for f in manifest["files"]:
-            data = storage.read_file("j", step, f["name"])
+            data = storage.read_file("j", step, f["name"], f["nbytes"])
             assert xxhash.xxh3_64_hexdigest(data) == f["xxh3_64"]
 
 

@@ -186,3 +186,44 @@ def test_dead_ranks_slots_are_removed_live_and_foreign_ones_kept(tmp_path) -> No
     assert slots.remove_dead_slots([d]) == (2 if os.getuid() == 0 else 3)
     assert live.exists() and not dead.exists() and not link.is_symlink()
     assert foreign.exists() == (os.getuid() == 0)
+
+
+def test_disk_accounting_never_walks_a_linked_checkpoints_dir(tmp_path) -> None:
+    """Issue 24, item 10: ``cfrun status`` summed ``checkpoints/`` with ``os.walk``, which
+    follows its top: linked to ``/`` it walked the machine (13 s). A linked top counts 0;
+    a real one counts its regular files only."""
+    from cfrun.contract.fsio import tree_bytes
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "big").write_bytes(b"x" * 1000)
+    (tmp_path / "checkpoints").symlink_to(elsewhere)
+    assert tree_bytes(tmp_path / "checkpoints") == 0
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a").write_bytes(b"y" * 10)
+    (real / "link").symlink_to(elsewhere / "big")
+    assert tree_bytes(real) == 10
+
+
+def test_level2_directories_are_private(tmp_path) -> None:
+    """Issue 24, item 10: level-2 directories were 0755 (the README says 0700): another local
+    user listed and read a job's checkpoints there."""
+    import stat as st
+
+    import xxhash
+
+    from cfrun.contract.manifest import FileEntry, Manifest
+    from cfrun.storage.tiers import open_storage
+
+    old = os.umask(0o022)
+    try:
+        store = open_storage(str(tmp_path / "l2"))
+        w = store.begin("job", 10)
+        w.write_file("rank-00000.bin", [b"abc"])
+        w.commit(Manifest.build(10, 1, [FileEntry("rank-00000.bin", 3,
+                                                  xxhash.xxh3_64_hexdigest(b"abc"))]))
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "l2" / "job", tmp_path / "l2" / "job" / "step-000010"):
+        assert st.S_IMODE(d.stat().st_mode) == 0o700, d

@@ -157,7 +157,7 @@ def test_retention_keeps_the_flushed_step_and_newer_ones_and_never_another_jobs(
         assert _send(c, "j", 30, b"y" * 100, meta={"step": 30, "job_id": "job-a"})
         assert c.await_state("j", 30, "durable", 30)["state"] == "durable"
         assert store.list_steps("j") == [400, 300, 30, 20, 15, 5]  # only 10 went
-        assert store.read_file("j", 30, "rank-00000.bin") == b"y" * 100
+        assert store.read_file("j", 30, "rank-00000.bin", 100) == b"y" * 100
         assert _send(c, "j", 40, b"z" * 100, meta={"step": 40, "job_id": "job-a"})
         assert c.await_state("j", 40, "durable", 30)["state"] == "durable"
         assert store.list_steps("j") == [400, 300, 40, 30, 15, 5]
@@ -225,7 +225,7 @@ def test_a_flush_never_replaces_another_jobs_step_under_the_same_name(tmp_path):
         _until(failed)
         assert "another job" in reply["error"]
         assert store.read_manifest("j", 7)["meta"]["job_id"] == "job-b"
-        assert store.read_file("j", 7, "rank-00000.bin") == b"j/7/job-b"
+        assert store.read_file("j", 7, "rank-00000.bin", 1 << 20) == b"j/7/job-b"
 
 
 # ---------------------------------------------------------------------- RAM held

@@ -57,7 +57,7 @@ def test_level2_counts_a_step_only_with_its_manifest(tmp_path, url):
     w = store.begin("job", 20)  # cut short: files, no manifest
     w.write_file("rank-00000.bin", [b"xyz"])
     assert store.list_steps("job") == [10]
-    assert store.read_file("job", 10, "rank-00000.bin") == b"abcdef"
+    assert store.read_file("job", 10, "rank-00000.bin", 6) == b"abcdef"
     assert store.cleanup() == 1
     assert store.list_steps("job") == [10]
     store.delete("job", 10)
@@ -65,7 +65,27 @@ def test_level2_counts_a_step_only_with_its_manifest(tmp_path, url):
     with pytest.raises(ValueError):
         store.list_steps("../etc")
     with pytest.raises(ValueError):
-        store.read_file("job", 10, "../../secret")
+        store.read_file("job", 10, "../../secret", 6)
+
+
+@pytest.mark.parametrize("url", ["dir", "file"])
+def test_level2_refuses_a_file_larger_than_its_manifest_and_odd_step_names(tmp_path, url):
+    """Issue 24, items 9 and 10: a planted ``step-\u00b2`` (``str.isdigit`` but not ``int``)
+    or ``step-\u0663`` (an Arabic-Indic 3) is no step, and an object larger than the size
+    the reader declares is refused after reading at most one byte more."""
+    root = tmp_path / "l2"
+    store = open_storage(str(root) if url == "dir" else f"file://{root}")
+    w = store.begin("job", 10)
+    w.write_file("rank-00000.bin", [b"x" * 4096])
+    w.commit(Manifest.build(10, 1, [FileEntry("rank-00000.bin", 4096,
+                                              xxhash.xxh3_64_hexdigest(b"x" * 4096))]))
+    for odd in ("step-\u00b2", "step-\u0663", "step-12a", "step-"):
+        (root / "job" / odd).mkdir()
+        (root / "job" / odd / "manifest.json").write_text("{}")
+    assert store.list_steps("job") == [10]
+    assert store.read_file("job", 10, "rank-00000.bin", 4096) == b"x" * 4096
+    with pytest.raises(CheckpointCorruptError):
+        store.read_file("job", 10, "rank-00000.bin", 100)
 
 
 def test_split_parts_covers_the_shard_in_aligned_ranges():
@@ -93,10 +113,10 @@ def test_parsers():
 
 def test_read_token_refuses_empty_short_and_shared_files(tmp_path):
     p = tmp_path / "t"
-    p.write_text("  " + "a" * 20 + "\n")
+    p.write_text("  " + "a" * 32 + "\n")
     p.chmod(0o600)
-    assert read_token(str(p)) == b"a" * 20
-    for text, mode in (("", 0o600), ("short", 0o600), ("a" * 20, 0o644)):
+    assert read_token(str(p)) == b"a" * 32
+    for text, mode in (("", 0o600), ("short", 0o600), ("a" * 16, 0o600), ("a" * 32, 0o644)):
         p.write_text(text)
         p.chmod(mode)
         with pytest.raises(BadInputError):
@@ -521,3 +541,47 @@ def test_a_checkpoint_fetched_back_is_verified_end_to_end(server, tmp_path):
             other.verify_manifest(flushed, 7)
     finally:
         tier.close()
+
+
+def test_a_flood_of_bad_hellos_logs_one_line_per_reason_and_counts_the_rest(
+        tmp_path, caplog, monkeypatch):
+    """Issue 24, item 10: 2,000 rejected connections wrote 2,000 log lines. Now the first of
+    each kind of reason in a summary period has a line, and the summary counts the others."""
+    import logging
+
+    from cfrun.peer import gate
+    from cfrun.peer.protocol import CLIENT_HELLO_BYTES
+
+    monkeypatch.setattr(gate, "SUMMARY_EVERY_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="cfrun.peer")
+    srv = PeerServer(("127.0.0.1", 0), open_storage(str(tmp_path / "l2")), TOKEN, slots=2,
+                     max_checkpoint_bytes=1 << 20)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        for _ in range(30):
+            s = socket.create_connection(srv.address, timeout=5)
+            s.recv(64)  # the server's hello
+            s.sendall(b"X" * CLIENT_HELLO_BYTES)
+            try:
+                s.recv(64)
+            except OSError:
+                pass
+            s.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _bad_hellos(caplog)[0] + sum(
+                _bad_hellos(caplog)[1]) < 30:
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+    single, summed = _bad_hellos(caplog)
+    assert single + sum(summed) == 30, caplog.text
+    assert single <= 3 and summed, caplog.text  # one per 1 s period, on a slow machine a few
+
+
+def _bad_hellos(caplog) -> tuple[int, list[int]]:
+    """(lines of their own for a bad hello, the counts of the summary lines)."""
+    msgs = [r.getMessage() for r in caplog.records]
+    single = sum("bad hello" in m for m in msgs)
+    summed = [int(m.split("; ")[-1].split()[0]) for m in msgs if "for a reason logged above" in m]
+    return single, summed
