@@ -245,8 +245,9 @@ def run_cmd(
     ] = False,
     metrics: Annotated[str | None, typer.Option(
         "--metrics", metavar="HOST:PORT", envvar=E.METRICS,
-        help="Serve Prometheus metrics at http://HOST:PORT/metrics (0.0.0.0 for a pod; port 0: "
-             "a free port). The job dir's metrics.prom is written either way.")] = None,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics, without authentication "
+             "(bind 127.0.0.1, or a pod IP behind a NetworkPolicy; port 0: a free port). The "
+             "job dir's metrics.prom is written either way.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run",
         help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "

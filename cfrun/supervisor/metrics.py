@@ -27,7 +27,8 @@ yields:
 ============================================  ================================================
 
 The supervisor writes them to ``<job_dir>/metrics.prom`` (the textfile collector format of
-node_exporter) every few seconds, and serves them at ``--metrics HOST:PORT`` (``/metrics``);
+node_exporter) every few seconds, and serves them at ``--metrics HOST:PORT`` (``/metrics`` only,
+no authentication, a bounded pool: :func:`serve`);
 ``cfrun status JOBDIR --metrics`` prints them for any job dir. Torch-free.
 """
 
@@ -35,9 +36,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cfrun.contract import coordination
 from cfrun.contract.fsio import write_atomic
@@ -251,20 +257,103 @@ class JobMetrics:
 METRICS_FILE = "metrics.prom"
 
 
+MAX_SCRAPES = 4
+"""Requests served at once; a connection over the cap is closed at once (no thread, no queue)."""
+REQUEST_DEADLINE_S = 5.0
+"""A request's whole life, from accept to the last byte sent: a client that sends its request
+one byte at a time is cut off then (``prometheus_client``'s server kept a thread per idle
+connection forever: 400 half-requests held 400 threads; issue 24, item 6)."""
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """``GET``/``HEAD /metrics`` only (404 for any other path, 405 for other methods)."""
+
+    server: _MetricsServer
+    timeout = REQUEST_DEADLINE_S  # per socket operation; the deadline bounds the whole
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._reply(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._reply(head=True)
+
+    def _reply(self, *, head: bool) -> None:
+        if urlsplit(self.path).path != "/metrics":
+            self.send_error(404, "only /metrics is served")
+            return
+        body = self.server.metrics.exposition()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # scrapes are not the console's business
+
+
+class _MetricsServer(HTTPServer):
+    """An HTTP server with at most :data:`MAX_SCRAPES` requests in flight, each in a pool
+    thread and cut off :data:`REQUEST_DEADLINE_S` after its accept."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connects is accepted and closed
+
+    def __init__(self, address: tuple[str, int], metrics: JobMetrics) -> None:
+        self.metrics = metrics
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self.pool = ThreadPoolExecutor(MAX_SCRAPES, thread_name_prefix="cfrun-metrics")
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _MetricsHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed, nothing held
+            return
+        self.pool.submit(self._work, request, client_address)
+
+    def _work(self, request: socket.socket, client_address: Any) -> None:
+        cut = threading.Timer(REQUEST_DEADLINE_S, _cut_off, args=(request,))
+        cut.daemon = True
+        cut.start()
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            pass  # a client that went away or was cut off
+        finally:
+            cut.cancel()
+            self.shutdown_request(request)
+            self.slots.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.pool.shutdown(wait=False)
+
+
+def _cut_off(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns at once
+    except OSError:
+        pass
+
+
 def serve(metrics: JobMetrics, address: str) -> tuple[Any, int]:
-    """Serve ``metrics`` at ``http://HOST:PORT/metrics`` from a daemon thread
-    (``prometheus_client.start_http_server``). Returns (server, bound port).
+    """Serve ``metrics`` at ``http://HOST:PORT/metrics`` from a daemon thread; no other path.
+    There is no authentication: anyone who reaches the address reads the job's metrics (bind
+    127.0.0.1, or a pod IP behind a NetworkPolicy). At most :data:`MAX_SCRAPES` requests are
+    served at once, each within :data:`REQUEST_DEADLINE_S`. Returns (server, bound port);
+    ``server.shutdown()`` stops it.
 
     Raises:
         BadInputError: a malformed address.
         OSError: the address cannot be bound.
     """
-    from prometheus_client import CollectorRegistry, start_http_server
-
     from cfrun.peer.protocol import parse_address
 
     host, port = parse_address(address, option="--metrics")
-    registry = CollectorRegistry()
-    registry.register(metrics)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server = _MetricsServer((host, port), metrics)
+    threading.Thread(target=server.serve_forever, name="cfrun-metrics-accept",
+                     daemon=True).start()
     return server, server.server_address[1]
