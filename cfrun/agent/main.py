@@ -19,6 +19,7 @@ from pathlib import Path
 from cfrun.agent.server import PersistAgent
 from cfrun.contract import slots
 from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobkey import ensure_job_key
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
 
         peer = PeerTier(parse_address(args.peer, option="--peer"),
                         read_token(args.peer_token_file, option="--peer-token-file"), job,
-                        streams=args.peer_streams, emit=jd.emit_event)
+                        streams=args.peer_streams, emit=jd.emit_event,
+                        job_key=ensure_job_key(jd.root))
     level2 = None
     if args.persist_to:
         from cfrun.storage.tiers import open_storage

@@ -31,9 +31,12 @@ from typing import TYPE_CHECKING, Any
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
 from cfrun.contract.config import job_identity
+from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobkey import ensure_job_key
 from cfrun.contract.manifest import dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
+from cfrun.peer.protocol import job_seal_key
 
 if TYPE_CHECKING:
     from cfrun.agent.peertier import PeerTier
@@ -90,6 +93,10 @@ class PeerPath:
         """The job's identity (``identity.json``): its id and command go into every manifest;
         only checkpoints that carry them are installed. None: ``cfrun profile``."""
         self.job_meta: dict[str, str] = self.identity.meta() if self.identity else {}
+        self.seal_key = job_seal_key(ensure_job_key(jobdir.root), job) \
+            if peer is not None or level2 is not None else b""
+        """The key of this job's own seals (:mod:`cfrun.contract.jobkey`): a checkpoint from the
+        peer or level 2 is installed only with them."""
 
     def takes(self, step: int) -> bool:
         """True if a persist of ``step`` goes to the peer: it is up (or its backoff is over),
@@ -194,7 +201,7 @@ class PeerPath:
         A checkpoint of another job (another job id in its manifest, none, or a command this
         job never ran) is skipped with a warning and a ``fetch_failed`` event naming the
         reason; the next older one is tried."""
-        from cfrun.agent.peertier import manifest_files_to
+        from cfrun.agent.peertier import fetch_verified
 
         local = committed_steps(self.jobdir.checkpoints)
         newest_local = local[0] if local else -1
@@ -227,19 +234,18 @@ class PeerPath:
                     assert self.level2 is not None
                     store = self.level2
                     manifest = store.read_manifest(self.job, step)
-                    if self.peer is not None:  # the peer's flush: sealed by this job's agents
-                        self.peer.verify_manifest(manifest, step)
                     if (why := self._refusal(manifest)) is not None:
                         raise ForeignCheckpoint(why)
-                    files = manifest_files_to(
-                        staging, manifest,
-                        lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
+                    files = fetch_verified(
+                        staging, manifest, step, job=self.job, seal_key=self.seal_key,
+                        read=lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
                        keep=self.keep)
             except Exception as e:
                 shutil.rmtree(staging, ignore_errors=True)
-                error = str(e) if isinstance(e, ForeignCheckpoint) else repr(e)
+                error = str(e) if isinstance(e, (ForeignCheckpoint, CheckpointCorruptError)) \
+                    else repr(e)
                 logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %s", step,
                                source, error)
                 self.jobdir.emit_event("fetch_failed", step=step, source=source, error=error)

@@ -12,14 +12,16 @@ exponential backoff (0.5 s doubling up to 30 s) during which the agent persists 
 instead; the first failure of an outage is logged once. After the backoff the next checkpoint
 tries the peer again, so a restarted peer is used again without any action.
 
-Every seal carries this agent's tag over the rank's files and checksums
-(:func:`cfrun.peer.protocol.seal_tag`, a key derived from the token and the job name); the peer
-keeps the tags in the manifest it serves and flushes. For a resume, :meth:`PeerTier.fetch`
-copies one complete checkpoint from peer RAM into a staging directory: it checks the manifest's
-tags first (:meth:`PeerTier.verify_manifest`, also applied to a manifest read from the peer's
-level-2 flush), then fetches each file with exactly the size the manifest gives and checks its
-xxh3-64 checksum. A relay, the peer's RAM or the level-2 store can thus neither forge nor alter
-a checkpoint that this job installs.
+Every seal carries two tags over the rank's files: the token's
+(:func:`cfrun.peer.protocol.seal_tag`, which the peer checks: only token holders seal), and the
+job's own (:func:`cfrun.peer.protocol.job_seal_tag`, under the job's secret,
+:mod:`cfrun.contract.jobkey`, over the files' SHA-256), which the peer keeps in the manifest it
+serves and flushes but cannot make. For a resume, :meth:`PeerTier.fetch` copies one complete
+checkpoint from peer RAM into a staging directory, each file with exactly the size the manifest
+gives, then checks the job's seals over the SHA-256 of what it fetched
+(:func:`verify_fetched`, also applied to a checkpoint read from level 2). A relay, the peer's
+RAM, the level-2 store or another job holding the same peer token can thus neither forge nor
+alter a checkpoint that this job installs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures as cf
 import functools
+import hashlib
 import logging
 import mmap
 import threading
@@ -46,10 +49,12 @@ from cfrun.peer.protocol import (
     MAX_MANIFEST_BYTES,
     PeerClient,
     PeerError,
+    job_seal_key,
+    job_seal_tag,
     loads_json,
     manifest_key,
     seal_tag,
-    verify_manifest,
+    verify_job_seals,
 )
 from cfrun.storage.tiers import MANIFEST
 
@@ -85,11 +90,12 @@ class PeerTier:
     """
 
     def __init__(self, address: tuple[str, int], token: bytes, job: str, *, streams: int,
-                 emit: Callable[..., None]) -> None:
+                 emit: Callable[..., None], job_key: bytes) -> None:
         self.address = address
         self.token = token
         self.job = job
         self.manifest_key = manifest_key(token, job)
+        self.job_seal_key = job_seal_key(job_key, job)
         self.streams = max(1, min(64, streams))
         self.emit = emit
         self.lock = threading.Lock()
@@ -192,6 +198,7 @@ class PeerTier:
                     cf.wait(futures[:1])
                     die_mid_transfer()
                 digest = xxhash.xxh3_64_hexdigest(view)  # meanwhile, for the manifest
+                sha256 = hashlib.sha256(view).hexdigest()  # and for the job's seal
             finally:
                 cf.wait(futures)  # no send may still use the mapping when it is closed
                 for piece in slices:
@@ -204,8 +211,13 @@ class PeerTier:
                   "xxh3_64": xxhash.xxh3_64_hexdigest(doc)}]
         tag = seal_tag(self.manifest_key, step=step, world_size=world_size, rank=rank,
                        files=files, meta=meta)
+        job_tag = job_seal_tag(self.job_seal_key, step=step, world_size=world_size, rank=rank,
+                               files=[{**files[0], "sha256": sha256},
+                                      {**files[1], "sha256": hashlib.sha256(doc).hexdigest()}],
+                               meta=meta)
         return bool(self._call(lambda c: c.seal(job=self.job, step=step, world_size=world_size,
-                                                rank=rank, files=files, meta=meta, tag=tag)))
+                                                rank=rank, files=files, meta=meta, tag=tag,
+                                                job_tag=job_tag)))
 
     def await_state(self, step: int, state: str, timeout_s: float) -> dict[str, Any]:
         """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
@@ -254,47 +266,58 @@ class PeerTier:
         """The peer's view of this job: ``{flush_to, checkpoints: [{step, state, ...}]}``."""
         return dict(self._call(lambda c: c.list(self.job)))
 
-    def verify_manifest(self, manifest: Any, step: int) -> None:
-        """Check that ``manifest`` (from peer RAM or the level-2 flush) carries this job's seals.
-
-        Raises:
-            CheckpointCorruptError: a seal is missing or does not match (one line).
-        """
-        verify_manifest(self.manifest_key, manifest, step, job=self.job)
-
     def fetch(self, step: int, staging: Path) -> tuple[builtins.list[FileEntry], dict[str, Any]]:
-        """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified).
-
-        The manifest's seals are checked before its checksums are trusted; each file is fetched
-        with exactly the size the manifest gives (never more than :data:`MAX_FETCH_BYTES`).
+        """Copy a complete checkpoint from peer RAM into ``staging`` (files fsynced, verified
+        by :func:`fetch_verified`: sizes as the manifest gives, never more than
+        :data:`MAX_FETCH_BYTES`, then this job's seals over their SHA-256).
 
         Returns:
             The files written and the peer's manifest.
 
         Raises:
             PeerError: unreachable, the step is gone, or a frame failed authentication.
-            CheckpointCorruptError: the manifest is not sealed by this job's agents, or a file
-                does not match it.
+            CheckpointCorruptError: the manifest is not sealed by this job, or a file does not
+                match it.
         """
         raw = self._call(lambda c: c.get(self.job, step, MANIFEST, MAX_MANIFEST_BYTES))
         try:
             manifest = loads_json(raw)
         except PeerError as e:
             raise CheckpointCorruptError(f"manifest of step {step} from the peer: {e}") from None
-        self.verify_manifest(manifest, step)
-        parsed = Manifest.from_json(manifest, f"peer manifest of step {step}")
-        if parsed.step != step:
-            raise CheckpointCorruptError(f"peer manifest of step {step} is for step "
-                                         f"{parsed.step}")
-        return manifest_files_to(staging, parsed, lambda name, nbytes: self._call(
-            lambda c: c.get(self.job, step, name, nbytes, exact=True))), manifest
+        return fetch_verified(staging, manifest, step, job=self.job, seal_key=self.job_seal_key,
+                              read=lambda name, nbytes: self._call(
+                                  lambda c: c.get(self.job, step, name, nbytes, exact=True))
+                              ), manifest
+
+
+def fetch_verified(staging: Path, manifest: Any, step: int, *, job: str, seal_key: bytes,
+                   read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
+    """Write every file ``manifest`` (JSON, from the peer or level 2) lists into ``staging``,
+    each read with ``read(name, nbytes)`` at the size the manifest gives and checked against
+    it, then check this job's seals over the SHA-256 of the bytes written
+    (:func:`cfrun.peer.protocol.verify_job_seals`). Called by the agent before it commits a
+    checkpoint from outside the job dir; the caller removes ``staging`` when this raises.
+
+    Raises:
+        CheckpointCorruptError: not a manifest of ``step``, a size or checksum mismatch, or a
+            missing or wrong job seal (one line).
+    """
+    parsed = Manifest.from_json(manifest, f"manifest of step {step}")
+    if parsed.step != step:
+        raise CheckpointCorruptError(f"manifest of step {step} is for step {parsed.step}")
+    sha256: dict[str, str] = {}
+    files = manifest_files_to(staging, parsed, read, sha256=sha256)
+    verify_job_seals(seal_key, manifest, step, job=job, sha256=sha256)
+    return files
 
 
 def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],
-                      read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
+                      read: Callable[[str, int], bytes | bytearray], *,
+                      sha256: dict[str, str] | None = None) -> list[FileEntry]:
     """Write every file ``manifest`` lists into ``staging``, checked against the manifest.
 
-    ``read(name, nbytes)`` returns a file's bytes (from peer RAM or level 2).
+    ``read(name, nbytes)`` returns a file's bytes (from peer RAM or level 2); ``sha256``, when
+    given, gets each file's SHA-256 (hex) by name.
 
     Raises:
         CheckpointCorruptError: unknown format, a bad file name, a size or checksum mismatch.
@@ -310,5 +333,7 @@ def manifest_files_to(staging: Path, manifest: Manifest | dict[str, Any],
         data = read(f.name, f.nbytes)
         if len(data) != f.nbytes or xxhash.xxh3_64_hexdigest(data) != f.xxh3_64:
             raise CheckpointCorruptError(f"fetched {f.name} does not match its manifest")
+        if sha256 is not None:
+            sha256[f.name] = hashlib.sha256(data).hexdigest()
         out.append(write_file(staging / f.name, [data]))
     return out

@@ -290,11 +290,14 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: seals must be a list of at most "
                                          f"{world_size} entries")
         for s in seals:
-            s = _fields(s, frozenset({"rank", "tag"}), f"{where}: seal")
+            s = _fields(s, frozenset({"rank", "tag"}), f"{where}: seal",
+                        optional=frozenset({"job_tag"}))
             _int(s, "rank", f"{where}: seal", 0, world_size - 1)
-            if not isinstance(s["tag"], str) or not _SEAL_TAG_RE.match(s["tag"]):
-                raise CheckpointCorruptError(f"{where}: seal tag {str(s['tag'])[:80]!r} is not "
-                                             "64 hex digits")
+            for name in ("tag", "job_tag"):
+                if name in s and (not isinstance(s[name], str)
+                                  or not _SEAL_TAG_RE.match(s[name])):
+                    raise CheckpointCorruptError(f"{where}: seal {name} {str(s[name])[:80]!r} "
+                                                 "is not 64 hex digits")
         return cls(step, world_size, files, meta, float(t), version, FORMAT_VERSION,
                    tuple(dict(s) for s in seals))
 

@@ -96,6 +96,9 @@ class Checkpoint:
     sealed: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     seal_tags: dict[int, str] = field(default_factory=dict)
     """rank -> its agent's tag over its files (:func:`cfrun.peer.protocol.seal_tag`)."""
+    job_tags: dict[int, str] = field(default_factory=dict)
+    """rank -> its job's own seal (:func:`cfrun.peer.protocol.job_seal_tag`), kept unchecked:
+    the peer does not hold the job's key."""
     meta: dict[str, Any] = field(default_factory=dict)
     reserved_bytes: int = 0
     """Bytes held for this checkpoint: parts stored plus buffers of transfers in progress."""
@@ -118,7 +121,9 @@ class Checkpoint:
         return Manifest.build(self.step, self.world_size,
                               [FileEntry(f["name"], f["nbytes"], f["xxh3_64"]) for f in files],
                               self.meta, committed_unix_s=self.t_protected or time.time(),
-                              seals=[{"rank": r, "tag": self.seal_tags[r]}
+                              seals=[{"rank": r, "tag": self.seal_tags[r],
+                                      **({"job_tag": self.job_tags[r]}
+                                         if r in self.job_tags else {})}
                                      for r in sorted(self.seal_tags)]).to_json()
 
 
@@ -313,7 +318,8 @@ class RamBuffer:
     # ------------------------------------------------------------------ sealing, reading
 
     def seal(self, job: str, step: int, rank: int, entries: list[dict[str, Any]],
-             meta: dict[str, Any], tag: str, *, tag_ok: bool) -> SlotState:
+             meta: dict[str, Any], tag: str, *, tag_ok: bool,
+             job_tag: str | None = None) -> SlotState:
         """Record rank ``rank``'s seal over its files ``entries`` (``tag_ok``: its tag matched
         them); once every rank sealed, the checkpoint is PROTECTED and queued for the flusher.
 
@@ -338,6 +344,8 @@ class RamBuffer:
                               "files (an agent of another job or token?)")
             ck.sealed[rank] = entries
             ck.seal_tags[rank] = tag
+            if job_tag is not None:
+                ck.job_tags[rank] = job_tag
             if rank == 0:
                 ck.meta = meta
             ck.t_activity = time.monotonic()

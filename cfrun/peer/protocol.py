@@ -52,7 +52,7 @@ Requests (client -> server; every request gets one response, ``op | 0x80``)::
 
     PUT   {job, step, world_size, name, part, nparts, offset, file_bytes, xxh3_64, wait_s}
           -> {ok, go}  then the client sends the payload -> {ok}
-    SEAL  {job, step, world_size, rank, files: [{name, nbytes, xxh3_64}], meta, tag}
+    SEAL  {job, step, world_size, rank, files: [{name, nbytes, xxh3_64}], meta, tag, job_tag}
           -> {ok, state, complete}
     AWAIT {job, step, state: protected|durable, timeout_s} -> {ok, state}
     LIST  {job} -> {ok, flush_to, checkpoints: [{step, world_size, state, bytes}]}
@@ -275,6 +275,74 @@ def seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
               "meta": meta if rank == 0 else None}
     data = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def job_seal_key(job_key: bytes, job: str) -> bytes:
+    """The key of a job's own seals (HKDF of the job's secret, :mod:`cfrun.contract.jobkey`,
+    and its name): neither the peer nor a level-2 store holds it."""
+    return hkdf_sha256(job_key, salt=b"", info=b"cfrun-job-seal/1 " + job.encode(),
+                       length=KEY_BYTES)
+
+
+def job_seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
+                 files: list[dict[str, Any]], meta: dict[str, Any] | None) -> str:
+    """Hex HMAC-SHA256 of one rank's part of a checkpoint under :func:`job_seal_key`.
+
+    ``files``: ``[{name, nbytes, sha256}]``, SHA-256 of each file's bytes (xxh3, the manifest's
+    checksum against bit rot, is no defence against a writer who chooses the bytes). ``meta``
+    (the job id, the command, the script's variables' record) counts for rank 0 only. Called by
+    the agent when it seals a rank's files (:class:`cfrun.agent.peertier.PeerTier`) and by
+    :func:`verify_job_seals` on the bytes it fetched.
+    """
+    record = {"v": 1, "step": step, "world_size": world_size, "rank": rank,
+              "files": [{"name": f["name"], "nbytes": f["nbytes"], "sha256": f["sha256"]}
+                        for f in files],
+              "meta": meta if rank == 0 else None}
+    data = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def verify_job_seals(key: bytes, manifest: Any, step: int, *, job: str,
+                     sha256: dict[str, str]) -> None:
+    """Check that every rank's files in ``manifest`` carry this job's seal (``job_tag``), over
+    the SHA-256 digests ``sha256`` (file name -> hex) of the bytes actually fetched. The agent
+    calls it on a checkpoint from the peer or level 2 after writing its files to staging and
+    before committing them; the files' sizes were bounded by the manifest meanwhile.
+
+    Raises:
+        CheckpointCorruptError: a rank without a job seal, or a seal that does not match
+            (written under another job key: another job, a forger, a moved job without
+            ``--job-key-file``; or bytes changed since they were sealed). One line.
+    """
+    def refuse(why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{job} step {step} is not sealed by this job ({why}); not installed. A job moved "
+            "to a new job dir needs its key: --job-key-file with the old job dir's job.key")
+
+    if not isinstance(manifest, dict) or manifest.get("step") != step:
+        raise refuse("not a manifest of this step")
+    world_size, files, seals = (manifest.get("world_size"), manifest.get("files"),
+                                manifest.get("seals"))
+    if not (is_int(world_size) and 1 <= world_size <= MAX_RANKS and isinstance(files, list)
+            and isinstance(seals, list)):
+        raise refuse("bad world_size, files or seals")
+    by_rank: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world_size)}
+    for f in files:
+        name = f.get("name") if isinstance(f, dict) else None
+        if not (isinstance(name, str) and FILE_RE.match(name) and name in sha256
+                and int(name[5:10]) in by_rank):
+            raise refuse(f"file entry {name!r} belongs to no rank or was not fetched")
+        by_rank[int(name[5:10])].append({"name": name, "nbytes": f.get("nbytes"),
+                                         "sha256": sha256[name]})
+    tags = {s.get("rank"): s.get("job_tag") for s in seals if isinstance(s, dict)}
+    for rank in by_rank:
+        tag = tags.get(rank)
+        if not isinstance(tag, str):
+            raise refuse(f"rank {rank} has no job seal")
+        want = job_seal_tag(key, step=step, world_size=world_size, rank=rank,
+                            files=by_rank[rank], meta=manifest.get("meta"))
+        if not hmac.compare_digest(tag, want):
+            raise refuse(f"rank {rank}'s job seal does not match")
 
 
 def verify_manifest(key: bytes, manifest: Any, step: int, *, job: str) -> None:
@@ -638,13 +706,19 @@ class PeerClient:
             raise PeerError(f"peer {self.who}: {e}") from None
 
     def seal(self, *, job: str, step: int, world_size: int, rank: int,
-             files: list[dict[str, Any]], meta: dict[str, Any], tag: str) -> bool:
-        """Declare one rank's files complete, with the agent's ``tag`` (:func:`seal_tag`).
+             files: list[dict[str, Any]], meta: dict[str, Any], tag: str,
+             job_tag: str | None = None) -> bool:
+        """Declare one rank's files complete, with the agent's ``tag`` (:func:`seal_tag`, which
+        the peer checks) and ``job_tag`` (:func:`job_seal_tag`, which the peer keeps in the
+        manifest for the job's agents: it cannot check it).
 
         Returns True once the whole step is protected.
         """
-        reply = self._request(Op.SEAL, {"job": job, "step": step, "world_size": world_size,
-                                        "rank": rank, "files": files, "meta": meta, "tag": tag})
+        header = {"job": job, "step": step, "world_size": world_size, "rank": rank,
+                  "files": files, "meta": meta, "tag": tag}
+        if job_tag is not None:
+            header["job_tag"] = job_tag
+        reply = self._request(Op.SEAL, header)
         return bool(reply.get("complete"))
 
     def await_state(self, job: str, step: int, state: str, timeout_s: float) -> dict[str, Any]:

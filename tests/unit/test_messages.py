@@ -179,7 +179,7 @@ def test_one_backoff_for_the_supervisor_and_the_peer_tier():
     assert [retry.backoff_delay_s(0.5, n) for n in (1, 2, 3, 7, 8, 60, 10**6)] == \
         [0.5, 1.0, 2.0, 30.0, 30.0, 30.0, 30.0]
     tier = peertier.PeerTier(("127.0.0.1", 9), b"k" * 32, "job", streams=1,
-                             emit=lambda *a, **k: None)
+                             emit=lambda *a, **k: None, job_key=b"1" * 64)
     for failures in range(1, 10):  # the peer's n-th consecutive failure waits as long
         t0 = time.monotonic()
         tier.mark_down("down")

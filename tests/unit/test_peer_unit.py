@@ -514,13 +514,22 @@ def test_a_seal_with_a_wrong_tag_is_refused(server):
         c.seal(job="j", step=1, world_size=1, rank=0, files=files, meta={}, tag=tag)
 
 
+JOB_KEY = b"1" * 64
+
+
 def test_a_checkpoint_fetched_back_is_verified_end_to_end(server, tmp_path):
-    """The agent's tier: fetch from peer RAM verifies; a level-2 manifest rewritten by someone
-    without the token (checksum and file changed consistently) is refused."""
+    """The agent's tier: fetch from peer RAM verifies; the level-2 flush carries the job's
+    seals; a level-2 checkpoint rewritten by someone without the job's key (a file, its
+    checksum and its size changed consistently: xxh3 is no MAC), and one sealed by another job
+    that holds the same peer token (issue 24, items 2 and 4), are refused."""
+    from cfrun.agent.peertier import fetch_verified
+    from cfrun.peer.protocol import job_seal_key
+
     slot = tmp_path / "slot"
     payload = secrets.token_bytes(5000)
     slot.write_bytes(payload)
-    tier = PeerTier(server.address, TOKEN, "j", streams=2, emit=lambda *a, **k: None)
+    tier = PeerTier(server.address, TOKEN, "j", streams=2, emit=lambda *a, **k: None,
+                    job_key=JOB_KEY)
     try:
         assert tier.send_shard(step=7, world_size=1, rank=0, slot=slot, nbytes=len(payload),
                                doc=b'{"a": 1}', meta={"step": 7})
@@ -530,15 +539,32 @@ def test_a_checkpoint_fetched_back_is_verified_end_to_end(server, tmp_path):
         assert tier.await_state(7, "durable", 10)["state"] == "durable"
         store = server.storage
         flushed = store.read_manifest("j", 7)
-        tier.verify_manifest(flushed, 7)  # the level-2 flush carries the agent's seals
+
+        def install(manifest, key=JOB_KEY, files=None):
+            files = files or {}
+            return fetch_verified(
+                tmp_path / f"st-{secrets.token_hex(4)}", manifest, 7, job="j",
+                seal_key=job_seal_key(key, "j"),
+                read=lambda name, n: files.get(name) or store.read_file("j", 7, name, n))
+
+        assert len(install(flushed)) == 2  # the level-2 flush carries the job's seals
+        evil = b"evil"
         forged = json.loads(json.dumps(flushed))
-        forged["files"][0]["xxh3_64"] = xxhash.xxh3_64_hexdigest(b"evil")
-        forged["files"][0]["nbytes"] = 4
-        with pytest.raises(CheckpointCorruptError, match="rank 0's seal does not match"):
-            tier.verify_manifest(forged, 7)
-        other = PeerTier(server.address, b"o" * 32, "j", streams=1, emit=lambda *a, **k: None)
-        with pytest.raises(CheckpointCorruptError):
-            other.verify_manifest(flushed, 7)
+        forged["files"][0].update(xxh3_64=xxhash.xxh3_64_hexdigest(evil), nbytes=len(evil))
+        with pytest.raises(CheckpointCorruptError, match="rank 0's job seal does not match"):
+            install(forged, files={"rank-00000.bin": evil})
+        with pytest.raises(CheckpointCorruptError, match="not sealed by this job"):
+            install(flushed, key=b"2" * 64)  # a job dir with another key: not installed
+        # another job's agent with the same peer token seals a step under this job's name
+        other = PeerTier(server.address, TOKEN, "j", streams=1, emit=lambda *a, **k: None,
+                         job_key=b"3" * 64)
+        try:
+            assert other.send_shard(step=9, world_size=1, rank=0, slot=slot,
+                                    nbytes=len(payload), doc=b'{"a": 2}', meta={"step": 9})
+            with pytest.raises(CheckpointCorruptError, match="job seal does not match"):
+                tier.fetch(9, tmp_path / "staging9")
+        finally:
+            other.close()
     finally:
         tier.close()
 

@@ -1,0 +1,95 @@
+"""The job's own secret: the key that authenticates its checkpoints outside the job dir.
+
+A checkpoint that comes back from outside the job dir (the peer's RAM, a level-2 store written
+by the peer's flush) is installed only when every rank's part carries this job's seal: an
+HMAC-SHA256 under a key derived from ``<job_dir>/job.key`` over the rank's files, their sizes
+and SHA-256 digests and the checkpoint's meta (:mod:`cfrun.peer.protocol`, ``job_seal_tag``).
+Neither the store nor the peer holds the key, so neither a writer of the bucket or NFS
+directory nor another holder of the peer token (another job on the same peer) can make a
+checkpoint this job installs (issue 24, items 2 and 4). The peer token still proves to the
+peer that an agent may use it; it proves nothing to the agent.
+
+The key is made with the job (32 random bytes as 64 hex digits, 0600, created exclusively and
+never through a link) and lives in the job dir, so a restart on the same job dir, another node
+sharing it, or a pod whose job dir is on a volume find it. A job that moves to a machine
+without its job dir (a spot VM gone with its disk) needs it given: ``--job-key-file F``
+(``CFRUN_JOB_KEY_FILE``), e.g. the job dir's ``job.key`` copied beside the peer token, or a
+Kubernetes Secret. Without it the moved job refuses the foreign seals and says so. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from cfrun.contract.errors import BadInputError
+from cfrun.contract.fsio import UnsafeFileError, open_new, read_regular
+
+JOB_KEY_FILE = "job.key"
+KEY_HEX_CHARS = 64
+"""A job key as written: 32 random bytes in hex."""
+
+
+def read_key_file(path: Path | str, *, option: str = "--job-key-file") -> bytes:
+    """The key in ``path``: a regular file of ours (not a link), no group or other bits, 64 hex
+    digits (surrounding whitespace ignored).
+
+    Raises:
+        BadInputError: missing, a link, someone else's, readable by others, or not a key; one
+            line naming the file and the fix.
+    """
+    try:
+        raw = bytes(read_regular(path, max_bytes=4096))
+        st = os.lstat(path)
+    except (UnsafeFileError, OSError) as e:
+        raise BadInputError(f"{option} {str(path)!r} cannot be read ({e}); give the job's "
+                            f"{JOB_KEY_FILE} (a regular file of yours, `chmod 600`)") from None
+    if st.st_uid != os.getuid():
+        raise BadInputError(f"{option} {str(path)!r} is owned by uid {st.st_uid}, not by you; "
+                            "copy it and `chmod 600` the copy")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise BadInputError(f"{option} {str(path)!r} is readable by other users; run "
+                            f"`chmod 600 {path}`")
+    key = raw.strip()
+    try:
+        bytes.fromhex(key.decode("ascii"))
+        ok = len(key) == KEY_HEX_CHARS
+    except (UnicodeDecodeError, ValueError):
+        ok = False
+    if not ok:
+        raise BadInputError(f"{option} {str(path)!r} holds no job key (64 hex digits); give the "
+                            f"{JOB_KEY_FILE} of the job's first job dir")
+    return key
+
+
+def ensure_job_key(job_dir: Path | str, given: Path | str | None = None) -> bytes:
+    """The job's key, from ``<job_dir>/job.key``; made there first if the job dir has none
+    (from ``given``, the user's ``--job-key-file``, else 32 fresh random bytes). Called by the
+    supervisor before it starts the agent, and by the agent (a job dir of an older cfrun).
+    Two nodes that make it at once keep one (``O_EXCL``).
+
+    Raises:
+        BadInputError: ``given`` is unusable, or differs from the job dir's key (this job dir
+            belongs to another job: give its own key or another --job-dir).
+    """
+    path = Path(job_dir) / JOB_KEY_FILE
+    want = read_key_file(given) if given is not None else None
+    if not os.path.lexists(path):
+        try:
+            fd = open_new(path)
+        except FileExistsError:
+            pass  # another node made it first: read theirs
+        else:
+            try:
+                os.write(fd, (want or secrets.token_hex(32).encode()) + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    key = read_key_file(path, option="the job key")
+    if want is not None and not secrets.compare_digest(want, key):
+        raise BadInputError(f"--job-key-file {str(given)!r} differs from {str(path)!r}: the job "
+                            "dir holds another job's key; give that job's key, or a new "
+                            "--job-dir")
+    return key
