@@ -143,6 +143,39 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def check_ancestors(path: Path | str) -> None:
+    """Refuse a job dir that another user could swap: every existing directory above ``path``
+    (its real path: a link is judged by where it leads) must be owned by root or by this user,
+    and writable by no one else, unless sticky (``/tmp``: others may not rename what is
+    ours). OpenSSH's StrictModes applies the same rule to ``~/.ssh``. Whoever can write an
+    ancestor can rename the running job's dir away and put one of their own in its place; the
+    next restart would load their checkpoint (issue 24, item 3).
+
+    Raises:
+        BadInputError: an ancestor owned by another user, or writable by group or others
+            without the sticky bit; one line naming it and the fix.
+    """
+    me = os.getuid()
+    here = Path(os.path.realpath(Path(path).absolute()))
+    for d in [here, *here.parents]:
+        try:
+            st = os.stat(d)
+        except FileNotFoundError:
+            continue  # created by cfrun, private
+        if d == here:
+            continue  # the job dir itself: checked by its owner and made 0700
+        if st.st_uid not in (0, me):
+            raise BadInputError(
+                f"--job-dir {str(path)!r} lies under {str(d)!r}, owned by uid {st.st_uid}: that "
+                "user could swap the job dir; give a --job-dir under a directory of your own")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            who = "group and others" if st.st_mode & 0o020 and st.st_mode & 0o002 else \
+                "its group" if st.st_mode & 0o020 else "others"
+            raise BadInputError(
+                f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by {who}: they could "
+                f"swap the job dir; run `chmod go-w {d}` or give a --job-dir elsewhere")
+
+
 class JobDir:
     """Paths and small operations on one job directory.
 
@@ -235,6 +268,7 @@ class JobDir:
             raise BadInputError(
                 f"--job-dir {str(self.root)!r} is a file; give a directory path (it is created)"
             )
+        check_ancestors(self.root)
         if self.root.is_dir() and self.root.stat().st_uid != os.getuid():
             raise BadInputError(
                 f"--job-dir {str(self.root)!r} belongs to uid {self.root.stat().st_uid}, not to "

@@ -227,3 +227,36 @@ def test_level2_directories_are_private(tmp_path) -> None:
         os.umask(old)
     for d in (tmp_path / "l2" / "job", tmp_path / "l2" / "job" / "step-000010"):
         assert st.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+@pytest.mark.parametrize("mode,ok", [(0o755, True), (0o1777, True), (0o775, False),
+                                     (0o757, False)])
+def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, mode, ok) -> None:
+    """Issue 24, item 3: whoever can write an ancestor can rename a running job's dir away
+    and plant their own; the next restart loaded its checkpoint. Like OpenSSH's StrictModes:
+    group/other-writable ancestors are refused unless sticky (/tmp)."""
+    from cfrun.contract.errors import BadInputError
+    from cfrun.contract.jobdir import JobDir
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    jd = JobDir(shared / "cfrun-jobs" / "j")
+    if ok:
+        jd.check_usable()
+    else:
+        with pytest.raises(BadInputError, match="could swap the job dir") as e:
+            jd.check_usable()
+        assert "chmod go-w" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
+def test_a_job_dir_under_another_users_directory_is_refused(tmp_path) -> None:
+    from cfrun.contract.errors import BadInputError
+    from cfrun.contract.jobdir import JobDir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(BadInputError, match="owned by uid 65534"):
+        JobDir(theirs / "j").check_usable()
