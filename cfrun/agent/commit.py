@@ -47,7 +47,13 @@ from cfrun.contract.checkpoints import (
 )
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.jobdir import (
+    STAGING_PREFIX,
+    STEP_PREFIX,
+    JobDir,
+    atomic_write_json,
+    step_dir_name,
+)
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
 
 logger = logging.getLogger("cfrun.agent")
@@ -64,6 +70,16 @@ class Superseded(RuntimeError):
                          f"without its shards of step {step} (the ranks checkpointed at "
                          "different steps)")
         self.step, self.later_step, self.node = step, later_step, node
+
+
+def _staging_steps(checkpoints: Path) -> dict[int, Path]:
+    """The staging directories in ``checkpoints`` (``.staging-step-NNNNNN``) by step."""
+    prefix = STAGING_PREFIX + STEP_PREFIX
+    try:
+        return {int(p.name[len(prefix):]): p for p in checkpoints.iterdir()
+                if p.name.startswith(prefix) and p.name[len(prefix):].isdigit()}
+    except OSError:
+        return {}
 
 
 def _manifest_bytes(step_dir: Path) -> int:
@@ -297,7 +313,6 @@ class Committer:
         never commit), ``None`` while other nodes' marks are missing."""
         checkpoints = self.jobdir.checkpoints
         final = checkpoints / step_dir_name(step)
-        staging = staging_dir(checkpoints, step)
         with self._commit_lock():
             if (final / "manifest.json").is_file():
                 return True, _manifest_bytes(final), False
@@ -321,13 +336,9 @@ class Committer:
                 raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
                                    f"0..{world_size - 1}")
             commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep)
-            for p in checkpoints.iterdir():  # older steps can no longer complete
-                if p.name.startswith(STAGING_PREFIX) and p != staging:
-                    try:
-                        if int(p.name[len(STAGING_PREFIX):]) < step:
-                            shutil.rmtree(p, ignore_errors=True)
-                    except ValueError:
-                        continue
+            for old, p in _staging_steps(checkpoints).items():  # they can no longer complete
+                if old < step:
+                    shutil.rmtree(p, ignore_errors=True)
             return True, sum(f.nbytes for f in files), True
 
     def _went_past(self, step: int, node: int) -> int | None:
@@ -338,14 +349,9 @@ class Committer:
         later = [s for s in committed_steps(checkpoints) if s > step]
         if later:
             return later[0]
-        try:
-            names = [p.name for p in checkpoints.iterdir() if p.name.startswith(STAGING_PREFIX)]
-        except OSError:
-            return None
-        for name in names:
-            tail = name[len(STAGING_PREFIX):]
-            if tail.isdigit() and int(tail) > step and self._mark_path(int(tail), node).is_file():
-                return int(tail)
+        for s in sorted(_staging_steps(checkpoints)):
+            if s > step and self._mark_path(s, node).is_file():
+                return s
         return None
 
     def abandon_waiting(self) -> None:
