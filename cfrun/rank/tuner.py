@@ -85,6 +85,12 @@ PLAN_LATE_STEPS = 20
 no checkpoints until the plan comes)."""
 
 
+def period_steps(interval: int) -> int:
+    """Steps per adaptation window at ``interval``: the quiet steps and 3 checkpoints, at least
+    40."""
+    return max(3 * interval + QUIET_STEPS, 40)
+
+
 def fingerprint(script: str, args: list[str], world_size: int) -> str:
     """Identity of a job for the profile cache: script bytes, args, world size, devices (names
     and NVML UUIDs), cfrun version. (The state size is checked against the cache at the first
@@ -156,6 +162,12 @@ class Tuner:
         """This attempt's first step seen by :meth:`on_step`."""
         self._plan_from: int | None = 0 if self.phase == "fixed" else None
         """No checkpoint before this step; None: no plan of this attempt yet (no checkpoint)."""
+        self._prev: tuple[str, int, int] | None = None
+        """(phase, interval, base step) of the plan before the current one, which applies
+        until :attr:`_switch_step` (:meth:`due`)."""
+        self._switch_step = 0
+        self._in_force: tuple[str, int, int] | None = None
+        """(phase, interval, base step) of the newest plan published or adopted."""
         self._done_step: int | None = None
         """``cfrun profile``: the step at which every rank stops (the decision's step + 1)."""
         self._seq = 0
@@ -258,35 +270,38 @@ class Tuner:
         self._taken = {}  # a re-profile's checkpoint at its state-size check is no probe
 
     def due(self, step: int) -> bool:
-        """Whether a checkpoint is due right after ``step`` (never before this attempt's plan
-        applies: a follower without rank 0's plan takes none)."""
+        """Whether a checkpoint is due right after ``step``: never before this attempt's first
+        plan applies (a follower without rank 0's plan takes none), and by the previous plan
+        before a new one's effective step. Every rank then decides alike whether it read the
+        new plan at its step ``s`` or ``s + 1`` (rank 0 decides at ``s``; the step is 2
+        ahead); plans are at least that many steps apart, so none is skipped."""
         if self._plan_from is None or step < self._plan_from:
             return False
-        if self.phase == "profiling":
+        phase, interval, base = self._plan_at(step)
+        if phase == "profiling":
             # the next probe at its planned step, or later when a probe was deferred (one
             # rank, previous persist still in flight), but always ``gap`` steps after the last
             n = len(self._taken)
             if not self._probe_steps or n >= len(PROBE_MODES) or step < self._probe_steps[n]:
                 return False
             return not self._taken or step >= max(self._taken) + self._gap
-        if self.interval <= 0 or step < self.base_step or self._quiet(step):
-            return False
-        return (step - self.base_step) % self.interval == 0
+        if interval <= 0 or step < base or (step - base) % period_steps(interval) < QUIET_STEPS:
+            return False  # the first QUIET_STEPS of every adaptation period: none
+        return (step - base) % interval == 0
+
+    def _plan_at(self, step: int) -> tuple[str, int, int]:
+        """(phase, interval, base step) of the plan that applies at ``step``."""
+        if self._prev is not None and step < self._switch_step:
+            return self._prev
+        return self.phase, self.interval, self.base_step
 
     def _period(self) -> int:
-        """Steps per adaptation window: the quiet steps and 3 checkpoints, at least 40."""
-        return max(3 * self.interval + QUIET_STEPS, 40)
-
-    def _quiet(self, step: int) -> bool:
-        """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint.
-        Defined by the step alone, so every rank agrees."""
-        return (self.phase == "tuned" and step >= self.base_step
-                and (step - self.base_step) % self._period() < QUIET_STEPS)
+        return period_steps(self.interval)
 
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
         self._ckpts.append(step)
-        if self.phase != "profiling":
+        if self._plan_at(step)[0] != "profiling":  # a re-profile's plan not yet in force
             return self.mode
         mode = PROBE_MODES[min(len(self._taken), len(PROBE_MODES) - 1)]
         self._taken[step] = mode
@@ -460,13 +475,24 @@ class Tuner:
         ``step + PLAN_AHEAD_STEPS`` on; rank 0 itself follows it from there too."""
         self._seq += 1
         record = self.plan(step, source, reason, predicted)
-        if self._plan_from is None:
-            self._plan_from = record["effective_step"]
+        self._switch_to(record)
         self._done_step = (self._done_step or step + 1) if self.phase == "tuned" else None
         try:
             atomic_write_json(self.jobdir.strategy_path, record)
         except OSError as e:  # the followers take no checkpoints: the agent fails rank 0's
             say(f"WARNING: the checkpoint plan could not be written ({e!r})")
+
+    def _switch_to(self, record: dict[str, Any]) -> None:
+        """``record`` (published or adopted) is the plan from its effective step on; the one
+        before it (as of the last record) applies until then."""
+        effective = int(record["effective_step"])
+        if self._plan_from is None:
+            self._plan_from = effective
+        else:
+            self._prev = self._in_force
+        self._in_force = (str(record["phase"]), int(record.get("interval") or 0),
+                          int(record["base_step"]))
+        self._switch_step = effective
 
     def _follow_strategy(self, step: int) -> None:
         """Ranks other than 0 adopt rank 0's newest plan of this attempt from ``strategy.json``
@@ -506,8 +532,7 @@ class Tuner:
         self.phase, self.mode = str(record["phase"]), str(record["mode"])
         self.interval = int(record.get("interval") or 0)
         self.base_step = int(record["base_step"])
-        if self._plan_from is None:
-            self._plan_from = int(record["effective_step"])
+        self._switch_to(record)
         probes = [int(p) for p in record.get("probe_steps") or []]
         if self.phase == "profiling" and probes != self._probe_steps:
             self._probe_steps, self._taken = probes, {}
