@@ -112,7 +112,16 @@ def fingerprint(script: str, args: list[str], world_size: int) -> str:
 
 
 class Tuner:
-    """Decides at which steps this rank checkpoints. Called on the training thread."""
+    """Decides at which steps this rank checkpoints. Called on the training thread.
+
+    Rank 0 profiles, reads the cache, decides and publishes the plan (:meth:`plan`); every
+    other rank follows it (:meth:`_follow_strategy`) and decides nothing itself.
+
+    Args:
+        attempt, node_rank: this rank's attempt number and node (:class:`RankSettings`): the
+            plan a follower takes must be rank 0's of the same attempt.
+        key: the job's :func:`fingerprint` (the profile cache's name).
+    """
 
     def __init__(self, jobdir: JobDir, *, rank: int, world_size: int, budget: float,
                  fixed_interval: int | None, mtbf_s: float | None, key: str,
