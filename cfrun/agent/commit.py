@@ -10,6 +10,15 @@ shards are durable, and whichever agent sees every node's mark first commits, un
 for all of them (:meth:`Committer._try_commit`). When this node's ranks restart, the steps still
 waiting for other nodes are abandoned (:meth:`Committer.abandon_waiting`), so every node's ranks
 see the same committed steps.
+
+A step the ranks disagree on fails at once instead of waiting (issue 22: ranks that checkpointed
+at different steps left every checkpoint waiting 600 s for shards that never came). A rank hands
+off its checkpoints in step order, the next only after the previous one's reply, so a rank that
+hands off step ``s2`` will never send a shard of an earlier step ``s``: a step still missing
+that rank's shard is failed on the spot (:meth:`Committer.supersede`; a warning, a
+``step_superseded`` event, a failure reply to the ranks waiting on it). With several nodes the
+same holds per node: a node whose mark of a later step is in the job dir while its mark of
+``s`` is not will never complete ``s`` (:meth:`Committer._try_commit`).
 """
 
 from __future__ import annotations
@@ -31,19 +40,46 @@ from cfrun.contract.checkpoints import (
     FileEntry,
     apply_retention,
     commit,
+    committed_steps,
     read_manifest,
     shard_names,
     staging_dir,
 )
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.contract.jobdir import STAGING_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.jobdir import (
+    STAGING_PREFIX,
+    STEP_PREFIX,
+    JobDir,
+    atomic_write_json,
+    step_dir_name,
+)
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
 
 logger = logging.getLogger("cfrun.agent")
 
 Reply = Callable[[socket.socket, "Persisted | PersistFailed"], None]
 """``reply(conn, record)`` sends a record to a rank (errors ignored: the rank may be gone)."""
+
+
+class Superseded(RuntimeError):
+    """A step waiting for other nodes can never commit: a node went past it (several nodes)."""
+
+    def __init__(self, step: int, later_step: int, node: int) -> None:
+        super().__init__(f"step {step} superseded: node {node} went on to step {later_step} "
+                         f"without its shards of step {step} (the ranks checkpointed at "
+                         "different steps)")
+        self.step, self.later_step, self.node = step, later_step, node
+
+
+def _staging_steps(checkpoints: Path) -> dict[int, Path]:
+    """The staging directories in ``checkpoints`` (``.staging-step-NNNNNN``) by step."""
+    prefix = STAGING_PREFIX + STEP_PREFIX
+    try:
+        return {int(p.name[len(prefix):]): p for p in checkpoints.iterdir()
+                if p.name.startswith(prefix) and p.name[len(prefix):].isdigit()}
+    except OSError:
+        return {}
 
 
 def _manifest_bytes(step_dir: Path) -> int:
@@ -118,9 +154,7 @@ class Committer:
         self.committed(step)
         del self.pending[step]
         for old in [s for s in self.pending if s < step]:  # a rank died before its snapshot
-            del self.pending[old]
-            remove_dir = staging_dir(self.jobdir.checkpoints, old)
-            shutil.rmtree(remove_dir, ignore_errors=True)
+            self._fail_superseded(old, step, req.rank)
         nbytes = sum(f.nbytes for f in files)
         t_trigger = min(r.trigger_or(t0) for _, _, r in shard.values())
         reply = Persisted(step, nbytes, "local", round(t1 - t0, 6), round(t1 - t_trigger, 6),
@@ -134,6 +168,50 @@ class Committer:
         except OSError as e:
             logger.warning("cfrun agent: retention after step %d failed: %r", step, e)
 
+    def supersede(self, req: PersistRequest) -> list[int]:
+        """``req``'s rank hands off ``req.step`` (writer thread, under the agent's local lock,
+        before its shard is written): every pending step before it that lacks this rank's shard
+        can never complete, so it fails now (:meth:`_fail_superseded`). Returns those steps
+        (the server refuses their later shards unwritten)."""
+        doomed = sorted(s for s, shard in self.pending.items()
+                        if s < req.step and req.rank not in shard)
+        for step in doomed:
+            self._fail_superseded(step, req.step, req.rank)
+        return doomed
+
+    def _fail_superseded(self, step: int, later_step: int, rank: int) -> None:
+        """Fail the pending ``step``: ``rank`` went on to ``later_step`` without a shard of it
+        (or ``later_step`` committed). Warning, ``step_superseded`` event, failure reply to
+        every rank of the step, its staging files (this node's) removed. Never raises."""
+        shard = self.pending.pop(step, {})
+        world = {req.world_size for _, _, req in shard.values()} if self.nnodes == 1 else set()
+        missing = sorted(set(range(max(world, default=0))) - set(shard))
+        error = (f"step {step} superseded: rank {rank} handed off step {later_step} without a "
+                 f"shard of step {step} (the ranks checkpointed at different steps)")
+        logger.warning("cfrun agent: %s; failing it now", error)
+        self.failed += 1
+        self.jobdir.emit_event("step_superseded", step=step, later_step=later_step, rank=rank,
+                               node=self.node_rank, **({"missing_ranks": missing} if missing
+                                                       else {}))
+        self._remove_shards(step, set(shard))
+        failed = PersistFailed(step, error[:MAX_ERROR_CHARS])
+        for _, c, _ in shard.values():
+            self.reply(c, failed)
+
+    def _remove_shards(self, step: int, ranks: set[int]) -> None:
+        """Remove ``step``'s staging files: with one node the whole staging directory, with
+        several ``ranks``' shards only (the other nodes' agents write there too)."""
+        staging = staging_dir(self.jobdir.checkpoints, step)
+        if self.nnodes == 1:
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        for rank in ranks:
+            for name in shard_names(rank):
+                try:
+                    (staging / name).unlink(missing_ok=True)
+                except OSError:
+                    pass
+
     def fail_step(self, conn: socket.socket, req: PersistRequest, error: str) -> None:
         """Writing or committing ``req``'s step failed (writer thread, under the agent's local
         lock): every rank of the step collected so far and ``conn`` get a failure reply, and
@@ -145,16 +223,7 @@ class Committer:
         conns = [c for _, c, _ in shard.values()]
         if conn not in conns:
             conns.append(conn)
-        staging = staging_dir(self.jobdir.checkpoints, req.step)
-        if self.nnodes > 1:
-            for rank in {req.rank, *shard}:
-                for name in shard_names(rank):
-                    try:
-                        (staging / name).unlink(missing_ok=True)
-                    except OSError:
-                        pass
-        else:
-            shutil.rmtree(staging, ignore_errors=True)
+        self._remove_shards(req.step, {req.rank, *shard})
         failed = PersistFailed(req.step, error[:MAX_ERROR_CHARS])
         for c in conns:
             self.reply(c, failed)
@@ -198,6 +267,14 @@ class Committer:
         while True:
             try:
                 outcome = self._try_commit(step, world_size, meta, abandon)
+            except Superseded as e:  # another node will never mark it: fail it now
+                error = str(e)
+                self.failed += 1
+                logger.warning("cfrun agent: %s; failing it now", error)
+                self.jobdir.emit_event("step_superseded", step=step, later_step=e.later_step,
+                                       node=e.node)
+                outcome = (False, 0, False)
+                break
             except Exception as e:  # a full disk, a bad mark: the ranks hear it, we go on
                 error = f"commit of step {step} failed: {e!r}"
                 self.failed += 1
@@ -236,7 +313,6 @@ class Committer:
         never commit), ``None`` while other nodes' marks are missing."""
         checkpoints = self.jobdir.checkpoints
         final = checkpoints / step_dir_name(step)
-        staging = staging_dir(checkpoints, step)
         with self._commit_lock():
             if (final / "manifest.json").is_file():
                 return True, _manifest_bytes(final), False
@@ -248,7 +324,11 @@ class Committer:
                 try:
                     marks.append(json.loads(self._mark_path(step, node).read_text()))
                 except (OSError, ValueError):
-                    return None
+                    later = self._went_past(step, node)
+                    if later is None:
+                        return None
+                    self._mark_path(step).unlink(missing_ok=True)  # it can never commit
+                    raise Superseded(step, later, node) from None
             files = [FileEntry.from_json(f, f"step {step} node mark") for m in marks
                      for f in m["files"]]
             ranks = sorted(r for m in marks for r in m["ranks"])
@@ -256,14 +336,23 @@ class Committer:
                 raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
                                    f"0..{world_size - 1}")
             commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep)
-            for p in checkpoints.iterdir():  # older steps can no longer complete
-                if p.name.startswith(STAGING_PREFIX) and p != staging:
-                    try:
-                        if int(p.name[len(STAGING_PREFIX):]) < step:
-                            shutil.rmtree(p, ignore_errors=True)
-                    except ValueError:
-                        continue
+            for old, p in _staging_steps(checkpoints).items():  # they can no longer complete
+                if old < step:
+                    shutil.rmtree(p, ignore_errors=True)
             return True, sum(f.nbytes for f in files), True
+
+    def _went_past(self, step: int, node: int) -> int | None:
+        """A later step than ``step`` that is committed or that ``node`` has marked (under the
+        commit lock): ``node``'s ranks went past ``step`` and will never mark it (each rank
+        hands off a checkpoint only after the previous one's reply). None if there is none."""
+        checkpoints = self.jobdir.checkpoints
+        later = [s for s in committed_steps(checkpoints) if s > step]
+        if later:
+            return later[0]
+        for s in sorted(_staging_steps(checkpoints)):
+            if s > step and self._mark_path(s, node).is_file():
+                return s
+        return None
 
     def abandon_waiting(self) -> None:
         """A rank said hello: this node's ranks restarted, so every step still waiting for

@@ -32,7 +32,9 @@ Messages (:mod:`cfrun.contract.messages`):
 * ``hello`` -> ``ready`` once every earlier persist of the queue is done (a restarted rank waits
   for it before it looks for checkpoints or reuses its slot);
 * ``persist`` -> ``persisted`` (ok with ``persist_s``, ``pgt_s``, ``bytes``, ``tier``; or an
-  ``error``).
+  ``error``). A ``persist`` of a later step fails, at once, every earlier step still missing
+  that rank's shard (:meth:`cfrun.agent.commit.Committer.supersede`): ranks that disagree on
+  the checkpoint steps never leave a step waiting for shards that will not come.
 
 Only the job's user talks to it (issue 12, the local trust boundary): it listens on the random
 abstract name the supervisor gives it (``--address``) and records it with its pid in
@@ -292,6 +294,9 @@ class PersistAgent:
         except ValueError as e:
             self._refuse(conn, req.step, str(e))
             return
+        with self.local_lock:  # earlier steps this rank went past can never complete
+            for step in self.commits.supersede(req):
+                self._drop(step, f"step {step} superseded by rank {req.rank}'s step {req.step}")
         if self.peer_path.takes(req.step):
             self.peer_path.submit(conn, req)
             return

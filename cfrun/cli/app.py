@@ -438,6 +438,16 @@ def _parse_seconds(name: str, text: str, example: str) -> float:
     return value
 
 
+def _plan_phase(strategy: Path) -> str | None:
+    """The phase of the plan in ``strategy.json`` (:meth:`cfrun.rank.tuner.Tuner.plan`:
+    ``profiling`` until rank 0 decides, then ``tuned``), or None when there is none."""
+    try:
+        record = json.loads(strategy.read_text())
+    except (OSError, ValueError):
+        return None
+    return str(record.get("phase", "tuned")) if isinstance(record, dict) else None
+
+
 @app.command("profile", cls=CfrunCommand, context_settings={"allow_interspersed_args": False},
              help="Profile SCRIPT: measure checkpoint costs, choose the snapshot mode and the "
                   "interval, then stop.")
@@ -482,7 +492,8 @@ def profile_cmd(
     for hb in coordination.heartbeat_paths(jd.root):
         hb.unlink()
     strategy = jd.strategy_path
-    if code == 0 and not strategy.exists():
+    if code == 0 and _plan_phase(strategy) != "tuned":  # rank 0's plan, still profiling
+        strategy.unlink(missing_ok=True)
         probes = sum(1 for e in jd.read_events() if e.get("event") == "checkpoint")
         raise JobFailedError(
             f"the script ended before profiling finished ({probes} of {len(PROBE_MODES)} "

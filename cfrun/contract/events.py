@@ -71,6 +71,7 @@ EVENTS: dict[str, EventKind] = {
     "agent_refused": _k("agent", ["uid", "pid"]),
     "persist_refused": _k("agent", ["error"]),
     "persist_failed": _k("agent", ["step", "error"], ["rank"]),
+    "step_superseded": _k("agent", ["step", "later_step"], ["rank", "missing_ranks", "node"]),
     "checkpoint_skipped": _k("agent", ["step", "need_bytes", "free_bytes"]),
     "checkpoint_pruned": _k("agent", ["step", "bytes", "need_bytes", "free_bytes"]),
     "disk_space_back": _k("agent", ["step", "skipped", "free_bytes"]),

@@ -9,7 +9,7 @@ Layout::
       identity.json             job id, job name, command fingerprint (contract.config.Identity),
                                 one per node (identity-node1.json ...)
       events.jsonl              one JSON object per line (kinds: cfrun.contract.events.EVENTS)
-      strategy.json             the policy's current interval (rank 0's tuner)
+      strategy.json             the policy's current plan (rank 0's tuner)
       profiles/<fingerprint>.json  the policy's cached profiles
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
       checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
@@ -58,7 +58,8 @@ IDENTITY = "identity.json"
 FOREIGN_PREFIX = "foreign-"
 """A checkpoint of another job found in ``checkpoints/``, set aside by the supervisor."""
 STRATEGY = "strategy.json"
-"""Rank 0's current interval decision (cfrun.rank.tuner), read by the other ranks and the CLI."""
+"""Rank 0's current plan of this attempt (:meth:`cfrun.rank.tuner.Tuner.plan`), followed by the
+other ranks and read by the CLI."""
 CONFIG_STEM, AGENT_STEM, LOCK_STEM = "config", "agent", "job"
 """``config.json``, ``agent.json``, ``job.lock``: one per node (``config-node1.json`` ...)."""
 COMMIT_LOCK = ".commit.lock"

@@ -229,7 +229,7 @@ class Boundary:
             rec = self._done_records.pop(0)
             tuner.on_checkpoint_done(int(rec["step"]), rec)
         tuner.on_step(self.step, self._snap.inflight_step)
-        if self.s.profile_only and tuner.done_profiling:
+        if self.s.profile_only and tuner.profile_done(self.step):
             say("profiling done; stopping the script (cfrun profile)")
             raise SystemExit(0)
         due = tuner.due(self.step) or (self._pending is not None and self._pending[1]) or (

@@ -62,6 +62,7 @@ class Runtime:
         self.tuner = Tuner(self.jobdir, rank=settings.rank, world_size=settings.world_size,
                            budget=settings.overhead, fixed_interval=settings.interval,
                            mtbf_s=settings.mtbf_s, profile_only=settings.profile_only,
+                           attempt=settings.attempt, node_rank=settings.node_rank,
                            key=fingerprint(settings.script, sys.argv[1:], settings.world_size))
         verify = None
         if settings.verify:

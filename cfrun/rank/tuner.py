@@ -25,9 +25,30 @@ Phases:
   (profiling included); the floor ``k_in_flight`` follows the persist times the window saw (a
   saturated disk makes them longer). Every decision goes to events.jsonl with its inputs.
 
-With several ranks, rank 0 decides and writes ``strategy.json`` with the step from which the new
-interval applies (two steps ahead); the other ranks read it, so all ranks checkpoint at the
-same steps.
+With several ranks only rank 0 decides; the plan every rank follows is one record rank 0
+publishes in ``strategy.json`` (:meth:`Tuner.plan`): phase, interval, mode, base and effective
+step, the probe steps while profiling, and the attempt it belongs to. Why a single record (issue
+22): before it, every rank loaded the cached profile itself but only some took the starting
+step from the previous attempt's ``strategy.json``, so after a restart the ranks checkpointed
+at different steps and every checkpoint waited 600 s for shards that never came. A follower
+must not decide from anything rank 0 may not share: on several nodes the fingerprint includes
+per-node NVML UUIDs (another node may not find the cache), and rank 0 re-profiles on a state
+size change (:meth:`Tuner.check_state_bytes`) that a follower cannot see.
+
+Timing: rank 0 publishes at its first step of every attempt (and at every later decision), at
+step ``s`` in its optimizer-step hook, for steps from ``s + 2`` on. DDP ranks are in lock-step
+within one step (the gradient all-reduce of step ``s + 1`` waits for rank 0's hook of step
+``s`` to return), so every follower has read the record by its own hook of step ``s + 1``,
+before it evaluates :meth:`Tuner.due` there. A follower that has no record of the current
+attempt yet takes no checkpoint (never a wait: a plan that is late costs a checkpoint, not a
+stall; rank 0's hand-off of that step then fails at once in the agent, which fails a step as
+soon as a rank hands off a later one, :meth:`cfrun.agent.commit.Committer.supersede`).
+
+A record belongs to an attempt: it carries rank 0's node and attempt number and a random
+``attempt_id``. On rank 0's node the attempt number decides (it grows across restarts and
+``cfrun resume``); on other nodes, whose attempt numbers are their own, a follower ignores the
+``attempt_id`` the file held when the follower started (rank 0 of this attempt cannot have
+written before then: its first step needs every rank's all-reduce).
 """
 
 from __future__ import annotations
@@ -37,12 +58,14 @@ import json
 import math
 import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
 from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.policy import NEAR_STEPS, Costs, adapt_interval, choose_interval, measure_overhead
+from cfrun.rank.log import say
 
 WARMUP_STEPS = 3
 QUIET_STEPS = 10
@@ -54,6 +77,18 @@ allocation), then two per snapshot mode, alternating (a drift of the machine hit
 probe checkpoints far more often than the chosen interval will: on a 2-core machine the five
 cost ~0.4 s, 0.5% of a 1000-step job (seven cost up to 0.8 s)."""
 PROFILE_MAX_STEPS = 50
+PLAN_AHEAD_STEPS = 2
+"""A plan rank 0 publishes in its hook of step ``s`` applies from step ``s + 2``: followers read
+it in their hook of step ``s + 1`` at the latest (lock-step DDP ranks)."""
+PLAN_LATE_STEPS = 20
+"""Steps into an attempt after which a follower still without rank 0's plan says so (it takes
+no checkpoints until the plan comes)."""
+
+
+def period_steps(interval: int) -> int:
+    """Steps per adaptation window at ``interval``: the quiet steps and 3 checkpoints, at least
+    40."""
+    return max(3 * interval + QUIET_STEPS, 40)
 
 
 def fingerprint(script: str, args: list[str], world_size: int) -> str:
@@ -77,14 +112,25 @@ def fingerprint(script: str, args: list[str], world_size: int) -> str:
 
 
 class Tuner:
-    """Decides at which steps this rank checkpoints. Called on the training thread."""
+    """Decides at which steps this rank checkpoints. Called on the training thread.
+
+    Rank 0 profiles, reads the cache, decides and publishes the plan (:meth:`plan`); every
+    other rank follows it (:meth:`_follow_strategy`) and decides nothing itself.
+
+    Args:
+        attempt, node_rank: this rank's attempt number and node (:class:`RankSettings`): the
+            plan a follower takes must be rank 0's of the same attempt.
+        key: the job's :func:`fingerprint` (the profile cache's name).
+    """
 
     def __init__(self, jobdir: JobDir, *, rank: int, world_size: int, budget: float,
                  fixed_interval: int | None, mtbf_s: float | None, key: str,
-                 profile_only: bool = False) -> None:
+                 profile_only: bool = False, attempt: int = 0, node_rank: int = 0) -> None:
         self.jobdir = jobdir
         self.rank = rank
         self.world_size = world_size
+        self.attempt = attempt
+        self.node_rank = node_rank
         self.budget = budget
         self.mtbf_s = mtbf_s
         self.key = key
@@ -117,11 +163,35 @@ class Tuner:
         self.opt_step_s: list[float] = []
         """Durations of ``optimizer.step()`` seen while profiling."""
         self.model_bytes = 0
+        self._cache_reason = ""
         self.probes: list[dict[str, Any]] = []
         """Per profiling checkpoint: step, mode, excess_s, stall_s (for the profile event)."""
         self.done_profiling = False
+        self._first_step: int | None = None
+        """This attempt's first step seen by :meth:`on_step`."""
+        self._plan_from: int | None = 0 if self.phase == "fixed" else None
+        """No checkpoint before this step; None: no plan of this attempt yet (no checkpoint)."""
+        self._prev: tuple[str, int, int] | None = None
+        """(phase, interval, base step) of the plan before the current one, which applies
+        until :attr:`_switch_step` (:meth:`due`)."""
+        self._switch_step = 0
+        self._in_force: tuple[str, int, int] | None = None
+        """(phase, interval, base step) of the newest plan published or adopted."""
+        self._done_step: int | None = None
+        """``cfrun profile``: the step at which every rank stops (the decision's step + 1)."""
+        self._seq = 0
+        """Rank 0: plans published this attempt. A follower: the last one adopted."""
+        self.attempt_id = uuid.uuid4().hex if rank == 0 else ""
+        self._stale_id: str | None = None
+        """A follower: the ``attempt_id`` in ``strategy.json`` when it started (an earlier
+        attempt's, never followed)."""
+        self._plan_stat: tuple[int, int] | None = None
+        self._late_said = False
         if self.phase == "profiling":
-            self._load_cache()
+            if rank == 0:
+                self._load_cache()
+            else:  # rank 0's plan only: no cache of its own (issue 22)
+                self._stale_id = _record_of(self.jobdir.strategy_path).get("attempt_id")
 
     # ------------------------------------------------------------------ cache
 
@@ -140,6 +210,7 @@ class Tuner:
         self.mode = cached.get("mode", "thread")
         self.cached_state_bytes = int(cached.get("model_bytes") or 0) or None
         self.done_profiling = True
+        self._cache_reason = str(cached["decision"].get("reason", "cached profile"))
         if self.rank == 0:
             self.jobdir.emit_event("decision", source="cache", interval=self.interval,
                                    mode=self.mode, fingerprint=self.key)
@@ -170,22 +241,32 @@ class Tuner:
         if self._last_t is not None and self.rank == 0:
             self._iters.append((step, now - self._last_t, inflight is not None))
         self._last_t = now
+        if self._first_step is None:
+            self._first_step = step
+        if self.rank != 0:
+            self._follow_strategy(step)
+        else:
+            self._lead(step)
+
+    def _lead(self, step: int) -> None:
+        """Rank 0's part of :meth:`on_step`: publish this attempt's plan at its first step (and
+        a new probe plan after a re-profile), decide at the end of profiling, adapt."""
         if self.phase == "profiling" and not self._probe_steps:
             self._plan_probes(step)
-        if self.rank == 0:
-            if (self.phase == "profiling" and self._profile
-                    and len(self._taken) == len(PROBE_MODES)
-                    and step >= max(self._taken) + self._gap
-                    and (len(self._profile) == len(PROBE_MODES) - 1
-                         or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
-                self._decide(step)
-            elif self.phase == "tuned":
-                if self._window_lo is None:
-                    self._window_lo = max(step, self.base_step)
-                elif step >= self._window_lo + self._period() + NEAR_STEPS:
-                    self._adapt(step)
-        if self.world_size > 1 and self.rank != 0:
-            self._follow_strategy(step)
+            self._publish(step, "profiling", "profiling: measuring the checkpoint costs", None)
+        elif self._plan_from is None:  # the cached decision, for this attempt's ranks
+            self._publish(step, "cache", self._cache_reason, None)
+        if (self.phase == "profiling" and self._profile
+                and len(self._taken) == len(PROBE_MODES)
+                and step >= max(self._taken) + self._gap
+                and (len(self._profile) == len(PROBE_MODES) - 1
+                     or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
+            self._decide(step)
+        elif self.phase == "tuned":
+            if self._window_lo is None:
+                self._window_lo = max(step, self.base_step)
+            elif step >= self._window_lo + self._period() + NEAR_STEPS:
+                self._adapt(step)
 
     def _plan_probes(self, start: int) -> None:
         """Probe steps, the same on every rank (steps alone): after ``WARMUP_STEPS``, one probe
@@ -195,34 +276,41 @@ class Tuner:
         self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(PROBE_MODES))
         self._probe_steps = [first + i * self._gap for i in range(len(PROBE_MODES))]
         self.profile_steps = self._probe_steps[-1] + self._gap
+        self._taken = {}  # a re-profile's checkpoint at its state-size check is no probe
 
     def due(self, step: int) -> bool:
-        """Whether a checkpoint is due right after ``step``."""
-        if self.phase == "profiling":
+        """Whether a checkpoint is due right after ``step``: never before this attempt's first
+        plan applies (a follower without rank 0's plan takes none), and by the previous plan
+        before a new one's effective step. Every rank then decides alike whether it read the
+        new plan at its step ``s`` or ``s + 1`` (rank 0 decides at ``s``; the step is 2
+        ahead); plans are at least that many steps apart, so none is skipped."""
+        if self._plan_from is None or step < self._plan_from:
+            return False
+        phase, interval, base = self._plan_at(step)
+        if phase == "profiling":
             # the next probe at its planned step, or later when a probe was deferred (one
             # rank, previous persist still in flight), but always ``gap`` steps after the last
             n = len(self._taken)
             if not self._probe_steps or n >= len(PROBE_MODES) or step < self._probe_steps[n]:
                 return False
             return not self._taken or step >= max(self._taken) + self._gap
-        if self.interval <= 0 or step < self.base_step or self._quiet(step):
-            return False
-        return (step - self.base_step) % self.interval == 0
+        if interval <= 0 or step < base or (step - base) % period_steps(interval) < QUIET_STEPS:
+            return False  # the first QUIET_STEPS of every adaptation period: none
+        return (step - base) % interval == 0
+
+    def _plan_at(self, step: int) -> tuple[str, int, int]:
+        """(phase, interval, base step) of the plan that applies at ``step``."""
+        if self._prev is not None and step < self._switch_step:
+            return self._prev
+        return self.phase, self.interval, self.base_step
 
     def _period(self) -> int:
-        """Steps per adaptation window: the quiet steps and 3 checkpoints, at least 40."""
-        return max(3 * self.interval + QUIET_STEPS, 40)
-
-    def _quiet(self, step: int) -> bool:
-        """The first ``QUIET_STEPS`` steps of every adaptation period take no checkpoint.
-        Defined by the step alone, so every rank agrees."""
-        return (self.phase == "tuned" and step >= self.base_step
-                and (step - self.base_step) % self._period() < QUIET_STEPS)
+        return period_steps(self.interval)
 
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
         self._ckpts.append(step)
-        if self.phase != "profiling":
+        if self._plan_at(step)[0] != "profiling":  # a re-profile's plan not yet in force
             return self.mode
         mode = PROBE_MODES[min(len(self._taken), len(PROBE_MODES) - 1)]
         self._taken[step] = mode
@@ -298,7 +386,7 @@ class Tuner:
         decision = choose_interval(costs, self.budget, self.mtbf_s)
         self.interval, self.k_min = decision.interval, decision.k_in_flight
         self.phase, self.done_profiling = "tuned", True
-        self.base_step = step + 2
+        self.base_step = step + PLAN_AHEAD_STEPS
         self._window_lo = self.base_step
         self._prune(self.base_step)
         out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
@@ -310,7 +398,7 @@ class Tuner:
                "profile_steps": self.profile_steps, "created_unix_s": time.time()}
         self.cache_path.parent.mkdir(exist_ok=True)
         atomic_write_json(self.cache_path, out)
-        self._write_strategy("profile", decision.reason, decision.predicted_overhead)
+        self._publish(step, "profile", decision.reason, decision.predicted_overhead)
         self.jobdir.emit_event("profile", probes=self.probes,
                                **{k: out[k] for k in ("costs", "mode", "modes")})
         self.jobdir.emit_event("decision", source="profile", interval=self.interval,
@@ -358,9 +446,9 @@ class Tuner:
                                interval=new, reason=reason)
         if new != self.interval:
             self.interval = new
-            self.base_step = step + 2
+            self.base_step = step + PLAN_AHEAD_STEPS
             self._window_lo = self.base_step
-            self._write_strategy("adapt", reason, None)
+            self._publish(step, "adapt", reason, None)
         self._prune(self._window_lo)
 
     def _prune(self, lo: int) -> None:
@@ -370,26 +458,107 @@ class Tuner:
         self._ckpts = [p for p in self._ckpts if p >= keep]
         self._pgt_s = {p: t for p, t in self._pgt_s.items() if p >= keep}
 
-    def _write_strategy(self, source: str, reason: str, predicted: float | None) -> None:
-        atomic_write_json(self.jobdir.strategy_path, {
-            "interval": self.interval, "mode": self.mode, "fingerprint": self.key,
-            "source": source, "reason": reason, "effective_step": self.base_step,
-            "predicted_overhead": predicted, "budget": self.budget})
+    def profile_done(self, step: int) -> bool:
+        """``cfrun profile``: whether the script stops after ``step``. Every rank stops at the
+        same step, the one after rank 0's decision (when every follower has read it)."""
+        return self.done_profiling and self._done_step is not None and step >= self._done_step
+
+    def plan(self, step: int, source: str, reason: str, predicted: float | None
+             ) -> dict[str, Any]:
+        """The record rank 0 publishes at ``step`` (``strategy.json``): everything a follower
+        needs to checkpoint at rank 0's steps, from ``effective_step`` on, and the attempt it
+        belongs to. ``source``: profiling, cache, profile, adapt."""
+        return {
+            "phase": self.phase, "interval": self.interval if self.phase == "tuned" else None,
+            "mode": self.mode, "base_step": self.base_step,
+            "effective_step": step + PLAN_AHEAD_STEPS,
+            "probe_steps": self._probe_steps if self.phase == "profiling" else [],
+            "probe_gap": self._gap, "profile_steps": self.profile_steps,
+            "fingerprint": self.key, "source": source, "reason": reason,
+            "predicted_overhead": predicted, "budget": self.budget,
+            "attempt": self.attempt, "node_rank": self.node_rank,
+            "attempt_id": self.attempt_id, "seq": self._seq}
+
+    def _publish(self, step: int, source: str, reason: str, predicted: float | None) -> None:
+        """Rank 0: publish the plan made at ``step`` (:meth:`plan`), for steps from
+        ``step + PLAN_AHEAD_STEPS`` on; rank 0 itself follows it from there too."""
+        self._seq += 1
+        record = self.plan(step, source, reason, predicted)
+        self._switch_to(record)
+        self._done_step = (self._done_step or step + 1) if self.phase == "tuned" else None
+        try:
+            atomic_write_json(self.jobdir.strategy_path, record)
+        except OSError as e:  # the followers take no checkpoints: the agent fails rank 0's
+            say(f"WARNING: the checkpoint plan could not be written ({e!r})")
+
+    def _switch_to(self, record: dict[str, Any]) -> None:
+        """``record`` (published or adopted) is the plan from its effective step on; the one
+        before it (as of the last record) applies until then."""
+        effective = int(record["effective_step"])
+        if self._plan_from is None:
+            self._plan_from = effective
+        else:
+            self._prev = self._in_force
+        self._in_force = (str(record["phase"]), int(record.get("interval") or 0),
+                          int(record["base_step"]))
+        self._switch_step = effective
 
     def _follow_strategy(self, step: int) -> None:
-        """Ranks other than 0 take rank 0's decisions from ``strategy.json``."""
+        """Ranks other than 0 adopt rank 0's newest plan of this attempt from ``strategy.json``
+        (read when the file changed). Without one, no checkpoint; said once after
+        :data:`PLAN_LATE_STEPS` steps."""
         path = self.jobdir.strategy_path
         try:
-            mtime = path.stat().st_mtime_ns
+            st = path.stat()
         except OSError:
-            return
-        if mtime == getattr(self, "_strategy_mtime", None):
-            return
-        self._strategy_mtime = mtime
-        st = json.loads(path.read_text())
-        self.interval, self.mode = int(st["interval"]), st["mode"]
-        self.base_step = int(st["effective_step"])
-        self.phase, self.done_profiling = "tuned", True
+            st = None
+        key = (st.st_ino, st.st_mtime_ns) if st is not None else None
+        if key is not None and key != self._plan_stat:
+            self._plan_stat = key
+            record = _record_of(path)
+            if self._of_this_attempt(record) and int(record.get("seq", 0)) > self._seq:
+                self._adopt(record)
+        first = self._first_step if self._first_step is not None else step
+        if self._plan_from is None and step >= first + PLAN_LATE_STEPS and not self._late_said:
+            self._late_said = True
+            say(f"WARNING: no checkpoint plan from rank 0 for attempt {self.attempt} after "
+                f"{PLAN_LATE_STEPS} steps ({path}); this rank takes no checkpoints until it "
+                "comes")
+
+    def _of_this_attempt(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` is rank 0's plan of the current attempt: on rank 0's node its
+        attempt number; on another node an ``attempt_id`` other than the stale one."""
+        if not record.get("attempt_id"):
+            return False
+        if record.get("node_rank") == self.node_rank:
+            return record.get("attempt") == self.attempt
+        return record["attempt_id"] != self._stale_id
+
+    def _adopt(self, record: dict[str, Any]) -> None:
+        """Follow ``record`` (a follower): its phase, interval, mode and steps. A new probe plan
+        starts the follower's probes afresh, as :meth:`_plan_probes` does rank 0's."""
+        self._seq = int(record["seq"])
+        self.phase, self.mode = str(record["phase"]), str(record["mode"])
+        self.interval = int(record.get("interval") or 0)
+        self.base_step = int(record["base_step"])
+        self._switch_to(record)
+        probes = [int(p) for p in record.get("probe_steps") or []]
+        if self.phase == "profiling" and probes != self._probe_steps:
+            self._probe_steps, self._taken = probes, {}
+            self._gap = int(record["probe_gap"])
+            self.profile_steps = int(record["profile_steps"])
+        self.done_profiling = self.phase == "tuned"
+        self._done_step = (self._done_step or int(record["effective_step"]) - 1) \
+            if self.done_profiling else None
+
+
+def _record_of(path: Path) -> dict[str, Any]:
+    """``strategy.json``'s record, or ``{}`` when it is missing or unreadable."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _memory() -> str:
