@@ -120,19 +120,18 @@ def test_a_scripts_help_prints_every_time(tmp_path):
         assert "nothing to do" not in run.stderr
 
 
+COMMON = ["--interval", "5", "--job-dir", "j"]
+
+
 def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_path):
-    """``-h``, then an argparse typo, then the right command, all in one job dir: each runs;
-    once the job has a checkpoint a changed command is refused as before (exit 2, nothing in
-    the job dir touched), and its hint, pasted, goes on with the change; so does the hint of a
-    refused ``cfrun resume`` of an edited script."""
+    """``-h``, then an argparse typo, then the right command, all in one job dir: each runs."""
     script = _script(tmp_path)
     job = tmp_path / "j"
-    common = ["--interval", "5", "--job-dir", "j"]
-    assert run_cfrun([*common, str(script), "-h"], cwd=tmp_path).returncode == 0
-    typo = run_cfrun([*common, "--max-restarts", "0", str(script), "--lrr", "0.2"], cwd=tmp_path)
+    assert run_cfrun([*COMMON, str(script), "-h"], cwd=tmp_path).returncode == 0
+    typo = run_cfrun([*COMMON, "--max-restarts", "0", str(script), "--lrr", "0.2"], cwd=tmp_path)
     assert typo.returncode != EXIT_BAD_INPUT, typo.stderr[-3000:]  # it ran: argparse refused
     assert "unrecognized arguments: --lrr" in typo.stderr, typo.stderr[-3000:]
-    right = run_cfrun([*common, str(script), "--lr", "0.2"], cwd=tmp_path)
+    right = run_cfrun([*COMMON, str(script), "--lr", "0.2"], cwd=tmp_path)
     assert right.returncode == 0, right.stderr[-3000:]
     assert "FINAL done" in right.stdout and committed_steps(job / "checkpoints")
     changed = _events(job, "command_changed")
@@ -145,9 +144,18 @@ def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_
     assert identity["script_args"] == ["--lr", "0.2"]
     assert identity["fingerprints"] == [identity["fingerprint"]]  # the old commands: dropped
 
-    # with a checkpoint: refused as before, nothing touched; the hint goes on with the change
+
+def test_a_changed_command_with_a_checkpoint_is_refused_and_its_hint_goes_on(tmp_path):
+    """Once the job has a checkpoint a changed command is refused as before (exit 2, nothing
+    in the job dir touched), and its hint, pasted, goes on with the change; so does the hint of
+    a refused ``cfrun resume`` of an edited script."""
+    script = _script(tmp_path)
+    job = tmp_path / "j"
+    first = run_cfrun([*COMMON, str(script), "--lr", "0.2"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert committed_steps(job / "checkpoints")
     before = sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*"))
-    again = run_cfrun([*common, str(script), "--lr", "0.3"], cwd=tmp_path)
+    again = run_cfrun([*COMMON, str(script), "--lr", "0.3"], cwd=tmp_path)
     assert again.returncode == EXIT_BAD_INPUT, again.stderr[-3000:]
     assert "argument --lr: 0.2 -> 0.3" in again.stderr
     assert sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*")) == before
