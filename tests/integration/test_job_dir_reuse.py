@@ -24,7 +24,7 @@ from conftest import SCRIPTS, clean_env, run_cfrun
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract.errors import EXIT_BAD_INPUT, EXIT_FATAL, EXIT_PREEMPTED
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # several cfrun runs each, on a loaded machine
 
 TRAIN = """\
 import argparse
