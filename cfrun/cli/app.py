@@ -336,8 +336,11 @@ def run_cmd(
 def _run_retry(ctx: Any) -> list[str]:
     """The command line that gives this ``cfrun [run] ...`` again with
     ``--accept-changed-command`` (the hint of a refused changed command): the words as typed
-    (:func:`main` keeps them in ``ctx.obj``), the flag before the script."""
+    (:func:`main` keeps them in ``ctx.obj``), the flag before the script; empty (no hint)
+    where they are not known (the command run without :func:`main`)."""
     typed = list((ctx.obj or {}).get("argv") or [])
+    if not typed:
+        return []
     lead = ["cfrun", "run"] if typed[:1] == ["run"] else ["cfrun"]
     return [*lead, "--accept-changed-command", *typed[len(lead) - 1:]]
 
