@@ -49,12 +49,14 @@ from cfrun.contract.config import (
     parse_interval,
     parse_overhead,
     parse_positive_int,
+    resume_command,
 )
 from cfrun.contract.errors import (
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
     BadInputError,
     CfrunError,
+    ChangedCommandError,
     JobFailedError,
 )
 from cfrun.policy import parse_duration
@@ -225,7 +227,8 @@ def run_cmd(
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job directory (checkpoints, events, config). Default: "
-             "./cfrun-jobs/<script name>-<hash of the script's path>."
+             "./cfrun-jobs/<script name>-<hash of the script's path, its arguments, the ranks "
+             "per node and the nodes>."
     )] = None,
     job_name: Annotated[str | None, typer.Option(
         "--job-name", metavar="NAME", envvar=E.JOB_NAME,
@@ -237,7 +240,8 @@ def run_cmd(
         "--accept-changed-command",
         help="Go on from the job dir's checkpoints although the script, its arguments or the "
              "world size changed (recorded as a command_changed event). Without it a changed "
-             "command is refused (exit 2).")] = False,
+             "command is refused (exit 2) where the job dir has a checkpoint, and taken where "
+             "it has none.")] = False,
     rerun: Annotated[bool, typer.Option(
         "--rerun",
         help="Run a finished job's command again, from its newest checkpoint (the script's "
@@ -326,7 +330,20 @@ def run_cmd(
         config.pop("env", None)  # the environment is recorded at run time, not shown here
         print(json.dumps({"config": config, "launch": build_launch_argv(cfg)}, indent=1))
         return
-    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun)
+    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
+         retry=_run_retry(ctx))
+
+
+def _run_retry(ctx: Any) -> list[str]:
+    """The command line that gives this ``cfrun [run] ...`` again with
+    ``--accept-changed-command`` (the hint of a refused changed command): the words as typed
+    (:func:`main` keeps them in ``ctx.obj``), the flag before the script; empty (no hint)
+    where they are not known (the command run without :func:`main`)."""
+    typed = list((ctx.obj or {}).get("argv") or [])
+    if not typed:
+        return []
+    lead = ["cfrun", "run"] if typed[:1] == ["run"] else ["cfrun"]
+    return [*lead, "--accept-changed-command", *typed[len(lead) - 1:]]
 
 
 def _cluster_defaults(ctx: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -367,7 +384,10 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
     if job_name is not None:
         check_job_name(job_name, option)
     cwd = Path.cwd()
-    jd = Path(job_dir).expanduser().absolute() if job_dir else default_job_dir(script, cwd)
+    nproc_n = parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1)
+    nnodes_n = parse_positive_int("--nnodes", nnodes, minimum=1)
+    jd = Path(job_dir).expanduser().absolute() if job_dir else \
+        default_job_dir(script, cwd, script_args or [], nproc_n, nnodes_n)
     parse_inject_crash(inject_crash)  # validate now: the ranks parse it again
     grace_s = _parse_seconds("--grace", grace, "25")
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
@@ -399,7 +419,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         cwd=str(cwd),
         interval=parse_interval(interval) if interval is not None else None,
         overhead=parse_overhead(overhead),
-        nproc_per_node=parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1),
+        nproc_per_node=nproc_n,
         launcher=launcher.strip() or "torchrun",
         max_restarts=parse_positive_int("--max-restarts", max_restarts, minimum=0),
         keep=parse_positive_int("--keep", keep, minimum=1),
@@ -409,7 +429,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         profile_only=profile_only,
         crash_loop_limit=parse_positive_int("--crash-loop", crash_loop, minimum=0),
         inject_crash=inject_crash,
-        nnodes=parse_positive_int("--nnodes", nnodes, minimum=1),
+        nnodes=nnodes_n,
         node_rank=parse_positive_int("--node-rank", node_rank, minimum=0),
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=rdzv_id or jd.name,
@@ -456,8 +476,9 @@ def profile_cmd(
     script_args: ScriptArgsArgument = None,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
-        help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>); a later "
-             "run with the same script and arguments reuses the profile.")] = None,
+        help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>, the one "
+             "cfrun SCRIPT [ARGS] takes); a later run with the same script, arguments and "
+             "ranks trains there and reuses the profile.")] = None,
     overhead: Annotated[str, typer.Option(
         "--overhead", metavar="PERCENT", envvar=E.OVERHEAD,
         help="Overhead budget in percent: 3.5% and 3.5 both mean 3.5%.")] = "3.5%",
@@ -604,7 +625,8 @@ def resume_cmd(
     accept_changed_command: Annotated[bool, typer.Option(
         "--accept-changed-command",
         help="Go on although the recorded script was edited since (recorded as a "
-             "command_changed event); without it an edited script is refused (exit 2).")
+             "command_changed event); without it an edited script of a job dir with a "
+             "checkpoint is refused (exit 2).")
     ] = False,
     rerun: Annotated[bool, typer.Option(
         "--rerun", help="Run a finished job again from its newest checkpoint.")] = False,
@@ -625,7 +647,8 @@ def resume_cmd(
     from cfrun.contract.jobdir import JobDir
 
     jd = Path(job_dir).expanduser().absolute()
-    os.environ[E.NODE_RANK] = str(parse_positive_int("--node-rank", node_rank, minimum=0))
+    node = parse_positive_int("--node-rank", node_rank, minimum=0)
+    os.environ[E.NODE_RANK] = str(node)
     from cfrun.contract.settings import node_suffix
 
     cfg_path = JobDir(jd).config_path_of(node_suffix())
@@ -668,7 +691,9 @@ def resume_cmd(
         os.environ.setdefault(k, v)
     print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
           f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node)", file=sys.stderr, flush=True)
-    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun)
+    retry = resume_command(jd, node, "--accept-changed-command", *(["--rerun"] if rerun else []))
+    _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
+         retry=shlex.split(retry))
 
 
 def _fmt_s(value: float | None) -> str:
@@ -1002,7 +1027,10 @@ def peer_cmd(
     raise typer.Exit(code)
 
 
-def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = False) -> None:
+def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = False,
+         retry: list[str] | None = None) -> None:
+    """Run the job's supervisor and exit with its code. ``retry``: the command line that goes
+    on with a refused changed command (the hint of :class:`ChangedCommandError`)."""
     from cfrun.supervisor.core import Supervisor
 
     # the node's identity names its config, lock, agent socket and slots
@@ -1011,13 +1039,20 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
     os.environ[E.NNODES] = str(cfg.nnodes)
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
-    code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun).run()
+    try:
+        code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun).run()
+    except ChangedCommandError as e:
+        if not retry:
+            raise
+        raise ChangedCommandError(str(e), hint="to go on from its checkpoints with the change: "
+                                  f"{shlex.join(retry)}") from None
     raise typer.Exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    typed = list(args)  # as the user gave them (a hint repeats them)
     if not args or args[0] in HELP_OPTIONS:
         print(root_help(typer.main.get_command(app)), end="")
         sys.exit(0)
@@ -1034,7 +1069,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         debug = E.get_flag(E.DEBUG)
         faults.check()
-        rc = command.main(args=args, prog_name="cfrun", standalone_mode=False)
+        rc = command.main(args=args, prog_name="cfrun", standalone_mode=False,
+                          obj={"argv": typed})
     except _EXIT as e:
         sys.exit(e.exit_code)  # type: ignore[attr-defined]
     except _USAGE as e:

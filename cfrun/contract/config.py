@@ -11,11 +11,12 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cfrun.contract.errors import BadInputError
+from cfrun.contract.errors import BadInputError, ChangedCommandError
 
 _OVERHEAD_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
@@ -265,16 +266,55 @@ class RunConfig:
         return cls(**doc)
 
 
-def default_job_dir(script: str, cwd: Path) -> Path:
-    """``./cfrun-jobs/<script stem>-<8 hex digits>`` under ``cwd``: one job dir per script.
+def default_job_dir(script: str, cwd: Path, script_args: Sequence[str] = (),
+                    nproc_per_node: int = 1, nnodes: int = 1) -> Path:
+    """``./cfrun-jobs/<script stem>-<8 hex digits>`` under ``cwd``: one job dir per command.
 
-    The digits are the first of the SHA-256 of the script's absolute path (links resolved), so
-    two scripts with one file name in different directories, run from one directory, get two
-    job dirs, and the same script gets the same one every time (its bytes and arguments may
-    change: the supervisor's identity check says so, :func:`check_identity`)."""
+    The digits are the first of a SHA-256 of the script's absolute path (links resolved), its
+    arguments, the ranks per node and the nodes, so the same command gets the same job dir
+    every time (a re-run, a restarted pod resume: the script's bytes may change, the identity
+    check says so, :func:`check_identity`), while two scripts with one file name in different
+    directories, or runs with other arguments (a learning-rate sweep) or another world size,
+    get job dirs of their own and run side by side.
+
+    A script run with no arguments on one rank keeps the name cfrun gave every job dir before
+    arguments counted (the hash of the path alone); so does any command whose job dir of that
+    name already holds its job (``identity.json`` with these arguments and world size), so a
+    job started by an older cfrun resumes there."""
     path = (cwd / script).resolve()
-    digits = hashlib.sha256(str(path).encode()).hexdigest()[:8]
-    return cwd / "cfrun-jobs" / f"{path.stem}-{digits}"
+    jobs = cwd / "cfrun-jobs"
+    path_only = jobs / f"{path.stem}-{_hex8(str(path))}"
+    args = list(script_args)
+    if (not args and nproc_per_node == nnodes == 1) or \
+            _holds_command(path_only, args, nproc_per_node * nnodes):
+        return path_only
+    return jobs / f"{path.stem}-{_hex8(json.dumps([str(path), args, nproc_per_node, nnodes]))}"
+
+
+def _hex8(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _holds_command(job_dir: Path, script_args: list[str], world_size: int) -> bool:
+    """True when ``job_dir``'s ``identity.json`` records these arguments and world size."""
+    from cfrun.contract.jobdir import JobDir
+
+    try:
+        old = read_identity(JobDir(job_dir).identity_path)
+    except (BadInputError, OSError):
+        return False
+    return old is not None and list(old.command.script_args) == script_args \
+        and old.command.world_size == world_size
+
+
+def resume_command(job_dir: str | Path, node_rank: int = 0, *flags: str) -> str:
+    """The ``cfrun resume [FLAGS] [--node-rank R] JOB_DIR`` line cfrun's hints print, quoted
+    for a POSIX shell (a job dir with a space in its path pastes as one argument); ``--node-rank``
+    only for a node other than 0."""
+    import shlex
+
+    argv = ["cfrun", "resume", *flags, *(["--node-rank", str(node_rank)] if node_rank else [])]
+    return shlex.join([*argv, str(job_dir)])
 
 
 # ----------------------------------------------------------------- the job's identity
@@ -537,22 +577,36 @@ def _describe_args(old: list[str], new: list[str]) -> str:
     return f"arguments {a_s} -> {b_s}"
 
 
+NO_CHECKPOINT = "no checkpoint to resume"
+"""Why a changed command was taken without ``--accept-changed-command`` (the ``why`` of its
+``command_changed`` event and of its record in ``identity.json``)."""
+ACCEPTED = "--accept-changed-command"
+"""Why a changed command was taken when the flag was given."""
+
+
 def check_identity(path: Path, command: Command, *, job_name: str | None,
-                   accept_changed: bool, nnodes: int = 1) -> tuple[Identity, list[str], bool]:
+                   accept_changed: bool, nnodes: int = 1,
+                   resumable: bool = True) -> tuple[Identity, list[str], bool]:
     """Decide whether ``command`` may run in the job dir whose identity is at ``path``.
 
     Called by the supervisor before it creates, locks or writes anything in the job dir. Reads
     only. Returns ``(identity, changes, write)``: the identity the job runs under, the changes
-    accepted (empty: none), and whether ``identity.json`` must be written (new or changed).
+    taken (empty: none; the newest record of ``identity.changes`` says why), and whether
+    ``identity.json`` must be written (new or changed).
 
     A new job dir gets a new identity (named ``job_name`` or :func:`default_job_name`); the
-    same command keeps the recorded identity; a changed one (script edited or moved, other
-    arguments, another world size, another ``--job-name``) is refused unless
-    ``accept_changed``, which keeps the job's id and name and adds the new fingerprint.
+    same command keeps the recorded identity. A changed one (script edited or moved, other
+    arguments, another world size, another ``--job-name``) is taken as the job's command when
+    the job dir holds no committed checkpoint (``resumable`` False: nothing to resume, nothing
+    to protect: a ``-h`` run, an argparse typo, an import error fixed) with the old command's
+    fingerprints dropped, so a checkpoint of the old command at a peer or at level 2 is never
+    installed under the new one; with a checkpoint it is refused unless ``accept_changed``,
+    which keeps the job's id and name and adds the new fingerprint.
 
     Raises:
-        BadInputError: the command changed and ``accept_changed`` is False (one line naming
-            what changed and the two ways on), or ``identity.json`` is unreadable.
+        ChangedCommandError: the command changed, the job dir holds a checkpoint and
+            ``accept_changed`` is False (one line naming what changed and the two ways on).
+        BadInputError: ``identity.json`` is unreadable.
     """
     old = read_identity(path)
     if old is None:
@@ -561,17 +615,18 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     changes = describe_changes(old, command, job_name)
     if not changes:
         return old, [], False
-    if not accept_changed:
-        raise BadInputError(
+    if resumable and not accept_changed:
+        raise ChangedCommandError(
             f"job dir {str(path.parent)!r} holds a job run with another command: "
             f"{'; '.join(changes)}. To start a new job give a new --job-dir; to go on from "
-            "its checkpoints with the change add --accept-changed-command before the script")
+            "its checkpoints with the change add --accept-changed-command")
     import time
 
-    prints = old.fingerprints + (() if command.fingerprint in old.fingerprints
-                                 else (command.fingerprint,))
+    why = ACCEPTED if resumable else NO_CHECKPOINT
+    prints = () if not resumable else old.fingerprints
+    prints += () if command.fingerprint in prints else (command.fingerprint,)
     record = {"t_unix_s": round(time.time(), 3), "changed": changes,
-              "fingerprint": command.fingerprint}
+              "fingerprint": command.fingerprint, "why": why}
     name = job_name or old.job_name
     job_id = old.job_id if name == old.job_name else job_id_of(name)
     old_ids = old.previous_job_ids + (() if job_id == old.job_id else (old.job_id,))

@@ -52,6 +52,12 @@ class BadInputError(CfrunError):
     exit_code = EXIT_BAD_INPUT
 
 
+class ChangedCommandError(BadInputError):
+    """The job dir holds checkpoints of a job run with another command
+    (:func:`cfrun.contract.config.check_identity`); the CLI adds the command line that goes on
+    with the change as the hint."""
+
+
 class JobDirLockedError(CfrunError):
     """Another live cfrun holds the job dir's lock."""
 

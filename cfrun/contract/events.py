@@ -59,7 +59,7 @@ EVENTS: dict[str, EventKind] = {
     "hang": _k("supervisor", ["attempt", "hang_timeout_s"]),
     "signal_forwarded": _k("supervisor", ["signal", "ranks"]),
     "leftovers_killed": _k("supervisor", ["pids"], ["agent_pid"]),
-    "command_changed": _k("supervisor", ["changed", "fingerprint"]),
+    "command_changed": _k("supervisor", ["changed", "fingerprint"], ["why"]),
     "foreign_checkpoint": _k("supervisor", ["step", "job_id", "path"]),
     "agent_restart": _k("supervisor", ["returncode"]),
     "failure": _k("supervisor", ["attempt", "cause", "returncode", "hung", "error", "step"]),

@@ -44,7 +44,14 @@ from cfrun import __version__
 from cfrun.contract import coordination, early_signals, faults, ipc, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
-from cfrun.contract.config import Command, Identity, RunConfig, check_identity
+from cfrun.contract.config import (
+    ACCEPTED,
+    Command,
+    Identity,
+    RunConfig,
+    check_identity,
+    resume_command,
+)
 from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
 from cfrun.contract.jobdir import FOREIGN_PREFIX, JobDir, atomic_write_json, step_dir_name
 from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
@@ -119,13 +126,17 @@ class SignalReceived(Exception):
 
 def finished_at(jd: JobDir, node_rank: int) -> str | None:
     """``"at step N on DATE"`` when this node's last attempt of the job in ``jd`` succeeded
-    (its last ``state`` event is ``succeeded`` and no attempt started since), else None.
+    (its last ``state`` event is ``succeeded`` and no attempt started since) and the job
+    committed a checkpoint, else None: a run that never committed one (``cfrun profile``, a
+    script's ``-h``) did no training to protect, so its command runs again.
 
     The step is the newest any rank's heartbeat reached (the script's end), else the newest
     committed checkpoint; the date is the event's, in UTC. Reads only; never raises for a
     missing or unreadable events file (None).
     """
     last_state: dict[str, Any] | None = None
+    if not committed_steps(jd.checkpoints):
+        return None
     try:
         events = jd.read_events()
     except Exception:  # unreadable: not known to be finished
@@ -211,7 +222,8 @@ class Supervisor:
             try:
                 identity, changes, write = check_identity(
                     jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
-                    accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes)
+                    accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes,
+                    resumable=bool(committed_steps(jd.checkpoints)))
             except BadInputError:
                 if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
                     raise JobDirLockedError(
@@ -219,9 +231,9 @@ class Supervisor:
                 raise
             finished = None if changes or self.rerun else finished_at(jd, self.cfg.node_rank)
             if finished is not None:
-                logger.info("cfrun: job %s finished %s; nothing to do (--rerun runs the command "
-                            "again from the newest checkpoint; a new --job-dir starts over)",
-                            jd.root, finished)
+                logger.info("cfrun: job %s finished %s; nothing to do. A new --job-dir starts "
+                            "over; to run it again from the newest checkpoint: %s", jd.root,
+                            finished, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
                 return 0
         jd.create()
         jd.lock()
@@ -291,10 +303,11 @@ class Supervisor:
         if write:
             atomic_write_json(self.jobdir.identity_path, identity.to_json())
         if changes:
-            logger.warning("cfrun: going on with a changed command (--accept-changed-command): "
-                           "%s", "; ".join(changes))
+            why = identity.changes[-1].get("why", ACCEPTED)
+            logger.warning("cfrun: going on with a changed command (%s): %s", why,
+                           "; ".join(changes))
             self.jobdir.emit_event("command_changed", changed=changes,
-                                   fingerprint=identity.command.fingerprint)
+                                   fingerprint=identity.command.fingerprint, why=why)
         self._set_aside_foreign(identity)
 
     def _set_aside_foreign(self, identity: Identity) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from cfrun.contract.config import resume_command
 from cfrun.contract.errors import (
     EXIT_FAILED,
     EXIT_FATAL,
@@ -339,11 +340,13 @@ class Policy:
     max_backoff_s: float = MAX_BACKOFF_S
     job_dir: str = ""
     """Named in the hints (``cfrun resume JOB_DIR``)."""
+    node_rank: int = 0
+    """This node's index, named in the hints of a node other than 0 (``--node-rank``)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5) -> Policy:
         return cls(max_restarts=cfg.max_restarts, crash_loop_limit=cfg.crash_loop_limit,
-                   backoff_s=backoff_s, job_dir=cfg.job_dir)
+                   backoff_s=backoff_s, job_dir=cfg.job_dir, node_rank=cfg.node_rank)
 
 
 class ActionKind(str, enum.Enum):
@@ -409,12 +412,18 @@ def _preempted(outcome: Outcome, policy: Policy) -> Action:
                    "cfrun: no final checkpoint and none committed before (the job starts over)"]
     if outcome.signal is not None:
         fields: dict[str, Any] = {"signal": outcome.signal}
-        reports.append(f"cfrun: stopped by {outcome.signal}; resume with: cfrun resume "
-                       f"{policy.job_dir}")
+        reports.append(f"cfrun: stopped by {outcome.signal}; resume with: "
+                       f"{resume_command(policy.job_dir, policy.node_rank)}")
     else:  # the ranks stopped for another node's stop request
         fields = {"attempt": outcome.attempt}
     return _stop(SupervisorState.PREEMPTED, EXIT_PREEMPTED, fields,
                  events=(("preempted", event),), reports=tuple(reports))
+
+
+def _resume_changed(policy: Policy) -> str:
+    """The resume line of a hint that asks for a fix first: the fix may edit the script, and
+    a plain ``cfrun resume`` refuses an edited script of a job with checkpoints."""
+    return resume_command(policy.job_dir, policy.node_rank, "--accept-changed-command")
 
 
 def restart_delay_s(outcome: Outcome, history: History, policy: Policy) -> float:
@@ -480,13 +489,13 @@ def decide(outcome: Outcome, history: History, policy: Policy) -> Action:
                          {"attempt": attempt, "cause": "crash loop"}, events=events,
                          error=f"crash loop: the same failure {n} times in a row at step "
                                f"{failure.step}: {detail}",
-                         hint=f"fix the script, then: cfrun resume {policy.job_dir}")
+                         hint=f"fix the script, then: {_resume_changed(policy)}")
     if history.restart_count >= policy.max_restarts:
         return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
                      events=events,
                      error=f"the script failed ({cause}) and --max-restarts "
                            f"{policy.max_restarts} restarts are used up",
-                     hint=f"fix the cause, then continue with: cfrun resume {policy.job_dir}")
+                     hint=f"fix the cause, then continue with: {_resume_changed(policy)}")
     restart = history.restart_count + 1
     delay_s = restart_delay_s(outcome, history, policy)
     return Action(ActionKind.RESTART, SupervisorState.RESTARTING,

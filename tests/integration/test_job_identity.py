@@ -71,11 +71,6 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("cfrun: error:")]
 
 
-def _one_job_dir(cwd: Path) -> Path:
-    [job] = (cwd / "cfrun-jobs").iterdir()
-    return job
-
-
 def _events(job: Path, kind: str) -> list[dict]:
     path = job / "events.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -90,13 +85,17 @@ def _identity(job: Path) -> dict:
 
 
 def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(tmp_path):
+    """In a job dir with a checkpoint (the default job dir tells other arguments apart: here
+    one job dir named for both)."""
     script = _script(tmp_path)
-    first = run_cfrun(["--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
+    first = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.1"],
+                      cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    job = _one_job_dir(tmp_path)  # the default job dir
+    job = tmp_path / "j"
     assert committed_steps(job / "checkpoints")
     before = _listing(job)
-    again = run_cfrun(["--interval", "5", str(script), "--lr", "0.2"], cwd=tmp_path)
+    again = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.2"],
+                      cwd=tmp_path)
     assert again.returncode == EXIT_BAD_INPUT == 2, again.stderr[-3000:]
     [line] = _errors(again.stderr)
     assert "argument --lr: 0.1 -> 0.2" in line, line
@@ -104,7 +103,8 @@ def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(t
     assert "FINAL" not in again.stdout
     assert _listing(job) == before  # nothing created, written or touched
     # the same command still resumes, as before
-    same = run_cfrun(["--rerun", "--interval", "5", str(script), "--lr", "0.1"], cwd=tmp_path)
+    same = run_cfrun(["--rerun", "--interval", "5", "--job-dir", "j", str(script), "--lr",
+                      "0.1"], cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
     assert _events(job, "resumed")
 

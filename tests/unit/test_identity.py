@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from cfrun.contract.config import (
+    ACCEPTED,
+    NO_CHECKPOINT,
     Command,
     Identity,
     RunConfig,
@@ -17,8 +19,9 @@ from cfrun.contract.config import (
     default_job_dir,
     default_job_name,
     job_id_of,
+    resume_command,
 )
-from cfrun.contract.errors import BadInputError
+from cfrun.contract.errors import BadInputError, ChangedCommandError
 from cfrun.storage.tiers import check_job_name as storage_job_name
 
 
@@ -37,6 +40,40 @@ def test_default_job_dir_differs_for_one_file_name_in_two_directories(tmp_path: 
     assert a != b and a.parent == b.parent == tmp_path / "cfrun-jobs"
     assert a.name.startswith("train-") and b.name.startswith("train-")
     assert default_job_dir(str(tmp_path / "a" / "train.py"), tmp_path) == a  # stable
+
+
+def test_default_job_dir_differs_for_other_arguments_or_world_sizes(tmp_path: Path) -> None:
+    """A learning-rate sweep in one directory: one job dir per command, the same every time."""
+    script = "train.py"
+    plain = default_job_dir(script, tmp_path)
+    dirs = [plain, default_job_dir(script, tmp_path, ["--lr", "0.1"]),
+            default_job_dir(script, tmp_path, ["--lr", "0.2"]),
+            default_job_dir(script, tmp_path, ["--lr", "0.1"], nproc_per_node=2),
+            default_job_dir(script, tmp_path, ["--lr", "0.1"], nproc_per_node=1, nnodes=2)]
+    assert len(set(dirs)) == len(dirs) and all(d.name.startswith("train-") for d in dirs)
+    assert default_job_dir(script, tmp_path, ["--lr", "0.1"]) == dirs[1]  # stable
+    assert default_job_dir(script, tmp_path, [], 1, 1) == plain
+
+
+def test_a_job_dir_named_by_the_script_alone_keeps_its_job(tmp_path: Path) -> None:
+    """An older cfrun named the job dir by the script's path alone: the command it holds
+    (identity.json) still finds it; another command gets its own."""
+    legacy = default_job_dir("train.py", tmp_path)
+    legacy.mkdir(parents=True)
+    cmd = _command(tmp_path, ["--lr", "0.1"])
+    ident, _, _ = check_identity(legacy / "identity.json", cmd, job_name=None,
+                                 accept_changed=False)
+    (legacy / "identity.json").write_text(json.dumps(ident.to_json()))
+    assert default_job_dir("train.py", tmp_path, ["--lr", "0.1"]) == legacy
+    assert default_job_dir("train.py", tmp_path, ["--lr", "0.2"]) != legacy
+    assert default_job_dir("train.py", tmp_path, ["--lr", "0.1"], nproc_per_node=2) != legacy
+
+
+def test_resume_command_quotes_the_job_dir_and_names_other_nodes() -> None:
+    assert resume_command("/w/j") == "cfrun resume /w/j"
+    assert resume_command("/w/my job", 0, "--rerun") == "cfrun resume --rerun '/w/my job'"
+    assert resume_command("/w/j", 2, "--accept-changed-command") == \
+        "cfrun resume --accept-changed-command --node-rank 2 /w/j"
 
 
 @pytest.mark.parametrize("job_dir", ["j", "my job", "..x", "-lead", "ünï", "a" * 300])
@@ -89,6 +126,27 @@ def test_check_identity_new_same_changed_accepted(tmp_path: Path) -> None:
     assert "another command" in str(new.refusal({"job_id": ident.job_id, "command": "f" * 64}))
     assert "another job (job id none" in str(new.refusal({}))
     assert Identity.from_json(new.to_json(), "x") == new
+
+
+def test_a_changed_command_without_a_checkpoint_is_taken(tmp_path: Path) -> None:
+    """Nothing to resume: the new command is the job's (old fingerprints dropped), recorded
+    with why; with a checkpoint the same change is refused."""
+    path = tmp_path / "identity.json"
+    helped = _command(tmp_path, ["-h"])
+    ident, _, _ = check_identity(path, helped, job_name=None, accept_changed=False)
+    path.write_text(json.dumps(ident.to_json()))
+    real = _command(tmp_path, ["--epochs", "4"])
+    with pytest.raises(ChangedCommandError, match="add --accept-changed-command$"):
+        check_identity(path, real, job_name=None, accept_changed=False, resumable=True)
+    new, changes, write = check_identity(path, real, job_name=None, accept_changed=False,
+                                         resumable=False)
+    assert write and changes == ["arguments -h -> --epochs 4"]
+    assert (new.job_id, new.job_name) == (ident.job_id, ident.job_name)
+    assert new.fingerprints == (real.fingerprint,) and new.command == real
+    assert new.changes[-1]["why"] == NO_CHECKPOINT and new.changes[-1]["changed"] == changes
+    assert "another command" in str(new.refusal(ident.meta()))  # the old command's: refused
+    accepted, _, _ = check_identity(path, real, job_name=None, accept_changed=True)
+    assert accepted.changes[-1]["why"] == ACCEPTED
 
 
 def test_an_accepted_rename_keeps_the_old_checkpoints_the_jobs(tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
         "step 12")}  # the final state event carries the error (cfrun status shows it)
     assert last.error == ("crash loop: the same failure 3 times in a row at step 12: "
                           "ValueError: bad batch at step 12")
-    assert last.hint == "fix the script, then: cfrun resume /jobs/j"
+    assert last.hint == "fix the script, then: cfrun resume --accept-changed-command /jobs/j"
     assert isinstance(last.exception(), FatalJobError)
     [(kind, fields)] = last.events
     assert kind == "failure" and fields == {
@@ -184,7 +184,8 @@ def test_restarts_stop_at_max_restarts_with_exit_4(max_restarts: int) -> None:
                                           f"--max-restarts {max_restarts} restarts are used up"}
     assert last.error == (f"the script failed (killed by SIGKILL) and --max-restarts "
                           f"{max_restarts} restarts are used up")
-    assert last.hint == "fix the cause, then continue with: cfrun resume /jobs/j"
+    assert last.hint == ("fix the cause, then continue with: cfrun resume "
+                         "--accept-changed-command /jobs/j")
     assert isinstance(last.exception(), JobFailedError)
     assert [a.restart for a in actions[:-1]] == list(range(1, max_restarts + 1))
 
