@@ -319,16 +319,20 @@ class Committer:
             if abandon.is_set():
                 self._mark_path(step).unlink(missing_ok=True)
                 return False, 0, False
+            if not self._mark_path(step).is_file():  # a later step committed, and its
+                # cleanup removed this staging dir: this step can never commit
+                later = max(committed_steps(checkpoints), default=step)
+                raise Superseded(step, later, self.node_rank)
             marks = []
             for node in range(self.nnodes):
                 try:
                     marks.append(json.loads(self._mark_path(step, node).read_text()))
                 except (OSError, ValueError):
-                    later = self._went_past(step, node)
-                    if later is None:
+                    past = self._went_past(step, node)
+                    if past is None:
                         return None
                     self._mark_path(step).unlink(missing_ok=True)  # it can never commit
-                    raise Superseded(step, later, node) from None
+                    raise Superseded(step, past, node) from None
             files = [FileEntry.from_json(f, f"step {step} node mark") for m in marks
                      for f in m["files"]]
             ranks = sorted(r for m in marks for r in m["ranks"])
@@ -342,13 +346,13 @@ class Committer:
             return True, sum(f.nbytes for f in files), True
 
     def _went_past(self, step: int, node: int) -> int | None:
-        """A later step than ``step`` that is committed or that ``node`` has marked (under the
-        commit lock): ``node``'s ranks went past ``step`` and will never mark it (each rank
-        hands off a checkpoint only after the previous one's reply). None if there is none."""
+        """A later step than ``step`` that ``node`` has marked, still staging (under the commit
+        lock): ``node``'s ranks went past ``step`` and will never mark it (each rank hands off
+        a checkpoint only after the previous one's reply). None if there is none. Committed
+        steps do not count: one newer than the resume step may be left from an earlier attempt
+        (resumed from an older checkpoint), where staging marks are not (a node's agent
+        removes its own at its ranks' hello and at its start)."""
         checkpoints = self.jobdir.checkpoints
-        later = [s for s in committed_steps(checkpoints) if s > step]
-        if later:
-            return later[0]
         for s in sorted(_staging_steps(checkpoints)):
             if s > step and self._mark_path(s, node).is_file():
                 return s
