@@ -14,7 +14,7 @@ agent monitors the workers into a ``RunResult`` and decides on it in ``_invoke_r
 How an attempt ended (:attr:`Outcome.kind`)::
 
     SUCCEEDED   torchrun exited 0; or every rank finished the script, then one died in teardown
-    PREEMPTED   SIGTERM/SIGINT to cfrun, or the ranks stopped for another node's stop request
+    PREEMPTED   SIGTERM/SIGINT/SIGHUP to cfrun, or the ranks stopped for another node's stop request
     FATAL       a rank wrote fatal.json: resuming would be wrong
     AGENT_LOST  the persist agent died and did not come back
     HUNG        no optimizer step for --hang-timeout; the monitor killed the ranks
@@ -71,7 +71,7 @@ class SupervisorState(str, enum.Enum):
                            -> RESTARTING -> RUNNING      failed, restarts left (backoff in between)
                            -> FAILED                     failed, no restarts left        (exit 4)
                            -> FATAL                      crash loop, or resuming would be wrong (5)
-                           -> PREEMPTED                  SIGTERM/SIGINT to cfrun          (exit 75)
+                           -> PREEMPTED                  SIGTERM/SIGINT/SIGHUP to cfrun   (exit 75)
     """
 
     STARTING = "starting"
@@ -238,7 +238,7 @@ class Outcome:
     agent_error: str | None = None
     """The persist agent died and could not be restarted: why."""
     signal: str | None = None
-    """``SIGTERM``/``SIGINT``: cfrun itself was stopped by this signal."""
+    """``SIGTERM``/``SIGINT``/``SIGHUP``: cfrun itself was stopped by this signal."""
     committed_steps: tuple[int, ...] = ()
     """Committed checkpoint steps when the outcome was taken, newest first."""
     hardware_faults: tuple[str, ...] = ()
