@@ -303,9 +303,11 @@ class Outcome:
     def detail(self) -> str:
         """The script's own words for the failure: its first error
         (:func:`describe_error`: ``SyntaxError: invalid syntax``, argparse's ``train.py:
-        error: ...``), else torchrun's usage error, else :attr:`cause`."""
+        error: ...``), else torchrun's usage error, else :attr:`cause` (a kill from outside:
+        a peer's "connection closed" says nothing more)."""
         error = first_error(self.errors)
-        if error is not None and not self.oom_kills and not self.hung:
+        if error is not None and self.is_script_failure and not self.oom_kills \
+                and not self.hung:
             return describe_error(error)
         return self.launch_error or self.cause
 
@@ -545,11 +547,13 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
     up (:func:`decide`)."""
     attempt, cause, failure = outcome.attempt, outcome.cause, outcome.failure
     hint = f"fix the script, then: cfrun resume {policy.job_dir}"
-    if outcome.output_closed:
+    if outcome.output_closed:  # the script's BrokenPipeError reads as a peer's: name it
+        error = first_error(outcome.errors)
+        said = describe_error(error) if error is not None else outcome.detail
         return _stop(SupervisorState.FAILED, EXIT_FAILED,
                      {"attempt": attempt, "cause": "output closed"},
                      error=f"the script's output pipe was closed (its reader exited, as with "
-                           f"| head): {outcome.detail}; not restarted",
+                           f"| head): {said}; not restarted",
                      hint=f"continue with: cfrun resume {policy.job_dir}")
     if early and not policy.retry_before_first_step:
         previous = history.outcomes[-1] if history.outcomes else None

@@ -292,6 +292,7 @@ def test_a_closed_output_pipe_stops_at_once(outcome) -> None:
     [action] = drive([outcome])
     assert action.kind is ActionKind.STOP and action.exit_code == EXIT_FAILED
     assert action.error is not None and "output pipe was closed" in action.error
+    assert ("BrokenPipeError: [Errno 32] Broken pipe" in action.error) == bool(outcome.errors)
     assert action.events[0][0] == "failure"
 
 
