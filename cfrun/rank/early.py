@@ -20,6 +20,7 @@ needs to install; a failure to record is silent (the script's own error is what 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -36,7 +37,10 @@ def _step() -> int | None:
 
 def record(type_name: str, message: str, lines: list[str]) -> None:
     """Write this rank's error record unless one exists (the runtime's own excepthook wrote
-    it). Never raises."""
+    it); only in the rank's own process (``CFRUN_HOOK_OWNER_PID``, set by the hook). Never
+    raises."""
+    if os.environ.get("CFRUN_HOOK_OWNER_PID") != str(os.getpid()):
+        return  # a forked child of the rank (its hooks inherited): not the rank's failure
     try:
         from cfrun.contract import coordination as co
         from cfrun.rank.settings import RankSettings
