@@ -39,11 +39,13 @@ def record(type_name: str, message: str, lines: list[str]) -> None:
     """Write this rank's error record unless one exists (the runtime's own excepthook wrote
     it); only in the rank's own process (``CFRUN_HOOK_OWNER_PID``, set by the hook). Never
     raises."""
-    if os.environ.get("CFRUN_HOOK_OWNER_PID") != str(os.getpid()):
-        return  # a forked child of the rank (its hooks inherited): not the rank's failure
     try:
         from cfrun.contract import coordination as co
+        from cfrun.contract.settings import HOOK_OWNER_PID
         from cfrun.rank.settings import RankSettings
+
+        if os.environ.get(HOOK_OWNER_PID) != str(os.getpid()):
+            return  # a forked child of the rank (its hooks inherited): not the rank's failure
 
         s = RankSettings.from_env()
         path = co.error_path(s.job_dir, s.attempt, s.rank)
