@@ -1,4 +1,4 @@
-"""The ``cfrun`` console script and ``python -m cfrun``: hold SIGTERM/SIGINT
+"""The ``cfrun`` console script and ``python -m cfrun``: hold SIGTERM/SIGINT/SIGHUP
 (:mod:`cfrun.contract.early_signals`) before the heavy imports, then run the CLI."""
 
 from cfrun.contract import early_signals

@@ -11,6 +11,7 @@ exit code (README, "Exit codes"); nothing is created or changed before the input
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from cfrun.cli.options import (
     LogFormatOption,
     MaxRestartsOption,
     NprocPerNodeOption,
+    RetryBeforeFirstStepOption,
     ScriptArgsArgument,
     ScriptArgument,
 )
@@ -274,6 +276,7 @@ def run_cmd(
              "Young/Daly optimum needs. Default: learned from this job's restarts.")] = None,
     hang_timeout: HangTimeoutOption = "1800",
     crash_loop: CrashLoopOption = "3",
+    retry_before_first_step: RetryBeforeFirstStepOption = False,
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", metavar="STEP[@ATTEMPT],...", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
@@ -323,6 +326,7 @@ def run_cmd(
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher, metrics=metrics,
                         local_addr=local_addr)
+    cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step)
     if dry_run:
         from cfrun.supervisor.launcher import build_launch_argv
 
@@ -766,8 +770,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("checkpoints taken", f"{st['checkpoints_taken']}, {st['checkpoints_failed']} failed, "
                               f"{st['checkpoints_skipped']} skipped (no space)"),
         ("attempts", str(st["attempts"])),
-        ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} at step "
-                               f"{_or(r['step'], 'unknown')}"
+        ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} {r['where']}"
                                for r in st["restarts"]) or "none"),
         ("last resume", _resume_text(st.get("last_resume"))),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),

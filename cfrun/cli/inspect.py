@@ -151,6 +151,20 @@ def _liveness(jd: JobDir, config: dict[str, Any], last_state: str | None) -> tup
     return False, last_state or "unknown"
 
 
+def _restart(e: dict[str, Any]) -> dict[str, Any]:
+    """One ``failure`` event as a row of :func:`status`'s ``restarts``: its cause with the
+    script's own message (``detail``) when that says more, and where it happened (``at step
+    N``, ``before the first step``)."""
+    cause, detail, step = e.get("cause"), e.get("detail"), e.get("step")
+    if detail and detail != cause:
+        cause = f"{cause} ({detail})"
+    if e.get("made_a_step") is False:
+        where = "before the first step"
+    else:
+        where = f"at step {step}" if step is not None else "at step unknown"
+    return {"attempt": e.get("attempt"), "cause": cause, "step": step, "where": where}
+
+
 def status(jd: JobDir) -> dict[str, Any]:
     """The job's state as a JSON-able dict (the ``cfrun status --json`` schema).
 
@@ -162,7 +176,7 @@ def status(jd: JobDir) -> dict[str, Any]:
     interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
-    restarts ([{attempt, cause, step}]), disk_bytes, error (the message that stopped a
+    restarts ([{attempt, cause, step, where}]), disk_bytes, error (the message that stopped a
     ``fatal`` or ``failed`` job, e.g. a crash loop's exception; None otherwise), unprotected
     ([{attempt, step, where, error}]: a rank ran without cfrun's protection, e.g. no optimizer
     ever stepped), gpus ([{index, uuid, name, memory_used_bytes, memory_total_bytes,
@@ -206,8 +220,7 @@ def status(jd: JobDir) -> dict[str, Any]:
         "checkpoints_skipped": len({e.get("step") for e in events
                                     if e.get("event") == "checkpoint_skipped"}),
         "attempts": len([e for e in events if e.get("event") == "attempt_start"]),
-        "restarts": [{"attempt": e.get("attempt"), "cause": e.get("cause"), "step": e.get("step")}
-                     for e in events if e.get("event") == "failure"],
+        "restarts": [_restart(e) for e in events if e.get("event") == "failure"],
         "preempted": [{"step": e.get("step"), "final_checkpoint": e.get("final_checkpoint")}
                       for e in events if e.get("event") == "preempted"],
         "disk_bytes": tree_bytes(jd.checkpoints),

@@ -56,6 +56,12 @@ CrashLoopOption = Annotated[str, typer.Option(
     help="Stop (exit 5) after the same failure at the same step this many times in a row "
          "(0: off).")]
 
+RetryBeforeFirstStepOption = Annotated[bool, typer.Option(
+    "--retry-before-first-step", envvar=E.RETRY_BEFORE_FIRST_STEP,
+    help="Restart a failure before the first optimizer step like any other (a data mount "
+         "that comes up late). Without it such a failure (a SyntaxError, an ImportError, a "
+         "usage error) stops the job the second time in a row (exit 5).")]
+
 LocalAddrOption = Annotated[str | None, typer.Option(
     "--local-addr", "--local_addr", metavar="ADDRESS", envvar=E.LOCAL_ADDR,
     help="This node's address for the rendezvous and the ranks' store (torchrun "

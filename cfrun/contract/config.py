@@ -172,6 +172,10 @@ class RunConfig:
     """A rank with no optimizer step for this long is killed and the job restarted (0: off)."""
     crash_loop_limit: int = 3
     """The same failure at the same step this many times in a row stops the job (exit 5)."""
+    retry_before_first_step: bool = False
+    """``--retry-before-first-step``: restart a failure before the first optimizer step like
+    any other, instead of stopping at its second time in a row (a data mount that comes up
+    late)."""
     mtbf_s: float | None = None
     """Mean time between failures (``--mtbf``); None: learned from this job's restarts."""
     profile_only: bool = False

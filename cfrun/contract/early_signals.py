@@ -1,4 +1,4 @@
-"""SIGTERM/SIGINT held from cfrun's first line until the supervisor takes them over.
+"""SIGTERM/SIGINT/SIGHUP held from cfrun's first line until the supervisor takes them over.
 
 A scheduler may stop cfrun at any moment, also in the second it spends importing typer and
 checking the job dir before the supervisor installs its handlers (:class:`Supervisor.run`).
@@ -19,7 +19,9 @@ import signal
 from collections.abc import MutableMapping
 from typing import Any
 
-HELD = (signal.SIGTERM, signal.SIGINT)
+HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The supervisor's stop signals (:func:`cfrun.supervisor.core.stop_signals`); SIGHUP not when
+cfrun is PID 1, where the supervisor forwards it to the ranks."""
 _pending: list[int] = []
 _previous: dict[int, Any] = {}
 
@@ -29,10 +31,13 @@ def _remember(signum: int, frame: Any) -> None:
 
 
 def hold() -> None:
-    """Remember SIGTERM/SIGINT instead of dying from them. Idempotent; main thread only."""
+    """Remember SIGTERM/SIGINT/SIGHUP instead of dying from them. Idempotent; main thread
+    only."""
     if _previous:
         return
     for s in HELD:
+        if s == signal.SIGHUP and os.getpid() == 1:
+            continue
         _previous[s] = signal.signal(s, _remember)
 
 

@@ -133,6 +133,10 @@ LOG_FORMAT = _declare("CFRUN_LOG_FORMAT", "choice", "auto",
 CRASH_LOOP = _declare("CFRUN_CRASH_LOOP", "int", "3",
                       "the same failure at the same step this many times: stop with exit code 5 "
                       "(0: off)")
+RETRY_BEFORE_FIRST_STEP = _declare(
+    "CFRUN_RETRY_BEFORE_FIRST_STEP", "flag", None,
+    "restart a failure before the first optimizer step like any other (a late data mount)",
+    unset="off")
 INJECT_CRASH = _declare("CFRUN_INJECT_CRASH", "steps", None,
                         "testing aid, STEP[@ATTEMPT],...: rank 0 SIGKILLs itself after step STEP "
                         "in attempt ATTEMPT (default 0)")

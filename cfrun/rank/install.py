@@ -235,16 +235,18 @@ def _wrap_init(cls: type, register: Any) -> None:
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Calls ``then`` (:func:`install`) right after ``import torch`` completes, and only then."""
+    """Calls ``then`` (:func:`install`) right after ``import torch`` completes, and only then
+    (``name``: another module, :func:`when_imported`)."""
 
-    def __init__(self, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, then: Callable[[], None] | None = None, name: str = "torch") -> None:
         self.then = then or install
+        self.name = name
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -260,18 +262,28 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         return spec
 
 
+def when_imported(name: str, then: Callable[[], None]) -> None:
+    """Call ``then`` now if module ``name`` (top level) is already imported, else right after
+    the script imports it."""
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _TorchWatcher(then, name))
+
+
 def when_torch_imported(then: Callable[[], None]) -> None:
     """Call ``then`` now if torch is already imported, else right after the script imports it
     (``cfrun verify``'s observer of a plain run, :func:`cfrun.rank.verify.observe`)."""
-    if "torch" in sys.modules:
-        then()
-    else:
-        sys.meta_path.insert(0, _TorchWatcher(then))
+    when_imported("torch", then)
 
 
 def arm() -> None:
-    """Install now if torch is already imported, else as soon as the script imports it."""
+    """Install now if torch is already imported, else as soon as the script imports it; a
+    failure of the script before that is recorded all the same (:mod:`cfrun.rank.early`)."""
+    from cfrun.rank import early
+
+    early.install()
     if "torch" in sys.modules:
         install()
-    elif not any(isinstance(f, _TorchWatcher) for f in sys.meta_path):
+    elif not any(isinstance(f, _TorchWatcher) and f.name == "torch" for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchWatcher())

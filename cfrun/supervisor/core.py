@@ -12,7 +12,7 @@ an exit code). The states and their transitions are documented on
                        -> RESTARTING -> RUNNING      failed, restarts left (backoff in between)
                        -> FAILED                     failed, no restarts left        (exit 4)
                        -> FATAL                      a rank found the resume would be wrong (5)
-                       -> PREEMPTED                  SIGTERM/SIGINT to cfrun          (exit 75)
+                       -> PREEMPTED                  SIGTERM/SIGINT/SIGHUP to cfrun   (exit 75)
 
 Signals to cfrun become a ``SignalReceived`` exception on the main thread. The shutdown
 (:meth:`Monitor.shutdown`) does not signal torchrun: it writes ``stop_request.json`` with the
@@ -22,7 +22,9 @@ the deadline, or at once on a second signal, every rank and the persist agent ar
 cfrun exits within ``grace_s`` (plus its own exit) and no process outlives it. One ``preempted``
 event says which step the job stopped at and whether the final checkpoint was committed.
 
-SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT) are passed on to the ranks
+SIGHUP (a closed terminal, a dropped ssh session) stops the job as SIGTERM does, except when
+cfrun is PID 1 (:func:`stop_signals`). SIGUSR1 and SIGUSR2 (as PID 1 also SIGHUP and SIGQUIT)
+are passed on to the ranks
 (:func:`forwarded_signals`). A supervisor killed by SIGKILL leaves nothing running either
 (``cfrun.supervisor.launcher``: a parent-death signal for torchrun and the agent, a reaper for
 the rest).
@@ -86,6 +88,16 @@ def forwarded_signals() -> tuple[signal.Signals, ...]:
     return tuple(sigs)
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """Signals that stop the job as a preemption (final checkpoint, exit 75, resumable):
+    SIGTERM, SIGINT, and SIGHUP (a closed terminal, a dropped ssh session) unless cfrun is
+    PID 1, where SIGHUP is passed on to the ranks (:func:`forwarded_signals`)."""
+    sigs = [signal.SIGTERM, signal.SIGINT]
+    if os.getpid() != 1:
+        sigs.append(signal.SIGHUP)
+    return tuple(sigs)
+
+
 def _become_subreaper() -> None:
     """PR_SET_CHILD_SUBREAPER: orphaned descendants (ranks of a dead torchrun) become ours."""
     try:
@@ -117,7 +129,7 @@ def _lock_held(path: Path) -> bool:
 
 
 class SignalReceived(Exception):
-    """SIGTERM or SIGINT arrived; ``signum`` says which."""
+    """A stop signal (:func:`stop_signals`) arrived; ``signum`` says which."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -246,8 +258,7 @@ class Supervisor:
         if start_delay_s:
             time.sleep(float(start_delay_s))
         self._write_config()  # before a stop can be reported: `cfrun resume` needs it
-        old_handlers = {s: signal.signal(s, self._on_signal)
-                        for s in (signal.SIGTERM, signal.SIGINT)}
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
         old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
             held = early_signals.take(old_handlers)  # a stop that came while cfrun was starting

@@ -4,7 +4,9 @@ With ``--launcher python`` the one rank is the script run as ``python SCRIPT ARG
 (:func:`build_launch_argv`): the attempt's process *is* the rank, with torchrun's variables
 kept out of its environment; everything else below holds for it too.
 
-The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` (one node) or
+The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` (one node;
+torchrun under :mod:`cfrun.supervisor.torchrun_log`, which keeps the script's ARGS from
+torchrun's parser) or
 with torchrun's c10d rendezvous (``--nnodes N``) with the same
 interpreter as cfrun. cfrun restarts torchrun itself (``--max-restarts 0`` to torchrun) so that
 it can apply its own policy and keep the persist agent across restarts.
@@ -31,6 +33,7 @@ from typing import Any
 import cfrun
 from cfrun.contract import settings as E
 from cfrun.contract.config import RunConfig
+from cfrun.supervisor.torchrun_log import TORCHRUN
 
 
 def hooks_dir() -> Path:
@@ -48,10 +51,13 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
 
     One node: ``--standalone``. Several: torchrun's c10d rendezvous at ``--rdzv-endpoint``
     (torchrun ``--rdzv-backend c10d``; node 0 hosts its store, ``is_host``), with a fixed node
-    count, so the world size cannot change between restarts. ``log_path``: torchrun
-    runs under :mod:`cfrun.supervisor.torchrun_log`, its own output appended there (the ranks'
+    count, so the world size cannot change between restarts. torchrun runs under
+    :mod:`cfrun.supervisor.torchrun_log`, whose parser of torchrun's options never sees the
+    script's arguments; ``log_path``: torchrun's own output is appended there (the ranks'
     output stays on the console); ``log_dir``: torchrun's ``--log-dir`` (else it leaves a
-    ``torchelastic_*`` directory in /tmp per attempt).
+    ``torchelastic_*`` directory in /tmp per attempt). Each of torchrun's options is one word
+    (``--name=value``): the first word that is no option is the script
+    (:func:`cfrun.supervisor.torchrun_log.split_script`).
     """
     if cfg.nnodes > 1:
         # node 0 hosts the rendezvous store: torchrun's own guess (the endpoint names this
@@ -61,10 +67,8 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
                   f"--rdzv-conf=is_host={'true' if cfg.node_rank == 0 else 'false'}"]
     else:
         launch = ["--standalone"]
-    runner = ["-m", "cfrun.supervisor.torchrun_log", log_path, "torch.distributed.run"] \
-        if log_path is not None else ["-m", "torch.distributed.run"]
     return [
-        python, *runner,
+        python, "-m", "cfrun.supervisor.torchrun_log", log_path or "-", TORCHRUN,
         *launch,
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--max-restarts=0",

@@ -14,7 +14,7 @@ agent monitors the workers into a ``RunResult`` and decides on it in ``_invoke_r
 How an attempt ended (:attr:`Outcome.kind`)::
 
     SUCCEEDED   torchrun exited 0; or every rank finished the script, then one died in teardown
-    PREEMPTED   SIGTERM/SIGINT to cfrun, or the ranks stopped for another node's stop request
+    PREEMPTED   SIGTERM/SIGINT/SIGHUP to cfrun, or the ranks stopped for another node's stop request
     FATAL       a rank wrote fatal.json: resuming would be wrong
     AGENT_LOST  the persist agent died and did not come back
     HUNG        no optimizer step for --hang-timeout; the monitor killed the ranks
@@ -28,6 +28,10 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
     PREEMPTED              -> stop, exit 75 (a ``preempted`` event: stop step, final checkpoint)
     FATAL, AGENT_LOST      -> stop, exit 5
     FAILED, HUNG, KILLED   -> a ``failure`` event, then
+        the console's pipe closed (``| head`` exited)                -> stop, exit 4
+        FAILED before the attempt's first optimizer step, after an attempt that did too
+            (a SyntaxError, an ImportError, a usage error: it will fail again; not with
+            --retry-before-first-step)                               -> stop, exit 5
         the same failure of the script --crash-loop times in a row   -> stop, exit 5
         --max-restarts restarts used up                              -> stop, exit 4
         otherwise                    -> restart at once when the attempt committed a newer
@@ -68,7 +72,7 @@ class SupervisorState(str, enum.Enum):
                            -> RESTARTING -> RUNNING      failed, restarts left (backoff in between)
                            -> FAILED                     failed, no restarts left        (exit 4)
                            -> FATAL                      crash loop, or resuming would be wrong (5)
-                           -> PREEMPTED                  SIGTERM/SIGINT to cfrun          (exit 75)
+                           -> PREEMPTED                  SIGTERM/SIGINT/SIGHUP to cfrun   (exit 75)
     """
 
     STARTING = "starting"
@@ -168,6 +172,14 @@ class RankError:
         return {"type": self.type, "message": self.message, "step": self.step, "rank": self.rank}
 
 
+def describe_error(error: RankError) -> str:
+    """``Type: message`` of a rank's error; an argparse usage error (recorded as ``SystemExit``
+    by :mod:`cfrun.rank.early`) is its message alone, as argparse printed it."""
+    if error.type == "SystemExit" and error.message:
+        return error.message
+    return f"{error.type}: {error.message}" if error.message else str(error.type)
+
+
 def first_error(errors: tuple[RankError, ...]) -> RankError | None:
     """The error that explains a failure: the earliest (``t_unix_s``, then rank), and a
     transport error (a peer's death seen through a collective) only when no rank had another.
@@ -227,7 +239,7 @@ class Outcome:
     agent_error: str | None = None
     """The persist agent died and could not be restarted: why."""
     signal: str | None = None
-    """``SIGTERM``/``SIGINT``: cfrun itself was stopped by this signal."""
+    """``SIGTERM``/``SIGINT``/``SIGHUP``: cfrun itself was stopped by this signal."""
     committed_steps: tuple[int, ...] = ()
     """Committed checkpoint steps when the outcome was taken, newest first."""
     hardware_faults: tuple[str, ...] = ()
@@ -236,6 +248,15 @@ class Outcome:
     rank_exits: tuple[tuple[int, int], ...] = ()
     """``(rank, exitcode)`` of the failed ranks in torchrun's report, first observed failure
     last (:func:`cfrun.supervisor.torchrun_log.rank_exits`); negative: killed by that signal."""
+
+    made_a_step: bool = True
+    """A rank made an optimizer step during this attempt (a heartbeat written since it
+    started); False: the script failed while starting (before the first step)."""
+    output_closed: bool = False
+    """The console's output is a pipe whose reader is gone (``cfrun train.py | head``): the
+    script's ``BrokenPipeError`` is its own, and a restart would meet the same closed pipe."""
+    launch_error: str | None = None
+    """torchrun's own usage error (it exited 2 before starting a rank): its ``error:`` line."""
 
     @property
     def kind(self) -> OutcomeKind:
@@ -269,7 +290,27 @@ class Outcome:
         first = first_error(self.errors)
         return (self.hung or (first is not None and not first.is_transport
                                   and not first.is_worker_killed)
-                or self.ranks_exited_nonzero > 0 or self.oom_kills > 0)
+                or self.ranks_exited_nonzero > 0 or self.oom_kills > 0
+                or self.launch_error is not None or self.rank_exited_by_itself)
+
+    @property
+    def rank_exited_by_itself(self) -> bool:
+        """No rank recorded an error, and the first rank torchrun saw fail exited with a
+        status of its own (``sys.exit(2)`` before cfrun's runtime started), not by a signal."""
+        return not self.errors and self.returncode == 1 and bool(self.rank_exits) \
+            and self.rank_exits[-1][1] > 0
+
+    @property
+    def detail(self) -> str:
+        """The script's own words for the failure: its first error
+        (:func:`describe_error`: ``SyntaxError: invalid syntax``, argparse's ``train.py:
+        error: ...``), else torchrun's usage error, else :attr:`cause` (a kill from outside:
+        a peer's "connection closed" says nothing more)."""
+        error = first_error(self.errors)
+        if error is not None and self.is_script_failure and not self.oom_kills \
+                and not self.hung:
+            return describe_error(error)
+        return self.launch_error or self.cause
 
     @property
     def is_teardown_failure(self) -> bool:
@@ -342,11 +383,15 @@ class Policy:
     """Named in the hints (``cfrun resume JOB_DIR``)."""
     node_rank: int = 0
     """This node's index, named in the hints of a node other than 0 (``--node-rank``)."""
+    retry_before_first_step: bool = False
+    """``--retry-before-first-step``: restart a failure before the first optimizer step like
+    any other (up to ``max_restarts``, no crash loop), for a data mount that comes up late."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5) -> Policy:
         return cls(max_restarts=cfg.max_restarts, crash_loop_limit=cfg.crash_loop_limit,
-                   backoff_s=backoff_s, job_dir=cfg.job_dir, node_rank=cfg.node_rank)
+                   backoff_s=backoff_s, job_dir=cfg.job_dir, node_rank=cfg.node_rank,
+                   retry_before_first_step=cfg.retry_before_first_step)
 
 
 class ActionKind(str, enum.Enum):
@@ -478,30 +523,71 @@ def decide(outcome: Outcome, history: History, policy: Policy) -> Action:
     cause = outcome.cause
     failure = outcome.failure
     events: tuple[tuple[str, Mapping[str, Any]], ...] = (
-        ("failure", {"attempt": attempt, "cause": cause, **failure.fields()}),)
-    n = policy.crash_loop_limit
-    if n and kind is not OutcomeKind.KILLED:
-        row = (*history.script_failures, failure)
-        if len(row) >= n and all(x == failure for x in row[-n:]):
-            err = failure.error
-            detail = f"{err.type}: {err.message}" if err and not outcome.oom_kills else cause
-            return _stop(SupervisorState.FATAL, EXIT_FATAL,
-                         {"attempt": attempt, "cause": "crash loop"}, events=events,
-                         error=f"crash loop: the same failure {n} times in a row at step "
-                               f"{failure.step}: {detail}",
-                         hint=f"fix the script, then: {_resume_changed(policy)}")
-    if history.restart_count >= policy.max_restarts:
-        return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
-                     events=events,
-                     error=f"the script failed ({cause}) and --max-restarts "
-                           f"{policy.max_restarts} restarts are used up",
-                     hint=f"fix the cause, then continue with: {_resume_changed(policy)}")
+        ("failure", {"attempt": attempt, "cause": cause, **failure.fields(),
+                     "made_a_step": outcome.made_a_step, "detail": outcome.detail}),)
+    early = kind is OutcomeKind.FAILED and not outcome.made_a_step
+    stop = _stop_on_failure(outcome, history, policy, early)
+    if stop is not None:
+        return replace(stop, events=events)
     restart = history.restart_count + 1
     delay_s = restart_delay_s(outcome, history, policy)
+    steps = outcome.committed_steps
+    where = f"from the newest checkpoint (step {steps[0]})" if steps else \
+        "from the start (no checkpoint yet)"
+    what = f"training failed ({cause})" if outcome.detail == cause else \
+        f"training failed ({cause}: {outcome.detail})"
+    if early:
+        what = f"the script failed before its first step ({outcome.detail})"
+        if not policy.retry_before_first_step:
+            where += "; a second failure before the first step stops the job"
     return Action(ActionKind.RESTART, SupervisorState.RESTARTING,
                   {"attempt": attempt + 1, "cause": cause, "restart": restart,
                    "backoff_s": delay_s},
                   events=events,
-                  reports=((f"cfrun: training failed ({cause}); restart {restart} of "
-                            f"{policy.max_restarts} from the newest checkpoint"),),
+                  reports=(f"cfrun: {what}; restart {restart} of {policy.max_restarts} "
+                           f"{where}",),
                   backoff_s=delay_s, attempt=attempt + 1, restart=restart)
+
+
+def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
+                     early: bool) -> Action | None:
+    """The stop a failure leads to (its events not yet set), or None to restart: the closed
+    console pipe, a second failure before the first step in a row, a crash loop, restarts used
+    up (:func:`decide`)."""
+    attempt, cause, failure = outcome.attempt, outcome.cause, outcome.failure
+    hint = f"fix the script, then: {_resume_changed(policy)}"
+    if outcome.output_closed:  # the script's BrokenPipeError reads as a peer's: name it
+        error = first_error(outcome.errors)
+        said = describe_error(error) if error is not None else outcome.detail
+        return _stop(SupervisorState.FAILED, EXIT_FAILED,
+                     {"attempt": attempt, "cause": "output closed"},
+                     error=f"the script's output pipe was closed (its reader exited, as with "
+                           f"| head): {said}; not restarted",
+                     hint=f"continue with: {resume_command(policy.job_dir, policy.node_rank)}")
+    if early and not policy.retry_before_first_step:
+        previous = history.outcomes[-1] if history.outcomes else None
+        if previous is not None and previous.kind is OutcomeKind.FAILED \
+                and not previous.made_a_step:
+            return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                         {"attempt": attempt, "cause": "failed before the first step"},
+                         error=f"the script failed before its first step twice in a row "
+                               f"({outcome.detail}); cfrun does not restart a failure that "
+                               f"happens before any step (--retry-before-first-step does)",
+                         hint=hint)
+    n = policy.crash_loop_limit
+    if n and outcome.kind is not OutcomeKind.KILLED and not early:
+        row = (*history.script_failures, failure)
+        if len(row) >= n and all(x == failure for x in row[-n:]):
+            where = f"at step {failure.step}" if failure.step is not None else \
+                "before the first step"
+            return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                         {"attempt": attempt, "cause": "crash loop"},
+                         error=f"crash loop: the same failure {n} times in a row {where}: "
+                               f"{outcome.detail}", hint=hint)
+    if history.restart_count >= policy.max_restarts:
+        what = cause if outcome.detail == cause else f"{cause}: {outcome.detail}"
+        return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
+                     error=f"the script failed ({what}) and --max-restarts "
+                           f"{policy.max_restarts} restarts are used up",
+                     hint=f"fix the cause, then continue with: {_resume_changed(policy)}")
+    return None

@@ -34,7 +34,7 @@ from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome, RankError
-from cfrun.supervisor.torchrun_log import read_rank_exits
+from cfrun.supervisor.torchrun_log import read_rank_exits, read_usage_error
 
 logger = logging.getLogger("cfrun")
 
@@ -82,6 +82,24 @@ def oom_kill_count() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def output_closed() -> bool:
+    """cfrun's stdout or stderr, which the ranks inherit, is a pipe whose reader is gone
+    (``cfrun train.py | head -3`` after head exited): ``poll`` reports ``POLLERR`` on such a
+    write end. False for a terminal, a file, or an open pipe."""
+    import select
+
+    poller = select.poll()
+    for fd in (1, 2):
+        try:
+            poller.register(fd, 0)  # no events asked: POLLERR/POLLHUP are reported anyway
+        except (OSError, ValueError):
+            continue
+    try:
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except OSError:
+        return False
 
 
 class Monitor:
@@ -193,6 +211,7 @@ class Monitor:
         marks = self.ended_marks(attempt)
         stopped = self.preempted_marks(attempt)
         raised = {e.rank for e in errors}
+        rank_exits = tuple(read_rank_exits(str(log_path))) if rc else ()
         return Outcome(
             attempt=attempt, returncode=rc, duration_s=duration_s, hung=hung, errors=errors,
             ended_clean=len(marks) == self.cfg.nproc_per_node
@@ -204,8 +223,11 @@ class Monitor:
             fatal_message=self.fatal_message(), last_step=self.last_step(),
             oom_kills=max(oom_kills, 0), agent_error=agent_error,
             committed_steps=tuple(committed_steps(self.jobdir.checkpoints)),
-            rank_exits=tuple(read_rank_exits(str(log_path))) if rc else (),
-            hardware_faults=tuple(self.gpu_faults.faults()) if rc else ())
+            rank_exits=rank_exits,
+            hardware_faults=tuple(self.gpu_faults.faults()) if rc else (),
+            made_a_step=self.stepped_since(started_unix_s), output_closed=output_closed(),
+            launch_error=read_usage_error(str(log_path)) if rc == 2 and not rank_exits
+            and self.cfg.launcher == "torchrun" else None)
 
     def stopped(self, signame: str) -> Outcome:
         """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,
@@ -295,6 +317,16 @@ class Monitor:
                      if e.get("event") == "attempt_end")
         failures = sum(1 for e in events if e.get("event") == "failure")
         return learned_mtbf_s(wall_s, failures)
+
+    def stepped_since(self, started_unix_s: float) -> bool:
+        """A rank wrote a heartbeat (one per optimizer step) at or after ``started_unix_s``."""
+        for p in co.heartbeat_paths(self.jobdir.root):
+            try:
+                if p.stat().st_mtime >= started_unix_s:
+                    return True
+            except OSError:  # removed meanwhile
+                continue
+        return False
 
     def is_hung(self, started_unix_s: float) -> bool:
         """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""

@@ -94,8 +94,10 @@ def test_script_args_pass_through_untouched_and_env_sets_options(tmp_path):
 
 
 def test_restarts_run_out_exit_4_with_cause(tmp_path):
-    run = run_cfrun(["--max-restarts", "1", "--job-dir", "j", str(SCRIPTS / "fail_always.py")],
-                    cwd=tmp_path)
+    # the script fails before any step: without the option the second such failure stops the
+    # job with code 5 (tests/integration/test_launch_failures.py)
+    run = run_cfrun(["--max-restarts", "1", "--retry-before-first-step", "--job-dir", "j",
+                     str(SCRIPTS / "fail_always.py")], cwd=tmp_path)
     assert run.returncode == 4
     assert "exit code" in run.stderr and "--max-restarts 1" in run.stderr
     assert run.stdout.count("about to fail") == 2

@@ -133,7 +133,7 @@ def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
     assert kind == "failure" and fields == {
         "attempt": 2, "cause": "exit code 1", "returncode": 1, "hung": False, "step": 12,
         "error": {"type": "ValueError", "message": "bad batch at step 12", "step": 12,
-                  "rank": 0}}
+                  "rank": 0}, "made_a_step": True, "detail": "ValueError: bad batch at step 12"}
 
 
 def test_crash_loop_of_a_hang_names_the_cause() -> None:
@@ -220,8 +220,81 @@ def test_a_restart_says_which_attempt_and_why() -> None:
     assert action.state_fields == {"attempt": 1, "cause": "hang (no step for --hang-timeout)",
                                    "restart": 1, "backoff_s": 0.5}
     assert action.reports == (("cfrun: training failed (hang (no step for --hang-timeout)); "
-                               "restart 1 of 10 from the newest checkpoint"),)
+                               "restart 1 of 10 from the start (no checkpoint yet)"),)
     assert action.events[0][1]["hung"] is True
+    [action] = drive([raised(12, committed_steps=(10,))])
+    assert action.reports == (("cfrun: training failed (exit code 1: ValueError: bad batch at "
+                               "step 12); restart 1 of 10 from the newest checkpoint (step 10)"),)
+
+
+def before_first_step(type_: str = "SyntaxError", message: str = "invalid syntax (t.py, line 2)",
+                      **kw) -> Outcome:
+    """The script failed while starting (no heartbeat in the attempt), its error recorded by
+    cfrun.rank.early (step None)."""
+    error = RankError(rank=0, type=type_, message=message, step=None, t_unix_s=1.0)
+    return Outcome(attempt=0, returncode=1, errors=(error,), made_a_step=False, **kw)
+
+
+@pytest.mark.parametrize("first", [
+    before_first_step(),
+    before_first_step("ModuleNotFoundError", "No module named 'torhc'"),
+    # argparse's usage error (exit 2), recorded as SystemExit with argparse's line
+    before_first_step("SystemExit", "t.py: error: the following arguments are required: --lr"),
+    # torchrun's own usage error: it exited 2 before starting a rank
+    Outcome(attempt=0, returncode=2, made_a_step=False,
+            launch_error="run.py: error: ambiguous option: --d could match --dup"),
+    # a rank's own sys.exit(2) before cfrun's runtime started: no record, torchrun's report
+    Outcome(attempt=0, returncode=1, made_a_step=False, rank_exits=((0, 2),)),
+], ids=["syntax", "import", "argparse", "torchrun-usage", "bare-exit"])
+def test_a_failure_before_the_first_step_runs_twice_then_stops_with_its_message(first) -> None:
+    assert first.kind is OutcomeKind.FAILED
+    restart, stop = drive([first, first])
+    detail = first.detail
+    assert "exit code" not in detail or first.rank_exits  # the script's words where it has any
+    assert restart.kind is ActionKind.RESTART and restart.reports == ((
+        f"cfrun: the script failed before its first step ({detail}); restart 1 of 10 from the "
+        "start (no checkpoint yet); a second failure before the first step stops the job"),)
+    assert stop.kind is ActionKind.STOP and stop.exit_code == EXIT_FATAL
+    assert stop.error == (f"the script failed before its first step twice in a row ({detail}); "
+                          "cfrun does not restart a failure that happens before any step "
+                          "(--retry-before-first-step does)")
+    assert stop.state_fields["error"] == stop.error  # cfrun status shows it
+    assert "None" not in stop.error and "None" not in restart.reports[0]
+    [(kind, fields)] = stop.events
+    assert kind == "failure" and fields["made_a_step"] is False and fields["detail"] == detail
+
+
+def test_the_option_retries_a_failure_before_the_first_step_up_to_max_restarts() -> None:
+    policy = replace(POLICY, max_restarts=5, retry_before_first_step=True)
+    actions = drive([before_first_step("FileNotFoundError", "/data/train.bin")] * 6, policy)
+    assert _kinds(actions) == ["restarting"] * 5 + ["failed"]  # no crash loop either
+    assert actions[-1].exit_code == EXIT_FAILED
+    assert [a.backoff_s for a in actions[:3]] == [0.5, 1.0, 2.0]
+
+
+def test_only_failures_before_the_first_step_in_a_row_stop_the_job() -> None:
+    # a step made in between: each such failure gets its restart; a kill is no failure at all
+    killed_early = Outcome(attempt=0, returncode=-9, made_a_step=False)
+    assert killed_early.kind is OutcomeKind.KILLED
+    assert _kinds(drive([before_first_step(), raised(12), before_first_step()])) == \
+        ["restarting"] * 3
+    assert _kinds(drive([killed_early, killed_early, before_first_step()])) == \
+        ["restarting"] * 3
+
+
+@pytest.mark.parametrize("outcome", [
+    # the script's BrokenPipeError at print (its message names a broken pipe, as a transport
+    # error's does: without the closed pipe it would count as a kill from outside)
+    Outcome(attempt=0, returncode=1, last_step=30, output_closed=True,
+            errors=(_error(30, type_="BrokenPipeError", message="[Errno 32] Broken pipe"),)),
+    Outcome(attempt=0, returncode=1, last_step=30, output_closed=True, rank_exits=((0, 120),)),
+], ids=["BrokenPipeError", "exit-120"])
+def test_a_closed_output_pipe_stops_at_once(outcome) -> None:
+    [action] = drive([outcome])
+    assert action.kind is ActionKind.STOP and action.exit_code == EXIT_FAILED
+    assert action.error is not None and "output pipe was closed" in action.error
+    assert ("BrokenPipeError: [Errno 32] Broken pipe" in action.error) == bool(outcome.errors)
+    assert action.events[0][0] == "failure"
 
 
 @pytest.mark.parametrize("outcome, fields, reports", [

@@ -48,3 +48,25 @@ def test_exit_status_log_and_atexit(tmp_path: Path, how, extra, status, in_log) 
         assert "Traceback" in text and p.stderr == ""  # the report goes to the log only
     if how == "return":
         assert p.stdout == "done\n"
+
+
+def test_torchruns_parser_gets_its_own_options_and_the_script_only() -> None:
+    """build_torchrun_argv writes each of torchrun's options as one word; the first other word
+    is the script, and what follows is the script's, never parsed by torchrun (``--d 3`` is an
+    ambiguous abbreviation of two of torchrun's options there)."""
+    from cfrun.contract.config import RunConfig
+    from cfrun.supervisor.launcher import build_torchrun_argv
+    from cfrun.supervisor.torchrun_log import TORCHRUN, split_script
+
+    args = ["--d", "3", "--nproc", "7", "--", "x"]
+    cfg = RunConfig(script="/s/train.py", script_args=args, job_dir="/j", cwd="/",
+                    nproc_per_node=2, local_addr="10.0.0.1")
+    argv = build_torchrun_argv(cfg, python="py", log_path="/j/log")
+    assert argv[:5] == ["py", "-m", "cfrun.supervisor.torchrun_log", "/j/log", TORCHRUN]
+    own, script_args = split_script(argv[5:])
+    assert own[-1] == "/s/train.py" and script_args == args
+    assert all(word.startswith("--") for word in own[:-1])
+    from torch.distributed.run import parse_args
+
+    parsed = parse_args(own)
+    assert parsed.nproc_per_node == "2" and parsed.training_script_args == []
