@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from cfrun.agent.server import PersistAgent
+from cfrun.contract import settings as E
 from cfrun.contract import slots
 from cfrun.contract.jobdir import JobDir
 from cfrun.contract.jobkey import ensure_job_key
@@ -47,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-token-file", default=None)
     p.add_argument("--peer-streams", type=int, default=4)
     p.add_argument("--peer-job", default=None)
-    p.add_argument("--persist-to", default=None, help="level-2 directory or URL to resume from")
+    p.add_argument("--persist-to", default=os.environ.get(E.PERSIST_TO),
+                   help=f"level-2 directory or URL to resume from (default: ${E.PERSIST_TO}; "
+                        "the supervisor passes it there: a URL may hold a password)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--local-world-size", type=int, default=None)
-    p.add_argument("--address", default=None, help="abstract socket name (default: random)")
+    p.add_argument("--address", default=os.environ.get(E.AGENT_ADDRESS),
+                   help=f"abstract socket name (default: ${E.AGENT_ADDRESS}, else random; the "
+                        "supervisor passes it there, out of every user's sight)")
     p.add_argument("--slot-dir", default=None, help="the job's private slot directory "
                    "(default: a new one, removed at exit)")
     p.add_argument("--world-size", type=int, default=None)

@@ -41,6 +41,7 @@ from typing import Any
 import xxhash
 
 from cfrun.contract.checkpoints import write_file
+from cfrun.contract.config import redact_url
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.manifest import FileEntry, Manifest, shard_names
 from cfrun.contract.retry import backoff_delay_s
@@ -241,7 +242,7 @@ class PeerTier:
                 self.emit("durable_unknown", step=step, error=str(e))
                 return
             if reply.get("state") == "durable":
-                self.emit("durable", step=step, tier="peer", url=reply.get("flush_to"),
+                self.emit("durable", step=step, tier="peer", url=redact_url(reply.get("flush_to")),
                           durable_s=round(time.time() - t_trigger_unix_s, 6))
             else:
                 self.emit("durable_unknown", step=step, state=reply.get("state"),

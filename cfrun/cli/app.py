@@ -43,6 +43,7 @@ from cfrun.cli.options import (
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
 from cfrun.contract.config import (
+    URL_PASSWORD_WITHHELD,
     RunConfig,
     check_job_name,
     default_job_dir,
@@ -51,6 +52,7 @@ from cfrun.contract.config import (
     parse_interval,
     parse_overhead,
     parse_positive_int,
+    redact_url,
     resume_command,
 )
 from cfrun.contract.errors import (
@@ -193,6 +195,32 @@ def _recorded_env() -> dict[str, str]:
             and not _is_code_env(k)}
 
 
+_RESUMABLE_ENV = frozenset({
+    "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_SCHEDULE", "OMP_DYNAMIC",
+    "OMP_WAIT_POLICY", "OMP_MAX_ACTIVE_LEVELS", "OMP_STACKSIZE", "MKL_NUM_THREADS",
+    "MKL_DYNAMIC", "MKL_CBWR", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+    "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS"})
+"""Thread, device and ordering knobs ``cfrun resume`` sets again; values, never code or paths."""
+_NOT_A_KNOB = re.compile(r"FILE|PATH|DIR|CONF|PLUGIN|LIB|DUMP|TOOL|URL|ENDPOINT|SOCKET|HOST")
+"""A name of these words names something to load, write or reach, not a tuning value."""
+
+
+def _resumable_name(name: str) -> bool:
+    """An allowlist (issue 24, item 8): the knobs of :data:`_RESUMABLE_ENV`, NCCL's tuning
+    variables (not one naming a file, path, plugin, library or address: ``NCCL_CONF_FILE``,
+    ``NCCL_DEBUG_FILE``, ``NCCL_TOPO_DUMP_FILE`` chose code and targets), and cfrun's own
+    user settings of value types (``CFRUN_FAULTS``, ``CFRUN_S3_ENDPOINT_URL``,
+    ``CFRUN_SHM_DIR`` are json, url and path: refused)."""
+    if name in _RESUMABLE_ENV:
+        return True
+    if name.startswith("NCCL_"):
+        return re.fullmatch(r"NCCL_[A-Z0-9_]+", name) is not None \
+            and not _NOT_A_KNOB.search(name[5:])
+    setting = E.SETTINGS.get(name)
+    return setting is not None and setting.set_by == "user" \
+        and setting.type not in ("path", "url", "json", "address")
+
+
 def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
     """Split a recorded environment into what ``cfrun resume`` sets again, the names it
     refuses (interpreter or loader variables, other prefixes than cfrun records, values that
@@ -202,12 +230,11 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
     refused: list[str] = []
     withheld: list[str] = []
     for k, v in env.items():
-        if not isinstance(k, str) or not isinstance(v, str) or _is_code_env(k) or "=" in k \
-                or "\0" in k + v or not k.startswith(_RECORDED_ENV_PREFIXES) \
-                or k.startswith("CFRUN_RANK_"):
+        if isinstance(k, str) and v == WITHHELD and k.startswith(_RECORDED_ENV_PREFIXES):
+            withheld.append(k)  # only named in a note: nothing is set
+        elif not isinstance(k, str) or not isinstance(v, str) or _is_code_env(k) or "=" in k \
+                or "\0" in k + v or not _resumable_name(k):
             refused.append(str(k))
-        elif v == WITHHELD:
-            withheld.append(k)
         else:
             keep[k] = v
     return keep, sorted(refused), sorted(withheld)
@@ -294,6 +321,11 @@ def run_cmd(
         "--persist-to", metavar="PATH|URL", envvar=E.PERSIST_TO,
         help="Level-2 store (directory or URL such as s3://bucket/prefix) that a resume also "
              "searches: give the peer's --flush-to.")] = None,
+    job_key_file: Annotated[str | None, typer.Option(
+        "--job-key-file", metavar="PATH", envvar=E.JOB_KEY_FILE,
+        help="The job's key (the job.key of its first job dir) for a job dir made anew, e.g. "
+             "on a new machine: checkpoints from the peer or level 2 are installed only with "
+             "the seals of the job's key.")] = None,
     nnodes: Annotated[str, typer.Option(
         "--nnodes", metavar="INTEGER", envvar=E.NNODES,
         help="Nodes in the job; run one cfrun per node with the same --job-dir on a shared "
@@ -326,7 +358,8 @@ def run_cmd(
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher, metrics=metrics,
                         local_addr=local_addr)
-    cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step)
+    cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
+                              job_key_file=_job_key_path(job_key_file))
     if dry_run:
         from cfrun.supervisor.launcher import build_launch_argv
 
@@ -370,6 +403,20 @@ def _cluster_defaults(ctx: Any, given: dict[str, Any]) -> dict[str, Any]:
     if taken:
         log.info("cfrun: from the environment: %s", ", ".join(taken))
     return out
+
+
+def _job_key_path(path: str | None) -> str | None:
+    """``--job-key-file``, checked now (one line, exit 2) and made absolute.
+
+    Raises:
+        BadInputError: as :func:`cfrun.contract.jobkey.read_key_file`.
+    """
+    if not path:
+        return None
+    from cfrun.contract.jobkey import read_key_file
+
+    read_key_file(path)
+    return str(Path(path).expanduser().absolute())
 
 
 def _build_config(script: str, script_args: list[str] | None, job_dir: str | None,
@@ -693,8 +740,18 @@ def resume_cmd(
               "recorded; set them again if the job needs them", file=sys.stderr)
     for k, v in env.items():
         os.environ.setdefault(k, v)
+    if cfg.persist_to and URL_PASSWORD_WITHHELD in cfg.persist_to:
+        given = os.environ.get(E.PERSIST_TO)
+        if not given:
+            raise BadInputError(f"the recorded --persist-to {cfg.persist_to!r} held a password, "
+                                f"which cfrun does not record; give the URL again: "
+                                f"{E.PERSIST_TO}=URL {resume_command(jd, node)}")
+        cfg = dataclasses.replace(cfg, persist_to=given)
+    # what config.json chooses besides the command, in sight before anything runs
     print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
-          f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node)", file=sys.stderr, flush=True)
+          f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node, persist-to "
+          f"{redact_url(cfg.persist_to) or 'none'}, peer {cfg.peer or 'none'})",
+          file=sys.stderr, flush=True)
     retry = resume_command(jd, node, "--accept-changed-command", *(["--rerun"] if rerun else []))
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
          retry=shlex.split(retry))

@@ -197,6 +197,9 @@ class RunConfig:
     """Parallel connections per rank shard to the peer (ACUTE's sharding degree), 1..64."""
     persist_to: str | None = None
     """Level-2 store (directory or fsspec URL) that a resume also searches."""
+    job_key_file: str | None = None
+    """``--job-key-file``: the job's key for a job dir made anew (:mod:`cfrun.contract.jobkey`),
+    absolute; None: the job dir's own ``job.key`` (made with the job)."""
     nnodes: int = 1
     """Nodes in the job (torchrun ``--nnodes``); each runs its own cfrun, supervisor and agent."""
     node_rank: int = 0
@@ -268,6 +271,20 @@ class RunConfig:
         if isinstance(doc.get("verify_kills"), list):
             doc["verify_kills"] = tuple(tuple(k) for k in doc["verify_kills"])
         return cls(**doc)
+
+
+URL_PASSWORD_WITHHELD = "<withheld>"
+"""What a URL's password reads as wherever cfrun writes the URL (config.json, events)."""
+_URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@\s:]*):([^/@\s]*)@", re.IGNORECASE)
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with its password replaced by :data:`URL_PASSWORD_WITHHELD`
+    (``s3://user:pw@host/p`` -> ``s3://user:<withheld>@host/p``); config.json, events and
+    replies never hold a credential (issue 24, item 7)."""
+    if url is None:
+        return None
+    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{URL_PASSWORD_WITHHELD}@", url)
 
 
 def default_job_dir(script: str, cwd: Path, script_args: Sequence[str] = (),

@@ -216,6 +216,10 @@ VERIFY_OBSERVE = _declare("CFRUN_VERIFY_OBSERVE", "json", None,
                           "that records a digest per step and ends the process at the stop "
                           "step), a JSON object set for that run only",
                           set_by="launcher")
+AGENT_ADDRESS = _declare("CFRUN_AGENT_ADDRESS", "str", None,
+                         "the persist agent's abstract socket name, set by the supervisor for "
+                         "the agent only (never on a command line: issue 24, item 5)",
+                         set_by="launcher")
 HOOK_OWNER_PID = _declare("CFRUN_HOOK_OWNER_PID", "int", None,
                           "pid of the rank process whose hook is live; children that inherit it "
                           "stay inert (hooks/sitecustomize.py)", set_by="hook")

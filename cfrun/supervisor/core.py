@@ -52,15 +52,18 @@ from cfrun.contract.config import (
     Identity,
     RunConfig,
     check_identity,
+    redact_url,
     resume_command,
 )
 from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
 from cfrun.contract.jobdir import FOREIGN_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.jobkey import ensure_job_key
 from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
 from cfrun.supervisor.launcher import (
     die_with_parent,
     kill_job_processes,
     leftover_agent_pid,
+    module_argv,
     spawn,
     start_reaper,
 )
@@ -437,6 +440,7 @@ class Supervisor:
         liveness (what ``cfrun resume`` and ``cfrun status`` read)."""
         cfg_json = {**self.cfg.to_json(), "cfrun_version": __version__,
                     "format_version": FORMAT_VERSION, **self._liveness()}
+        cfg_json["persist_to"] = redact_url(self.cfg.persist_to)  # no password on disk
         if self.identity is not None:
             cfg_json.update(job_id=self.identity.job_id, job_name=self.identity.job_name,
                             command_fingerprint=self.identity.command.fingerprint,
@@ -492,7 +496,9 @@ class Supervisor:
 
         Raises:
             FatalJobError: no agent came up.
+            BadInputError: ``--job-key-file`` is not this job dir's key.
         """
+        ensure_job_key(self.jobdir.root, self.cfg.job_key_file)  # the agent reads it there
         if self.slot_dir is None:
             self.slot_dir = slots.create_dir(self.cfg.job_dir)
         for _ in range(3):
@@ -507,9 +513,14 @@ class Supervisor:
     def _launch_agent(self, address: str) -> bool:
         """Start an agent at ``address``; True once it answers there and ``agent.json`` names
         it, False if it died or another process answers."""
-        argv = [sys.executable, "-m", "cfrun.agent", "--job-dir", self.cfg.job_dir,
-                "--keep", str(self.cfg.keep), "--address", address,
+        argv = [*module_argv("cfrun.agent"), "--job-dir", str(Path(self.cfg.job_dir).absolute()),
+                "--keep", str(self.cfg.keep),
                 "--world-size", str(self.cfg.nnodes * self.cfg.nproc_per_node)]
+        # the address and the level-2 URL (it may hold a password) go in the environment,
+        # which only this user reads: a command line is every user's (/proc/PID/cmdline), and
+        # a local user who read the address there bound it first (issue 24, items 5 and 7)
+        env = {**os.environ, E.AGENT_ADDRESS: address}
+        env.pop(E.PERSIST_TO, None)
         if self.slot_dir is not None:
             argv += ["--slot-dir", str(self.slot_dir)]
         if self.cfg.peer:
@@ -518,12 +529,13 @@ class Supervisor:
         if self.identity is not None:
             argv += ["--peer-job", self.identity.job_name]
         if self.cfg.persist_to:
-            argv += ["--persist-to", self.cfg.persist_to]
+            env[E.PERSIST_TO] = self.cfg.persist_to
         if self.cfg.nnodes > 1:
             argv += ["--nnodes", str(self.cfg.nnodes), "--node-rank", str(self.cfg.node_rank),
                      "--local-world-size", str(self.cfg.nproc_per_node)]
         # dies with the supervisor: a SIGKILLed cfrun leaves no agent holding the socket
-        self.agent = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent())
+        self.agent = subprocess.Popen(argv, start_new_session=True, cwd="/",  # not the user's
+                                      env=env, preexec_fn=die_with_parent())
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and self.agent.poll() is None:
             try:

@@ -45,6 +45,28 @@ def hooks_dir() -> Path:
     raise FileNotFoundError(f"cfrun's hooks/sitecustomize.py is missing next to {pkg}")
 
 
+_RUN_MODULE = ("import sys; del sys.path[0]; sys.path.insert(0, sys.argv[1]); import runpy; "
+               "del sys.argv[:2]; runpy.run_module(sys.argv[0], run_name='__main__', "
+               "alter_sys=True)")
+
+
+def module_argv(module: str, *args: str, python: str = sys.executable) -> list[str]:
+    """``python -m MODULE ARGS`` for one of cfrun's own processes (the persist agent, the
+    torchrun wrapper), without the current directory on ``sys.path``.
+
+    ``python -m`` and ``python -c`` put the working directory first on ``sys.path``: a user who
+    can write the directory cfrun is started from (a shared project dir, /tmp) planted
+    ``argparse.py`` there and it ran in the agent, the reaper and the wrapper with the job's
+    uid (issue 24, item 1). Here ``-c`` drops that entry before anything is imported (``sys``
+    is built in), puts cfrun's own tree first, then runs the module as ``-m`` would
+    (:func:`runpy.run_module`, ``sys.argv[0]`` its file). ``-P`` would do the first part, from
+    Python 3.11 only. The ranks are not started this way: they run the user's script as
+    ``python SCRIPT`` does, its own directory first on ``sys.path``.
+    """
+    pkg_parent = str(Path(cfrun.__file__).resolve().parent.parent)
+    return [python, "-c", _RUN_MODULE, pkg_parent, module, *args]
+
+
 def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
                         log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The torchrun command for one attempt (no I/O).
@@ -67,16 +89,15 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
                   f"--rdzv-conf=is_host={'true' if cfg.node_rank == 0 else 'false'}"]
     else:
         launch = ["--standalone"]
-    return [
-        python, "-m", "cfrun.supervisor.torchrun_log", log_path or "-", TORCHRUN,
+    return module_argv(
+        "cfrun.supervisor.torchrun_log", log_path or "-", TORCHRUN,
         *launch,
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
         *([f"--log-dir={log_dir}"] if log_dir is not None else []),
         *([f"--local-addr={cfg.local_addr}"] if cfg.local_addr else []),
-        cfg.script, *cfg.script_args,
-    ]
+        cfg.script, *cfg.script_args, python=python)
 
 
 def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable,
@@ -261,11 +282,11 @@ def start_reaper(job_dir: str, node_rank: int) -> subprocess.Popen[bytes]:
     (a terminal's Ctrl-C is cfrun's to handle) and ignores SIGINT.
     """
     pkg_parent = str(Path(cfrun.__file__).resolve().parent.parent)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+    code = ("import sys; del sys.path[0]; sys.path.insert(0, sys.argv[1]); "
             "from cfrun.supervisor.launcher import reaper_main; reaper_main(sys.argv[2:])")
-    return subprocess.Popen(
-        [sys.executable, "-c", code, pkg_parent, job_dir, str(node_rank), str(os.getpid())],
-        stdin=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(  # in /, the working directory off sys.path (module_argv)
+        [sys.executable, "-c", code, pkg_parent, job_dir, str(node_rank),
+         str(os.getpid())], stdin=subprocess.PIPE, start_new_session=True, cwd="/")
 
 
 def reaper_main(argv: list[str]) -> None:

@@ -192,9 +192,12 @@ def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
             manifest = json.loads((tmp_path / "l2" / ident["job_name"] / step_dir_name(step)
                                    / "manifest.json").read_text())
             assert manifest["meta"]["job_id"] == ident["job_id"]
-    # B's node is lost with its job dir: the same command finds B's checkpoint, not A's
+    # B's node is lost with its job dir: the same command, with B's key kept beside the token
+    # (--job-key-file), finds B's checkpoint, not A's; without the key nothing is installed
+    key = tmp_path / "b.key"
+    shutil.copy(tmp_path / "y" / "j" / "job.key", key)
     shutil.rmtree(tmp_path / "y")
-    again = run_cfrun(b_argv, cwd=tmp_path)
+    again = run_cfrun(["--job-key-file", str(key), *b_argv], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _identity(tmp_path / "y" / "j")["job_id"] == idb["job_id"]
     [fetched] = _events(tmp_path / "y" / "j", "fetched")
@@ -224,6 +227,38 @@ def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
     assert all(f"another job (job id {ida}" in e["error"] for e in failed), failed
     assert all(e["source"] == "level2" for e in failed)
     assert not _events(tmp_path / "jb", "fetched") and not _events(tmp_path / "jb", "resumed")
+
+
+def test_a_step_planted_at_level_2_without_the_job_key_is_not_installed(tmp_path, peer):
+    """Issue 24, item 2: a writer of the level-2 store (the bucket, the NFS directory) planted
+    a newer step made of the job's own files (the job id and command hashes are public), and
+    with --persist-to and no live peer the job resumed from it. Now every checkpoint from
+    outside the job dir needs the seals of the job's key: the planted step is refused with a
+    fetch_failed event, the job's own newest level-2 step is installed, and the job ends."""
+    p, token = peer
+    script = _script(tmp_path)
+    argv = ["--interval", "5", "--job-dir", "ja", "--job-name", "a", "--peer", p.address,
+            "--peer-token-file", str(token), "--persist-to", str(tmp_path / "l2"),
+            "--max-restarts", "0", "--inject-crash", "12", str(script), "--steps", "30"]
+    first = run_cfrun(argv, cwd=tmp_path)
+    assert first.returncode == 4, first.stderr[-3000:]
+    durable = wait_event(tmp_path / "ja", "durable", lambda e: e["step"] >= 10)["step"]
+    p.stop()  # flushed what it held
+    newest = committed_steps(tmp_path / "l2" / "a")[0]
+    assert newest >= durable
+    planted = tmp_path / "l2" / "a" / step_dir_name(25)
+    shutil.copytree(tmp_path / "l2" / "a" / step_dir_name(newest), planted)
+    manifest = json.loads((planted / "manifest.json").read_text())
+    manifest["step"] = 25
+    (planted / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(tmp_path / "ja" / "checkpoints")  # the node's disk is lost, not its key
+    run = run_cfrun(["resume", "ja"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    failed = _events(tmp_path / "ja", "fetch_failed")
+    assert [e["step"] for e in failed] == [25], failed
+    assert "not sealed by this job" in failed[0]["error"]
+    [fetched] = _events(tmp_path / "ja", "fetched")
+    assert (fetched["source"], fetched["step"]) == ("level2", newest)
 
 
 def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp_path):

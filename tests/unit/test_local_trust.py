@@ -64,6 +64,51 @@ def test_resumable_env_refuses_interpreter_and_loader_variables() -> None:
     assert withheld == ["CFRUN_PEER_TOKEN_FILE"]
 
 
+def test_resumable_env_is_an_allowlist_of_knobs() -> None:
+    """Issue 24, item 8: these passed the name filter and chose code or targets on resume."""
+    chosen = ["NCCL_CONF_FILE", "NCCL_DEBUG_FILE", "NCCL_TOPO_DUMP_FILE", "OMP_TOOL_LIBRARIES",
+              "CUDA_CACHE_PATH", "CFRUN_FAULTS", "CFRUN_S3_ENDPOINT_URL", "CFRUN_SHM_DIR",
+              "NCCL_SOCKET_IFNAME_FILE", "OMP_DISPLAY_ENV"]
+    knobs = {"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0,1",
+             "OMP_NUM_THREADS": "4", "CFRUN_OVERHEAD": "3.5%"}
+    keep, refused, _ = A._resumable_env({**{k: "/x" for k in chosen}, **knobs})
+    assert keep == knobs and refused == sorted(chosen)
+
+
+def test_a_password_in_persist_to_is_nowhere_on_disk_and_resume_asks_for_it(
+        tmp_path, monkeypatch) -> None:
+    """Issue 24, item 7: config.json kept ``--persist-to s3://u:pw@...`` whole (and the agent's
+    command line showed it). config.json now has the password withheld; ``cfrun resume`` asks
+    for the URL again in one line, and takes it from CFRUN_PERSIST_TO."""
+    from cfrun.contract.config import redact_url
+
+    url = "s3://alice:hunter2@minio.local:9000/bucket"
+    assert redact_url(url) == "s3://alice:<withheld>@minio.local:9000/bucket"
+    assert redact_url("s3://bucket/p") == "s3://bucket/p"
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    cfg = RunConfig(script=str(script), script_args=[], job_dir=str(jd.root),
+                    cwd=str(tmp_path), persist_to=redact_url(url))
+    jd.config_path.write_text(json.dumps(cfg.to_json()))
+    monkeypatch.delenv("CFRUN_PERSIST_TO", raising=False)
+    seen: dict = {}
+    monkeypatch.setattr(A, "_run", lambda c, **kw: seen.update(cfg=c))
+    refused = CliRunner().invoke(A.app, ["resume", str(jd.root)])
+    from cfrun.contract.errors import BadInputError
+
+    assert isinstance(refused.exception, BadInputError)  # exit 2 through cfrun's main()
+    said = str(refused.exception)
+    assert "CFRUN_PERSIST_TO=URL cfrun resume" in said and "\n" not in said
+    assert "hunter2" not in said + refused.output and not seen
+    monkeypatch.setenv("CFRUN_PERSIST_TO", url)
+    ok = CliRunner().invoke(A.app, ["resume", str(jd.root)])
+    assert ok.exit_code == 0, ok.output
+    assert seen["cfg"].persist_to == url and "hunter2" not in ok.output
+    assert "persist-to s3://alice:<withheld>@minio.local:9000/bucket" in ok.output
+
+
 def test_resume_ignores_an_edited_pythonpath_and_prints_the_command(tmp_path, monkeypatch):
     """An edited config.json with PYTHONPATH and LD_PRELOAD: ``cfrun resume`` names them in one
     warning line, leaves them unset, sets the recorded OMP_NUM_THREADS, and prints the command
@@ -90,7 +135,7 @@ def test_resume_ignores_an_edited_pythonpath_and_prints_the_command(tmp_path, mo
     assert len(warned) == 1 and "LD_PRELOAD, PYTHONPATH" in warned[0]
     resumed = [line for line in lines if line.startswith("cfrun: resuming:")]
     assert resumed == [(f"cfrun: resuming: {script} --lr '0.1 0.2' in {tmp_path} (job dir "
-                       f"{jd.root}, 1 rank(s) per node)")]
+                       f"{jd.root}, 1 rank(s) per node, persist-to none, peer none)")]
 
 
 # ---------------------------------------------------------------- agent record, slots

@@ -1,0 +1,49 @@
+"""cfrun's own processes import nothing from the working directory (issue 24, item 1).
+
+``python -m`` and ``python -c`` put the working directory first on ``sys.path``. cfrun started
+its persist agent, reaper and torchrun wrapper that way, so a user who could write the
+directory cfrun was started from (a shared project dir, /tmp) planted ``argparse.py`` there
+and it ran with the job's uid. Plain ``python /elsewhere/train.py`` from that directory runs
+none of it: the script's own directory comes first for the script.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, clean_env
+
+pytestmark = pytest.mark.timeout(300)
+
+PLANTED = """\
+import importlib, os, sys
+with open(os.environ["PLANTED_LOG"], "a") as f:
+    f.write(f"{__name__} {os.getpid()} {sys.argv[:3]}\\n")
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)  # the real one, so the job runs on
+"""
+
+
+def test_modules_planted_in_the_working_directory_never_run(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("argparse", "xxhash", "runpy", "filelock", "psutil"):
+        (shared / f"{name}.py").write_text(PLANTED)
+    log = tmp_path / "planted.log"
+    cfrun = Path(sys.executable).parent / "cfrun"  # the console script, as users type it
+    p = subprocess.run([str(cfrun), "--interval", "5", "--job-dir", str(tmp_path / "j"),
+                        str(SCRIPTS / "slow_steps.py"), "12", str(tmp_path / "out.pt"), "0"],
+                       cwd=shared, env=clean_env({"PLANTED_LOG": str(log)}),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "out.pt").exists()
+    assert not log.exists(), log.read_text()  # no process of the job imported them
+    # the same plant is live for a plain `python -c` from there: the test's plant works
+    subprocess.run([sys.executable, "-c", "import argparse"], cwd=shared,
+                   env=clean_env({"PLANTED_LOG": str(log)}), check=True)
+    assert "argparse" in log.read_text()
