@@ -76,6 +76,11 @@ checkpoint as failed (the agent writes the ranks' shards one after another: a sl
 large state take minutes)."""
 REPLY_TIMEOUT_PER_PERSIST = 10.0
 """A rank waits at least this many times the last persist's seconds."""
+PREPARE_HEADROOM = 1 / 64
+"""A slot prepared ahead of the first checkpoint (:meth:`Snapshotter.prepare`) is this much
+larger than the models' and optimizers' tensors (for the script's own tensors)..."""
+PREPARE_HEADROOM_MIN_BYTES = 1 << 20
+"""... and at least this many bytes larger."""
 ENV_SHM_DIR = slots.ENV_SHM_DIR
 ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
@@ -485,6 +490,24 @@ class Snapshotter:
         (what :meth:`gate` waits for). Returns True when none does."""
         return self.copy_done.wait(timeout_s)
 
+    def prepare(self, tensors: list[torch.Tensor]) -> int:
+        """Make the slot ready for a state like ``tensors`` (the models' and optimizers':
+        :meth:`cfrun.rank.capture.Capture.model_tensors`) before the first checkpoint, off the
+        training thread: allocated, every page written once and, with CUDA tensors,
+        page-locked (:meth:`SnapshotSlot.prepare`), so the first checkpoint costs what the
+        others cost (issue 23). The size is theirs plus :data:`PREPARE_HEADROOM` for the
+        script's variables, the RNG and the data position (a larger state grows the slot at
+        its checkpoint, as before). Training thread; nothing when a checkpoint is in flight.
+        Returns the bytes asked for (0 when nothing was done)."""
+        if self.busy():
+            return 0
+        _, nbytes = plan_layout(tensors)
+        nbytes += max(PREPARE_HEADROOM_MIN_BYTES, int(nbytes * PREPARE_HEADROOM))
+        nbytes = -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        self.slot.prepare(nbytes, pin=bool(devices), device=devices[0] if devices else None)
+        return nbytes
+
     def use_mode(self, mode: str) -> None:
         """Copy the next checkpoints in ``mode`` (the tuner's choice), unless
         ``CFRUN_SNAPSHOT_MODE`` forces one."""
@@ -850,6 +873,7 @@ class Snapshotter:
         """At exit: let the last hand-off and persist finish, then free the slot."""
         if self.thread is not None:
             self.thread.join(timeout_s)
+        self.slot.wait_prepared()
         self.gate()
         if not self.busy():
             self.slot.release()
