@@ -5,6 +5,8 @@ A plain PyTorch script that knows nothing about cfrun. ``--model``:
 * ``gpt``: a decoder-only transformer (``--size full``: 24 layers x 1024, 16 heads, sequence
   1024, batch 8, vocabulary 32000, bf16 autocast; ``small``: 2 layers x 128, sequence 64, batch
   4, vocabulary 512, fp32), AdamW;
+* ``mlp``: two square linear layers sized so that parameters and Adam state take
+  ``--state-mb`` (``bench/deferred_stall.py``: a large state whose persist outlasts a step);
 * ``resnet``: a ResNet-50-like conv net written here (bottleneck blocks 3-4-6-3 with
   BatchNorm: ~320 parameters and buffers, ~640 tensors with the optimizer's momentum; ``full``:
   widths 64..2048, 224x224 images, batch 128, channels-last, bf16 autocast; ``small``: widths
@@ -34,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _overhead_train import WARMUP_ITERS, Checkpointer  # noqa: E402
 
 parser = argparse.ArgumentParser(description="GPU overhead training script")
-parser.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
+parser.add_argument("--model", choices=["gpt", "resnet", "mlp"], default="gpt")
+parser.add_argument("--state-mb", type=float, default=1500.0,
+                    help="mlp: megabytes of parameters + Adam state (two square layers)")
 parser.add_argument("--size", choices=["full", "small"], default="small")
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--contenders", default="none:none:0")
@@ -118,9 +122,19 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
-def build(model, size, device):
+def build(model, size, device, state_mb=1500.0):
     """(model, optimizer, batch function, autocast dtype or None) for ``model`` at ``size``."""
     gpu = device.type == "cuda"
+    if model == "mlp":  # 2 h^2 fp32 weights, Adam twice that again: 24 h^2 bytes
+        h = int((state_mb * 1e6 / 24) ** 0.5)
+        net = nn.Sequential(nn.Linear(h, h, bias=False), nn.Tanh(),
+                            nn.Linear(h, h, bias=False)).to(device)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+
+        def batch(gen):
+            x = torch.randn(8, h, generator=gen).to(device)
+            return x, torch.randint(0, h, (8,), generator=gen).to(device)
+        return net, opt, batch, None
     if model == "gpt":
         cfg = GPT[size]
         net = GPTModel(**cfg).to(device)
@@ -174,7 +188,7 @@ def main():
         torch.set_num_threads(2)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    net, opt, batch, amp = build(args.model, args.size, device)
+    net, opt, batch, amp = build(args.model, args.size, device, args.state_mb)
     for spec in args.contenders.split(","):
         name, kind, k = spec.split(":")
         k = int(k)
