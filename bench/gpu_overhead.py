@@ -137,7 +137,8 @@ def copy_floor_s(state_bytes: int) -> float:
     return statistics.median(times)
 
 
-def workload(model: str, size: str, steps: int, work: Path, timeout_s: float) -> dict:
+def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
+             policy_steps: int = POLICY_STEPS) -> dict:
     """Every contender on one workload; returns its rows, k*, the floors and the state size."""
     work.mkdir(parents=True)
     base = [sys.executable, str(TRAIN), "--model", model, "--size", size, "--steps", str(steps),
@@ -151,7 +152,7 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float) ->
     plain_ms = plain_row["mean_ms"]
     rows = [plain_row]
     rows.append(cfrun_row("cfrun_policy", 0, ["--overhead", "3.5%"], model, size,
-                          steps + POLICY_STEPS, work, timeout_s, plain_ms, floors))
+                          steps + policy_steps, work, timeout_s, plain_ms, floors))
     persist_s = rows[-1]["persist_s"] or floors["disk_s"]
     step_s = statistics.median(plain["iter_ms"]) / 1e3 if plain else 1.0
     k_star = max(1, math.ceil(persist_s / step_s))
@@ -204,13 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--tmp-root", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--policy-steps", type=int, default=POLICY_STEPS,
+                    help="extra iterations of the --overhead run (its profile takes ~50)")
     args = ap.parse_args(argv)
     steps = args.steps or STEPS[args.size]
     out = {"size": args.size, "steps": steps, "device": "cuda" if torch.cuda.is_available()
            else "cpu", "torch": torch.__version__, "workloads": []}
     with tempfile.TemporaryDirectory(dir=args.tmp_root, prefix="gpu-overhead-") as tmp:
         for name in args.workloads.split(","):
-            result = workload(name, args.size, steps, Path(tmp) / name, args.timeout)
+            result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
+                              args.policy_steps)
             out["workloads"].append(result)
             report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,16 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
   the rank as
   a ``uint8`` tensor (``torch.from_file(shared=True)``) and read by the persist agent through
   ``mmap`` without any copy or unpickling. Allocated once, grown only if the state grows (never
-  while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``) so device to
-  host copies run asynchronously at full bandwidth. A copy into a reused buffer runs ~2.5x faster
-  than into fresh memory on this class of machine (DCP stages into fresh memory each time).
+  while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``, only on
+  tmpfs/hugetlbfs: a disk file's mapping cannot be) so device to host copies run
+  asynchronously at full bandwidth. Allocation, a first write of every page and the
+  page-locking happen on a background thread from the first optimizer step of each process
+  (:meth:`Snapshotter.prepare`), not in the first checkpoint (issue 23). A copy into a reused
+  buffer runs ~2.5x faster than into fresh memory on this class of machine (DCP stages into
+  fresh memory each time).
+* **Copy plan.** The slot layout, the slot views, the entries' JSON and the copy groups of a
+  state are worked out once per layout (:class:`CopyPlan`); each group is one
+  ``torch._foreach_copy_`` call (issue 23: ~640 tensors cost ~25 ms of Python per checkpoint).
 * **What blocks the training loop.** At the boundary after step s, small tensors and module
   buffers (BatchNorm statistics change in the next forward) are copied on the training thread;
   parameters and optimizer state, which only the next ``optimizer.step()`` changes, are copied
@@ -33,8 +40,9 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 * **Hand-off.** When the copy is complete the rank sends the agent one message (step, slot,
   bytes, the JSON tree); from then on the agent persists and commits it even if the rank dies.
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
-  still being persisted is deferred to the next boundary (:meth:`busy`), never stalled on, so a
-  failure rolls back at most one checkpoint and a slow disk costs frequency, not step time.
+  still being persisted is deferred (:meth:`cfrun.rank.boundary.Boundary._in_flight`: a rule
+  every rank evaluates alike), never stalled on, so a failure rolls back at most one
+  checkpoint and a slow disk costs frequency, not step time.
 * **Bounded wait for the agent.** A rank waits for the agent's reply only so long
   (:meth:`Snapshotter.reply_timeout_s`: :data:`REPLY_TIMEOUT_MIN_S`, or ten times the last
   persist if that is longer); then the checkpoint counts as failed (``persist_lost``), the
