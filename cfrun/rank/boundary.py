@@ -149,6 +149,8 @@ class Boundary:
         """(due step, step in flight) of the checkpoint being deferred, if any."""
         self._due_passed = 0
         """Further due steps the deferred checkpoint stands for (skipped)."""
+        self._deferred_info: dict[int, dict[str, int]] = {}
+        """Rank 0: step -> its ``checkpoint`` event's deferral fields (read at its commit)."""
         self._prepared = False
         """The snapshot slot was prepared (:meth:`Snapshotter.prepare`)."""
         self._done_records: list[dict[str, Any]] = []
@@ -455,8 +457,11 @@ class Boundary:
         persist_kill = self._verify is not None and self._verify.kill_in_persist(step)
         if due and not self._stopping:
             hold = self._hold_from is not None and step >= self._hold_from
+            # cfrun verify judges every kill by K+1 recomputed steps: it defers one boundary
+            # at most (then waits), as before issue 23 (the same on every rank)
+            strict = self._verify is not None and self._deferred is not None
             try:
-                if self._in_flight(self.step) and not (persist_kill or hold):
+                if self._in_flight(self.step) and not (persist_kill or hold or strict):
                     self._defer(step)  # costs this step nothing; retried at the next one
                 else:
                     self.checkpoint(self.step, frame, data)
@@ -559,19 +564,24 @@ class Boundary:
 
     def _defer(self, step: int) -> None:
         """The checkpoint due at ``step`` waits for the next boundary (the previous one is in
-        flight): at most one checkpoint in flight (CheckFreq §4.3), and no step waits."""
+        flight): at most one checkpoint in flight (CheckFreq §4.3), and no step waits. Rank 0
+        says so once, in a ``checkpoint_deferred`` event (a kill before it is taken then
+        recomputes more than the interval: the event says why)."""
         if self._deferred is None:
-            self._deferred = (step, self._last_taken if self._last_taken is not None else -1)
+            previous = self._last_taken if self._last_taken is not None else -1
+            self._deferred = (step, previous)
+            if self.s.rank == 0:
+                self.jobdir.emit_event("checkpoint_deferred", due_step=step,
+                                       in_flight_step=previous, attempt=self.s.attempt)
         self._pending = (step, True, False)
 
     def _taken(self, step: int) -> None:
-        """A checkpoint of ``step`` started: it is the one in flight now. Rank 0 says in a
-        ``checkpoint_deferred`` event when it was due earlier."""
+        """A checkpoint of ``step`` started: it is the one in flight now. When it was due
+        earlier, its ``checkpoint`` event will say since when (``deferred_from``) and how many
+        further due steps it stands for (``due_passed``)."""
         if self._deferred is not None and self.s.rank == 0:
-            due, previous = self._deferred
-            self.jobdir.emit_event("checkpoint_deferred", step=step, due_step=due,
-                                   in_flight_step=previous, deferred_steps=step - due,
-                                   due_passed=self._due_passed, attempt=self.s.attempt)
+            self._deferred_info[step] = {"deferred_from": self._deferred[0],
+                                         "due_passed": self._due_passed}
         self._deferred, self._due_passed = None, 0
         self._last_taken, self._idle_from = step, None
         if self.s.rank == 0 and self.s.world_size > 1:  # no record of an earlier run counts
@@ -598,8 +608,9 @@ class Boundary:
         self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
             progress = {"progress": self._progress} if self._progress else {}
+            deferred = self._deferred_info.pop(int(fields["step"]), {})
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
-                                   persist="agent", **fields, **progress)
+                                   persist="agent", **fields, **progress, **deferred)
         elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
             self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
                                    **fields)
