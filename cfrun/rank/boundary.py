@@ -466,6 +466,7 @@ class Boundary:
                 else:
                     self.checkpoint(self.step, frame, data)
             except Exception as e:  # never break the user's job
+                self._deferred = None
                 say(f"WARNING: checkpoint at step {step} failed: {e!r}")
                 self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
                                        rank=self.s.rank)
@@ -539,23 +540,29 @@ class Boundary:
             return False
         if self.s.world_size == 1:
             return self._snap.busy()
-        if self._idle_from is None and self.s.rank != 0:
-            rec = co.read(co.checkpoint_gate_path(self.jobdir.root), co.CheckpointGate)
-            if rec is not None and rec.attempt == self.s.attempt \
-                    and rec.after_step == self._last_taken:
-                self._idle_from = rec.idle_from_step
         return self._idle_from is None or step < self._idle_from
 
     def _note_idle(self) -> None:
-        """Rank 0 of several, after each step: once the last checkpoint is over, publish from
-        which step every rank counts it so (:meth:`_in_flight`). A failed write is retried at
-        the next step (until then the checkpoint counts as in flight on every rank)."""
-        if (self._last_taken is None or self._idle_from is not None or self.s.rank != 0
-                or self.s.world_size == 1 or self._snap.busy()):
+        """Several ranks, after each step while the last checkpoint counts as in flight: rank
+        0, once it sees it over, publishes from which step every rank counts it so
+        (:meth:`_in_flight`; a failed write is retried at the next step); the other ranks
+        read that record at every step until they have it (a read costs tens of
+        microseconds), so each has it a step after rank 0 wrote it, before rank 0 takes the
+        next checkpoint and removes it."""
+        if self._last_taken is None or self._idle_from is not None or self.s.world_size == 1:
+            return
+        path = co.checkpoint_gate_path(self.jobdir.root)
+        if self.s.rank != 0:
+            rec = co.read(path, co.CheckpointGate)
+            if rec is not None and rec.attempt == self.s.attempt \
+                    and rec.after_step == self._last_taken:
+                self._idle_from = rec.idle_from_step
+            return
+        if self._snap.busy():
             return
         idle_from = self.step + AGREE_LEAD_STEPS
         try:
-            co.write(co.checkpoint_gate_path(self.jobdir.root), co.CheckpointGate(
+            co.write(path, co.CheckpointGate(
                 attempt=self.s.attempt, after_step=self._last_taken, idle_from_step=idle_from))
         except OSError as e:
             say(f"WARNING: cannot write {co.CHECKPOINT_GATE} ({e}); checkpoints wait")
