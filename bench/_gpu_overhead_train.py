@@ -10,7 +10,7 @@ A plain PyTorch script that knows nothing about cfrun. ``--model``:
 * ``resnet``: a ResNet-50-like conv net written here (bottleneck blocks 3-4-6-3 with
   BatchNorm: ~320 parameters and buffers, ~640 tensors with the optimizer's momentum; ``full``:
   widths 64..2048, 224x224 images, batch 128, channels-last, bf16 autocast; ``small``: widths
-  divided by 16, 32x32 images, batch 8, fp32), SGD with momentum.
+  divided by 16, 16x16 images, batch 4, fp32), SGD with momentum.
 
 ``--contenders NAME:KIND:K,...`` runs each in-script contender in turn in this one process, each
 for ``--steps`` iterations on the same model (the same work): ``none`` (no checkpoint; also
@@ -47,7 +47,7 @@ parser.add_argument("--ckpt-dir", default=None)
 GPT = {"full": dict(layers=24, dim=1024, heads=16, seq=1024, batch=8, vocab=32000),
        "small": dict(layers=2, dim=128, heads=4, seq=64, batch=4, vocab=512)}
 RESNET = {"full": dict(width=64, image=224, batch=128, classes=1000),
-          "small": dict(width=4, image=32, batch=8, classes=10)}
+          "small": dict(width=4, image=16, batch=4, classes=10)}
 
 
 class Block(nn.Module):
@@ -185,7 +185,7 @@ def main():
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
-        torch.set_num_threads(2)
+        torch.set_num_threads(1)  # the persist agent and cfrun's threads get the other core
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     net, opt, batch, amp = build(args.model, args.size, device, args.state_mb)
