@@ -592,7 +592,10 @@ class Boundary:
         self._deferred, self._due_passed = None, 0
         self._last_taken, self._idle_from = step, None
         if self.s.rank == 0 and self.s.world_size > 1:  # no record of an earlier run counts
-            co.checkpoint_gate_path(self.jobdir.root).unlink(missing_ok=True)
+            try:
+                co.checkpoint_gate_path(self.jobdir.root).unlink(missing_ok=True)
+            except OSError:
+                pass  # its after_step is older than this checkpoint: no rank follows it
 
     def _prepare_slot(self) -> None:
         """At this process's first counted step (a fresh start or after a resume): prepare
