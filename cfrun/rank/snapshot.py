@@ -182,6 +182,7 @@ class SnapshotSlot:
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # no context on device 0 (issue 18, item 4)
+                cuda.relax_capture_mode()  # the script may be capturing a CUDA graph meanwhile
             fresh = self.buf is None or self.buf.numel() < nbytes
             buf = self._ensure(nbytes, pin, device)
             if fresh:
