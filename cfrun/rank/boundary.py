@@ -51,6 +51,11 @@ says that its job is unprotected (a script that updates its parameters by hand: 
 and checkpoints are the optimizers' steps). Gradient accumulation rarely spans this many."""
 
 
+OPT_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1,
+                    "Adagrad": 1, "RMSprop": 1, "Adadelta": 2}
+"""Tensors of a parameter's size that an optimizer of this class keeps per parameter (its
+state); 2 for any other (:meth:`Boundary.on_optimizer_created`'s slot size)."""
+
 AGREE_LEAD_STEPS = 2
 """With several ranks, rank 0 publishes the step from which its in-flight checkpoint counts
 as over this many steps ahead of the step it saw it end at (:class:`Boundary`), so every
@@ -596,6 +601,26 @@ class Boundary:
                 co.checkpoint_gate_path(self.jobdir.root).unlink(missing_ok=True)
             except OSError:
                 pass  # its after_step is older than this checkpoint: no rank follows it
+
+    def on_optimizer_created(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer was constructed (its ``__init__`` hook), one rank alone: start
+        preparing the snapshot slot right away, sized from its parameters and the state its
+        kind keeps per parameter (:data:`OPT_STATE_COPIES`), so the slot is ready even for a
+        checkpoint due at the first step (``--interval 1``; issue 23). With several ranks
+        the first step prepares it (DDP's 1/N shards are known then). Never raises."""
+        if self._prepared or self.s.world_size != 1 or self._uncheckpointable is not None:
+            return
+        try:
+            params = [p for g in opt.param_groups for p in g["params"]
+                      if isinstance(p, torch.Tensor)]
+            copies = OPT_STATE_COPIES.get(type(opt).__name__, 2)
+            if type(opt).__name__ == "SGD" and not opt.defaults.get("momentum"):
+                copies = 0
+            nbytes = sum(p.numel() * p.element_size() for p in params) * (1 + copies)
+            devices = sorted({p.device for p in params if p.is_cuda}, key=str)
+            self._snap.prepare_bytes(nbytes, devices)
+        except Exception as e:
+            say(f"WARNING: could not prepare the snapshot slot ahead ({e!r})")
 
     def _prepare_slot(self) -> None:
         """At this process's first counted step (a fresh start or after a resume): prepare

@@ -165,6 +165,8 @@ class SnapshotSlot:
         self._preparing: threading.Thread | None = None
         self.prepare_error: str | None = None
         """Why the last :meth:`prepare` failed (the first checkpoint then allocates)."""
+        self.prepared_bytes = 0
+        """The size the last :meth:`prepare` asked for (0: none yet)."""
 
     def prepare(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
         """Allocate (or grow to) ``nbytes``, write every page once and, with ``pin``, page-lock
@@ -174,6 +176,7 @@ class SnapshotSlot:
         is kept in :attr:`prepare_error`, never raised (the first checkpoint then tries
         again)."""
         self.wait_prepared()
+        self.prepared_bytes = nbytes
         self._preparing = threading.Thread(target=self._prepare, args=(nbytes, pin, device),
                                            name="cfrun-slot", daemon=True)
         self._preparing.start()
@@ -192,6 +195,10 @@ class SnapshotSlot:
         except Exception as e:  # the first checkpoint allocates instead
             self.prepare_error = repr(e)
             logger.warning("cfrun: preparing the snapshot slot failed: %r", e)
+
+    def preparing(self) -> bool:
+        """True while :meth:`prepare`'s thread runs."""
+        return self._preparing is not None and self._preparing.is_alive()
 
     def wait_prepared(self) -> None:
         """Wait for :meth:`prepare`'s thread, if one runs."""
@@ -508,12 +515,18 @@ class Snapshotter:
         script's variables, the RNG and the data position (a larger state grows the slot at
         its checkpoint, as before). Training thread; nothing when a checkpoint is in flight.
         Returns the bytes asked for (0 when nothing was done)."""
-        if self.busy():
-            return 0
         _, nbytes = plan_layout(tensors)
+        return self.prepare_bytes(nbytes, sorted({t.device for t in tensors if t.is_cuda},
+                                                 key=str))
+
+    def prepare_bytes(self, nbytes: int, devices: list[torch.device]) -> int:
+        """:meth:`prepare` for a state of about ``nbytes`` with tensors on ``devices`` (CUDA
+        ones; none: not page-locked). Nothing when a checkpoint is in flight or the slot is
+        (being) prepared at least this large already. Returns the bytes asked for, or 0."""
         nbytes += max(PREPARE_HEADROOM_MIN_BYTES, int(nbytes * PREPARE_HEADROOM))
         nbytes = -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
-        devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        if self.busy() or nbytes <= self.slot.prepared_bytes:
+            return 0
         self.slot.prepare(nbytes, pin=bool(devices), device=devices[0] if devices else None)
         return nbytes
 
