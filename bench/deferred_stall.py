@@ -70,13 +70,13 @@ def verdict(k1: dict, k10: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--state-mb", type=float, default=1500.0)
-    ap.add_argument("--steps", type=int, default=16, help="iterations of the --interval 1 run")
+    ap.add_argument("--steps", type=int, default=12, help="iterations of the --interval 1 run")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="deferred-stall-") as tmp:
         k1 = cfrun_run(1, args.steps, args.state_mb, Path(tmp), args.timeout)
-        k10 = cfrun_run(10, 36, args.state_mb, Path(tmp), args.timeout)
+        k10 = cfrun_run(10, 31, args.state_mb, Path(tmp), args.timeout)
     v = verdict(k1, k10)
     for r in (k1, k10):
         print(f"--interval {r['interval']}: {len(r['stall_s'])} checkpoints at steps "
