@@ -138,7 +138,7 @@ def copy_floor_s(state_bytes: int) -> float:
 
 
 def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
-             policy_steps: int = POLICY_STEPS) -> dict:
+             policy_steps: int = POLICY_STEPS, multiples: tuple[int, ...] = (1, 2, 5)) -> dict:
     """Every contender on one workload; returns its rows, k*, the floors and the state size."""
     work.mkdir(parents=True)
     base = [sys.executable, str(TRAIN), "--model", model, "--size", size, "--steps", str(steps),
@@ -156,7 +156,7 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
     persist_s = rows[-1]["persist_s"] or floors["disk_s"]
     step_s = statistics.median(plain["iter_ms"]) / 1e3 if plain else 1.0
     k_star = max(1, math.ceil(persist_s / step_s))
-    ks = {"k": k_star, "2k": 2 * k_star, "5k": 5 * k_star}
+    ks = {("k" if m == 1 else f"{m}k"): m * k_star for m in multiples}
     for tag, k in ks.items():
         rows.append(cfrun_row(f"cfrun_{tag}", k, ["--interval", str(k)], model, size,
                               max(steps, 3 * k + 6), work, timeout_s, plain_ms, floors))
@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--tmp-root", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--multiples", default="1,2,5",
+                    help="the fixed intervals, as multiples of k*")
     ap.add_argument("--policy-steps", type=int, default=POLICY_STEPS,
                     help="extra iterations of the --overhead run (its profile takes ~50)")
     args = ap.parse_args(argv)
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.tmp_root, prefix="gpu-overhead-") as tmp:
         for name in args.workloads.split(","):
             result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
-                              args.policy_steps)
+                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",")))
             out["workloads"].append(result)
             report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
