@@ -12,8 +12,8 @@ A plain PyTorch script that knows nothing about cfrun. ``--model``:
   widths 64..2048, 224x224 images, batch 128, channels-last, bf16 autocast; ``small``: widths
   divided by 16, 16x16 images, batch 4, fp32), SGD with momentum.
 
-``--contenders NAME:KIND:K,...`` runs each in-script contender in turn in this one process, each
-for ``--steps`` iterations on the same model (the same work): ``none`` (no checkpoint; also
+``--contenders NAME:KIND:K[:STEPS],...`` runs each in-script contender in turn in this one
+process, each for STEPS (``--steps``) iterations on the same model (the same work): ``none`` (no checkpoint; also
 what runs under ``cfrun``), ``torch_save`` (+ fsync, synchronously) or ``dcp_thread``
 (``torch.distributed.checkpoint.async_save``) every K steps, with ``_overhead_train``'s
 ``Checkpointer`` (at most one DCP save in flight). After each it prints ``RESULT {json}``:
@@ -190,13 +190,13 @@ def main():
     gen = torch.Generator().manual_seed(0)
     net, opt, batch, amp = build(args.model, args.size, device, args.state_mb)
     for spec in args.contenders.split(","):
-        name, kind, k = spec.split(":")
-        k = int(k)
+        name, kind, k, *more = spec.split(":")
+        k, steps = int(k), int(more[0]) if more else args.steps
         ckpt = None
         if kind != "none":
             ckpt = Checkpointer(kind, os.path.join(args.ckpt_dir, name), net, opt)
         stamps = []
-        for step in range(args.steps):
+        for step in range(steps):
             stamps.append(time.perf_counter())
             train_step(net, opt, batch, gen, amp)
             if ckpt is not None and (step + 1) % k == 0:
@@ -205,7 +205,7 @@ def main():
         if ckpt is not None:
             ckpt.close()
         iter_s = [b - a for a, b in zip(stamps, stamps[1:])][WARMUP_ITERS:]
-        result = {"name": name, "kind": kind, "k": k, "steps": args.steps,
+        result = {"name": name, "kind": kind, "k": k, "steps": steps,
                   "iter_ms": [round(1e3 * s, 3) for s in iter_s],
                   "state_bytes": state_bytes(net, opt), "device": str(device)}
         if ckpt is not None:

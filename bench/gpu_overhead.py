@@ -160,12 +160,12 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
     for tag, k in ks.items():
         rows.append(cfrun_row(f"cfrun_{tag}", k, ["--interval", str(k)], model, size,
                               max(steps, 3 * k + 6), work, timeout_s, plain_ms, floors))
-    specs = [f"{kind}_{tag}:{kind}:{k}" for kind in ("dcp_thread", "torch_save")
-             for tag, k in ks.items()]
+    specs = [f"{kind}_{tag}:{kind}:{k}:{max(steps, 3 * k + 6)}"
+             for kind in ("dcp_thread", "torch_save") for tag, k in ks.items()]
     in_script, err = run([*base, "--contenders", ",".join(specs)], work, 2 * timeout_s)
     by_name = {r["name"]: r for r in in_script}
     for spec in specs:
-        name, kind, k = spec.split(":")
+        name, kind, k, _ = spec.split(":")
         r = by_name.get(name)
         stall = (r or {}).get("stall_s") or []
         rows.append(row(name, kind, int(k), r, err if r is None else "", stall, stall,
