@@ -81,6 +81,20 @@ def final_line(stdout: str) -> str:
     return lines[-1]
 
 
+def over_recompute_bound(run: Run, kills: list[int], resumed: list[int], k: int
+                         ) -> list[tuple[int, int]]:
+    """The ``(kill, resumed)`` pairs that recomputed more than K+1 iterations for no stated
+    reason: a kill at step ``kill`` resumed from ``resumed`` may recompute more only when the
+    checkpoint due after ``resumed`` was deferred while ``resumed`` still persisted, as a
+    ``checkpoint_deferred`` event says (issue 23: a deferral costs no step, but the
+    checkpoint comes later). [] when every kill is within the bound."""
+    deferred = run.events("checkpoint_deferred")
+    return [(kill, r) for kill, r in zip(kills, resumed)
+            if not 0 <= kill - r <= k + 1
+            and not (r <= kill and any(e["in_flight_step"] == r and e["due_step"] <= kill
+                                       for e in deferred))]
+
+
 def epoch_ends_run_again(kills: list[int], resumed: list[int], steps_per_epoch: int,
                          epochs: int) -> int:
     """How many epoch ends (validation, the epoch's line) a run with these kills and resume

@@ -9,6 +9,8 @@ their fields::
       stop_step.json                           rank 0 -> ranks: the step every rank stops at
       stop_decision.json                       rank 0 -> ranks: final checkpoint or not
       fatal.json                               a rank -> supervisor: resuming would be wrong
+      checkpoint_gate.json                     rank 0 -> ranks: from which step no checkpoint
+                                               is in flight (a due one is deferred till then)
       heartbeat-rank-00000                     a rank -> supervisor: its step, rewritten each step
       errors/attempt-A-rank-R.json             a rank's uncaught exception
       ended/node-N-attempt-A-rank-R.json       a rank's end of script, before teardown
@@ -40,6 +42,7 @@ STOP_REQUEST = "stop_request.json"
 STOP_STEP = "stop_step.json"
 STOP_DECISION = "stop_decision.json"
 FATAL = "fatal.json"
+CHECKPOINT_GATE = "checkpoint_gate.json"
 ERRORS_DIR = "errors"
 ENDED_DIR = "ended"
 PREEMPTED_DIR = "preempted"
@@ -63,6 +66,11 @@ class MalformedRecordError(ValueError):
 
 
 # ---------------------------------------------------------------------------- paths
+
+
+def checkpoint_gate_path(job_dir: Path) -> Path:
+    """``<job_dir>/checkpoint_gate.json`` (:class:`CheckpointGate`)."""
+    return Path(job_dir) / CHECKPOINT_GATE
 
 
 def stop_request_path(job_dir: Path) -> Path:
@@ -266,6 +274,21 @@ class StopDecision(_Record):
     KINDS: ClassVar[dict[str, str]] = {"step": "step", "decision": "str", "need_s": "time"}
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"need_s"})
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"decision": DECISIONS}
+
+
+@dataclass(frozen=True)
+class CheckpointGate(_Record):
+    """``checkpoint_gate.json``: rank 0 of attempt ``attempt`` saw the checkpoint of step
+    ``after_step`` end (committed or failed); every rank counts it as in flight up to step
+    ``idle_from_step`` (a few steps ahead, so every rank reads it before that step) and from
+    there takes a deferred checkpoint (:class:`cfrun.rank.boundary.Boundary`)."""
+
+    attempt: int
+    after_step: int
+    idle_from_step: int
+
+    KINDS: ClassVar[dict[str, str]] = {"attempt": "step", "after_step": "step",
+                                       "idle_from_step": "step"}
 
 
 @dataclass(frozen=True)

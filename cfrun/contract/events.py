@@ -90,6 +90,7 @@ EVENTS: dict[str, EventKind] = {
                      _CKPT_FIGURES, open=True),
     "checkpoint_rank": _k("every rank (CFRUN_EVENTS_ALL_RANKS=1)", ["rank", "attempt", "step"],
                           _CKPT_FIGURES, open=True),
+    "checkpoint_deferred": _k("rank 0", ["due_step", "in_flight_step"], ["attempt"]),
     "checkpoint_failed": _k("a rank", ["step", "error"], ["rank"]),
     "persist_lost": _k("a rank", ["step", "error"], ["rank"]),
     "checkpoint_corrupt": _k("a rank", ["step", "error"]),

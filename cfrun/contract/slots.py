@@ -115,6 +115,39 @@ def _check_dir(directory: Path, st: os.stat_result) -> None:
                           f"{stat.S_IMODE(st.st_mode):o}, not 0700")
 
 
+MEMORY_FS_TYPES = frozenset({"tmpfs", "hugetlbfs"})
+"""File systems whose file mappings ``cudaHostRegister`` can page-lock. A mapping of a file on
+a disk file system (ext4, xfs: the ``<job_dir>/.slots`` fallback when /dev/shm is small, e.g.
+Docker's 64 MiB) fails with "invalid argument" (issue 23)."""
+
+
+def fs_type(path: Path | str) -> str | None:
+    """The type of the file system ``path`` lies on (``tmpfs``, ``ext4``...): the mount of
+    ``/proc/self/mounts`` with the longest mount point that contains ``path``'s real path;
+    None when that table cannot be read (not Linux)."""
+    real = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ").replace("\\011", "\t")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def is_memory_fs(path: Path | str) -> bool:
+    """True when ``path`` lies on a file system in :data:`MEMORY_FS_TYPES` (its mappings can be
+    page-locked for CUDA)."""
+    return fs_type(path) in MEMORY_FS_TYPES
+
+
 def create_slot(directory: Path, rank: int, nbytes: int) -> Path:
     """Create a new slot file of ``nbytes`` zero bytes in ``directory`` (a rank): exclusively,
     without following a link, mode 0600, under a name nobody can guess. Returns its path."""

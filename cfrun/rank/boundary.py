@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cfrun.contract import coordination as co
 from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.jobdir import JobDir
@@ -49,6 +50,16 @@ NO_OPTIMIZER_BACKWARDS = 100
 says that its job is unprotected (a script that updates its parameters by hand: cfrun's steps
 and checkpoints are the optimizers' steps). Gradient accumulation rarely spans this many."""
 
+
+OPT_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1,
+                    "Adagrad": 1, "RMSprop": 1, "Adadelta": 2}
+"""Tensors of a parameter's size that an optimizer of this class keeps per parameter (its
+state); 2 for any other (:meth:`Boundary.on_optimizer_created`'s slot size)."""
+
+AGREE_LEAD_STEPS = 2
+"""With several ranks, rank 0 publishes the step from which its in-flight checkpoint counts
+as over this many steps ahead of the step it saw it end at (:class:`Boundary`), so every
+rank has read it before that step comes (``strategy.json`` uses the same lead)."""
 
 HANDOFF_WAIT_S = 2.0
 """The longest an optimizer step waits for the previous checkpoint's hand-off to the persist
@@ -134,8 +145,19 @@ class Boundary:
         """(training loader iterator, the enumerate around it or its wrapper or None, the
         loader), dropped at the loader's next epoch."""
         self._stopping = False
-        self._deferred_from: int | None = None
-        """Step whose due checkpoint was deferred (previous persist in flight), if any."""
+        self._last_taken: int | None = None
+        """Step of the last checkpoint this process took (the same on every rank)."""
+        self._idle_from: int | None = None
+        """The agreed step from which :attr:`_last_taken` no longer counts as in flight
+        (several ranks: rank 0's :class:`~cfrun.contract.coordination.CheckpointGate`)."""
+        self._deferred: tuple[int, int] | None = None
+        """(due step, step in flight) of the checkpoint being deferred, if any."""
+        self._due_passed = 0
+        """Further due steps the deferred checkpoint stands for (skipped)."""
+        self._deferred_info: dict[int, dict[str, int]] = {}
+        """Rank 0: step -> its ``checkpoint`` event's deferral fields (read at its commit)."""
+        self._prepared = False
+        """The snapshot slot was prepared (:meth:`Snapshotter.prepare`)."""
         self._done_records: list[dict[str, Any]] = []
         self._waited_for: int | None = None
         """Checkpoint whose hand-off a step waited for (:meth:`on_before_step`)."""
@@ -221,6 +243,9 @@ class Boundary:
             self.mode = "loop"
         self._next_since_step = False
         self._marks.beat(self.step)
+        if not self._prepared:
+            self._prepare_slot()
+        self._note_idle()
         if self._verify is not None:  # may SIGKILL this rank, as cfrun verify chose
             self._verify.on_step(opt, self.step, self._train_iter, self.mode)
             if self._verify.stop_step is not None:
@@ -232,7 +257,10 @@ class Boundary:
         if self.s.profile_only and tuner.profile_done(self.step):
             say("profiling done; stopping the script (cfrun profile)")
             raise SystemExit(0)
-        due = tuner.due(self.step) or (self._pending is not None and self._pending[1]) or (
+        fresh = tuner.due(self.step)
+        if fresh and self._deferred is not None and tuner.phase != "profiling":
+            self._due_passed += 1  # merged into the deferred one: skipped
+        due = fresh or (self._pending is not None and self._pending[1]) or (
             self._verify is not None and self._verify.kill_in_persist(self.step))
         kill = self.s.rank == 0 and (self.step, self.s.attempt) in self.s.inject_crash
         stop = self._preemption.stop_due(self.step)
@@ -433,18 +461,17 @@ class Boundary:
         self._pending = None
         persist_kill = self._verify is not None and self._verify.kill_in_persist(step)
         if due and not self._stopping:
+            hold = self._hold_from is not None and step >= self._hold_from
+            # cfrun verify judges every kill by K+1 recomputed steps: it defers one boundary
+            # at most (then waits), as before issue 23 (the same on every rank)
+            strict = self._verify is not None and self._deferred is not None
             try:
-                # one rank defers a due checkpoint by one boundary at most (then waits for the
-                # previous persist), so no more than K+1 iterations separate two checkpoints
-                may_defer = (self._deferred_from is None or self._tuner.phase == "profiling") \
-                    and not persist_kill
-                if self.checkpoint(self.step, frame, data, may_defer=may_defer) is None:
-                    self._pending = (step, True, False)  # previous one in flight: next boundary
-                    if self._deferred_from is None:
-                        self._deferred_from = step
+                if self._in_flight(self.step) and not (persist_kill or hold or strict):
+                    self._defer(step)  # costs this step nothing; retried at the next one
                 else:
-                    self._deferred_from = None
+                    self.checkpoint(self.step, frame, data)
             except Exception as e:  # never break the user's job
+                self._deferred = None
                 say(f"WARNING: checkpoint at step {step} failed: {e!r}")
                 self.jobdir.emit_event("checkpoint_failed", step=step, error=repr(e),
                                        rank=self.s.rank)
@@ -456,21 +483,20 @@ class Boundary:
         if kill:
             kill_self(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
 
-    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None,
-                   *, may_defer: bool = True) -> SnapshotHandle | None:
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None
+                   ) -> SnapshotHandle:
         """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
 
         Capture, snapshot into shared memory, hand off to the node's persist agent (two-phase;
-        :mod:`cfrun.rank.snapshot`). With one rank and ``may_defer``, returns None, taking
-        nothing, while the previous checkpoint is still in flight (the caller retries at the
-        next boundary); otherwise waits for it (several ranks must checkpoint the same steps).
-        Returns the snapshot's handle. Raises what capture or the snapshot's start raise.
+        :mod:`cfrun.rank.snapshot`). The caller defers a checkpoint while the previous one is
+        in flight (:meth:`_in_flight`); if this rank's is still in flight all the same (its
+        commit reply is on the way, a preemption's final checkpoint, a fault point), it waits
+        for it: at most one checkpoint is in flight. Returns the snapshot's handle. Raises
+        what capture or the snapshot's start raise.
         """
         t0 = time.perf_counter()
         hold = self._hold_from is not None and step >= self._hold_from
         if self._snap.busy():
-            if self.s.world_size == 1 and may_defer and not hold:
-                return None
             self._snap.wait_idle()
         t_trigger = time.time()
         tree, tensors, async_ids = self._capture.capture(frame, data)
@@ -489,11 +515,125 @@ class Boundary:
             self._tuner.check_state_bytes(int(tree["model_bytes"]))
         self._snap.use_mode(self._tuner.mode_for(step))  # also records the step for the tuner
         handle = self._snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
+        self._taken(step)
         if self._stall is not None and self._stall[1] <= step < self._stall[2]:
             time.sleep(self._stall[0])
         if hold:  # the snapshot thread SIGKILLs the rank right after the hand-off
             self._snap.wait_idle()
         return handle
+
+    # ---------------------------------------------------------------- one in flight
+
+    def _in_flight(self, step: int) -> bool:
+        """Whether the checkpoint due at the boundary after ``step`` is deferred because the
+        previous one still counts as in flight (issue 23: waiting for it stalled the step,
+        a median 2.0 s per checkpoint at ``--interval 20`` with 2.7-5.7 s persists on an H100).
+
+        The rule must give every rank the same answer for the same step: ranks that checkpoint
+        different steps leave each step incomplete, and the agent commits none of them. A
+        rank's own "is my persist done" differs between ranks by when the agent's reply
+        arrives (and it arrives at the commit, for every rank of the step). So with several
+        ranks only rank 0 looks at its own: at the first step it sees the checkpoint over it
+        publishes that step plus :data:`AGREE_LEAD_STEPS` (``checkpoint_gate.json``,
+        :meth:`_note_idle`), and every rank, rank 0 too, counts the checkpoint as in flight
+        before that step and as over from it. Ranks of a data-parallel job run within a step
+        of each other (each step's gradient all-reduce), so all have read it by then; a rank
+        whose own reply is not in yet at that step waits for it (:meth:`checkpoint`). With one
+        rank there is nothing to agree on: in flight while its persist runs.
+        """
+        if self._last_taken is None:
+            return False
+        if self.s.world_size == 1:
+            return self._snap.busy()
+        return self._idle_from is None or step < self._idle_from
+
+    def _note_idle(self) -> None:
+        """Several ranks, after each step while the last checkpoint counts as in flight: rank
+        0, once it sees it over, publishes from which step every rank counts it so
+        (:meth:`_in_flight`; a failed write is retried at the next step); the other ranks
+        read that record at every step until they have it (a read costs tens of
+        microseconds), so each has it a step after rank 0 wrote it, before rank 0 takes the
+        next checkpoint and removes it."""
+        if self._last_taken is None or self._idle_from is not None or self.s.world_size == 1:
+            return
+        path = co.checkpoint_gate_path(self.jobdir.root)
+        if self.s.rank != 0:
+            rec = co.read(path, co.CheckpointGate)
+            if rec is not None and rec.attempt == self.s.attempt \
+                    and rec.after_step == self._last_taken:
+                self._idle_from = rec.idle_from_step
+            return
+        if self._snap.busy():
+            return
+        idle_from = self.step + AGREE_LEAD_STEPS
+        try:
+            co.write(path, co.CheckpointGate(
+                attempt=self.s.attempt, after_step=self._last_taken, idle_from_step=idle_from))
+        except OSError as e:
+            say(f"WARNING: cannot write {co.CHECKPOINT_GATE} ({e}); checkpoints wait")
+            return
+        self._idle_from = idle_from
+
+    def _defer(self, step: int) -> None:
+        """The checkpoint due at ``step`` waits for the next boundary (the previous one is in
+        flight): at most one checkpoint in flight (CheckFreq §4.3), and no step waits. Rank 0
+        says so once, in a ``checkpoint_deferred`` event (a kill before it is taken then
+        recomputes more than the interval: the event says why)."""
+        if self._deferred is None:
+            previous = self._last_taken if self._last_taken is not None else -1
+            self._deferred = (step, previous)
+            if self.s.rank == 0:
+                self.jobdir.emit_event("checkpoint_deferred", due_step=step,
+                                       in_flight_step=previous, attempt=self.s.attempt)
+        self._pending = (step, True, False)
+
+    def _taken(self, step: int) -> None:
+        """A checkpoint of ``step`` started: it is the one in flight now. When it was due
+        earlier, its ``checkpoint`` event will say since when (``deferred_from``) and how many
+        further due steps it stands for (``due_passed``)."""
+        if self._deferred is not None and self.s.rank == 0:
+            self._deferred_info[step] = {"deferred_from": self._deferred[0],
+                                         "due_passed": self._due_passed}
+        self._deferred, self._due_passed = None, 0
+        self._last_taken, self._idle_from = step, None
+        if self.s.rank == 0 and self.s.world_size > 1:  # no record of an earlier run counts
+            try:
+                co.checkpoint_gate_path(self.jobdir.root).unlink(missing_ok=True)
+            except OSError:
+                pass  # its after_step is older than this checkpoint: no rank follows it
+
+    def on_optimizer_created(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer was constructed (its ``__init__`` hook), one rank alone: start
+        preparing the snapshot slot right away, sized from its parameters and the state its
+        kind keeps per parameter (:data:`OPT_STATE_COPIES`), so the slot is ready even for a
+        checkpoint due at the first step (``--interval 1``; issue 23). With several ranks
+        the first step prepares it (DDP's 1/N shards are known then). Never raises."""
+        if self._prepared or self.s.world_size != 1 or self._uncheckpointable is not None:
+            return
+        try:
+            params = [p for g in opt.param_groups for p in g["params"]
+                      if isinstance(p, torch.Tensor)]
+            copies = OPT_STATE_COPIES.get(type(opt).__name__, 2)
+            if type(opt).__name__ == "SGD" and not opt.defaults.get("momentum"):
+                copies = 0
+            nbytes = sum(p.numel() * p.element_size() for p in params) * (1 + copies)
+            devices = sorted({p.device for p in params if p.is_cuda}, key=str)
+            self._snap.prepare_bytes(nbytes, devices)
+        except Exception as e:
+            say(f"WARNING: could not prepare the snapshot slot ahead ({e!r})")
+
+    def _prepare_slot(self) -> None:
+        """At this process's first counted step (a fresh start or after a resume): prepare
+        the snapshot slot for the models' and optimizers' state on a background thread
+        (:meth:`Snapshotter.prepare`), so that the first checkpoint does not allocate and
+        page-lock it on the training thread (issue 23). A failure only leaves that to the
+        first checkpoint."""
+        self._prepared = True
+        try:
+            self._snap.prepare(self._capture.model_tensors())
+        except Exception as e:
+            say(f"WARNING: could not prepare the snapshot slot ahead ({e!r}); the first "
+                "checkpoint allocates it")
 
     # ---------------------------------------------------------------- results (snapshot thread)
 
@@ -503,8 +643,9 @@ class Boundary:
         self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
             progress = {"progress": self._progress} if self._progress else {}
+            deferred = self._deferred_info.pop(int(fields["step"]), {})
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
-                                   persist="agent", **fields, **progress)
+                                   persist="agent", **fields, **progress, **deferred)
         elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
             self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
                                    **fields)

@@ -85,6 +85,23 @@ class Capture:
             tree["sharded"] = layout
         return tree, tensors, async_ids
 
+    def model_tensors(self) -> list[torch.Tensor]:
+        """The tensors a checkpoint of now would hold for the models, optimizers and fp32
+        master weights (this rank's slices with DDP), without the script's variables, the RNG
+        and the data position: what sizes the snapshot slot ahead of the first checkpoint
+        (:meth:`cfrun.rank.snapshot.Snapshotter.prepare`). Training thread, after an optimizer
+        step (an optimizer's state exists from its first step on)."""
+        roots = self.found.model_roots()
+        opts = self.found.optimizers()
+        tensors: list[torch.Tensor] = []
+        encode([m.state_dict(keep_vars=True) for m in roots], tensors)
+        for o in opts:
+            tensors.extend(v for st in o.state.values() for v in st.values()
+                           if isinstance(v, torch.Tensor))
+        tensors.extend(p for per_opt in free_params(opts, roots) for _, p in per_opt)
+        self._shard(tensors, set())
+        return tensors
+
     def _shard(self, tensors: list[torch.Tensor], async_ids: set[int]) -> list[dict[str, Any]]:
         """DeepFreeze 1/N (cfrun.codec.sharding): with DDP, keep only this rank's slice of each
         large parameter and of its optimizer state. ``CFRUN_SHARD=0`` turns it off (every rank

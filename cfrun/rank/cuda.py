@@ -7,7 +7,8 @@ the CUDA runtime dynamically (``libcudart.so.12``); :func:`runtime_library` open
 already loaded library again with ``ctypes`` (``RTLD_NOLOAD``), so the calls below act on
 torch's runtime instance and its per-thread error state. Where it cannot be found (a build
 that links the runtime statically) each function falls back to what torch offers, as its
-docstring says. Called from a rank's training thread only (the CUDA error state is per thread).
+docstring says. Called from a rank's training thread, and :func:`host_register` also from the
+slot's preparing thread (the CUDA error state is per thread: each clears its own).
 """
 
 from __future__ import annotations

@@ -129,7 +129,11 @@ def _install() -> Any:
     guard.attach(rt)
     found, boundary, resume = rt.found, rt.boundary, rt.resume
 
-    _wrap_init(Optimizer, guard.wrap("Optimizer.__init__", found.register_optimizer))
+    def on_optimizer(opt: Any) -> None:
+        found.register_optimizer(opt)
+        boundary.on_optimizer_created(opt)
+
+    _wrap_init(Optimizer, guard.wrap("Optimizer.__init__", on_optimizer))
     _wrap_init(lrs.LRScheduler, guard.wrap("LRScheduler.__init__", found.register_scheduler))
     if not issubclass(lrs.ReduceLROnPlateau, lrs.LRScheduler):
         _wrap_init(lrs.ReduceLROnPlateau,

@@ -8,9 +8,16 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
   the rank as
   a ``uint8`` tensor (``torch.from_file(shared=True)``) and read by the persist agent through
   ``mmap`` without any copy or unpickling. Allocated once, grown only if the state grows (never
-  while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``) so device to
-  host copies run asynchronously at full bandwidth. A copy into a reused buffer runs ~2.5x faster
-  than into fresh memory on this class of machine (DCP stages into fresh memory each time).
+  while the agent still reads it); on CUDA it is page-locked (``cudaHostRegister``, only on
+  tmpfs/hugetlbfs: a disk file's mapping cannot be) so device to host copies run
+  asynchronously at full bandwidth. Allocation, a first write of every page and the
+  page-locking happen on a background thread from the first optimizer step of each process
+  (:meth:`Snapshotter.prepare`), not in the first checkpoint (issue 23). A copy into a reused
+  buffer runs ~2.5x faster than into fresh memory on this class of machine (DCP stages into
+  fresh memory each time).
+* **Copy plan.** The slot layout, the slot views, the entries' JSON and the copy groups of a
+  state are worked out once per layout (:class:`CopyPlan`); each group is one
+  ``torch._foreach_copy_`` call (issue 23: ~640 tensors cost ~25 ms of Python per checkpoint).
 * **What blocks the training loop.** At the boundary after step s, small tensors and module
   buffers (BatchNorm statistics change in the next forward) are copied on the training thread;
   parameters and optimizer state, which only the next ``optimizer.step()`` changes, are copied
@@ -33,8 +40,9 @@ ACUTE's Check-Mem, DeepFreeze's "blocking phase". One ``Snapshotter`` per rank:
 * **Hand-off.** When the copy is complete the rank sends the agent one message (step, slot,
   bytes, the JSON tree); from then on the agent persists and commits it even if the rank dies.
 * **At most one checkpoint in flight.** A checkpoint that comes due while the previous one is
-  still being persisted is deferred to the next boundary (:meth:`busy`), never stalled on, so a
-  failure rolls back at most one checkpoint and a slow disk costs frequency, not step time.
+  still being persisted is deferred (:meth:`cfrun.rank.boundary.Boundary._in_flight`: a rule
+  every rank evaluates alike), never stalled on, so a failure rolls back at most one
+  checkpoint and a slow disk costs frequency, not step time.
 * **Bounded wait for the agent.** A rank waits for the agent's reply only so long
   (:meth:`Snapshotter.reply_timeout_s`: :data:`REPLY_TIMEOUT_MIN_S`, or ten times the last
   persist if that is longer); then the checkpoint counts as failed (``persist_lost``), the
@@ -76,6 +84,11 @@ checkpoint as failed (the agent writes the ranks' shards one after another: a sl
 large state take minutes)."""
 REPLY_TIMEOUT_PER_PERSIST = 10.0
 """A rank waits at least this many times the last persist's seconds."""
+PREPARE_HEADROOM = 1 / 64
+"""A slot prepared ahead of the first checkpoint (:meth:`Snapshotter.prepare`) is this much
+larger than the models' and optimizers' tensors (for the script's own tensors)..."""
+PREPARE_HEADROOM_MIN_BYTES = 1 << 20
+"""... and at least this many bytes larger."""
 ENV_SHM_DIR = slots.ENV_SHM_DIR
 ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
@@ -133,7 +146,8 @@ class SnapshotSlot:
     Its file ``rank<R>-<pid>-<random>.slot`` is created exclusively, 0600, in the job's private
     slot directory (:mod:`cfrun.contract.slots`). A restarted rank does not
     reuse its predecessor's file (the agent might still read a snapshot the predecessor handed
-    off); :meth:`remove_stale` deletes it once the agent has drained that work.
+    off); :meth:`remove_stale` deletes it once the agent has drained that work. The slot can be
+    made ready ahead of the first checkpoint, off the training thread (:meth:`prepare`).
     """
 
     def __init__(self, job_dir: Path, rank: int) -> None:
@@ -144,18 +158,71 @@ class SnapshotSlot:
         self.generation = 0
         self.pinned = False
         self.pin_error: str | None = None
-        """Why the slot could not be page-locked (a CUDA error's name), if it could not."""
+        """Why the slot could not be page-locked (a CUDA error's name, or the file system the
+        slot is on), if it could not."""
+        self._pin_tried = 0
+        """The :attr:`generation` whose page-locking failed (not tried again for it)."""
+        self._preparing: threading.Thread | None = None
+        self.prepare_error: str | None = None
+        """Why the last :meth:`prepare` failed (the first checkpoint then allocates)."""
+        self.prepared_bytes = 0
+        """The size the last :meth:`prepare` asked for (0: none yet)."""
+
+    def prepare(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
+        """Allocate (or grow to) ``nbytes``, write every page once and, with ``pin``, page-lock
+        the slot, all on a background thread (issue 23: on the training thread this cost the
+        first checkpoint of every process 2.3-2.8 s on an H100 with a 4.46 GB state). Any
+        thread, only while no checkpoint is in flight; :meth:`ensure` waits for it. An error
+        is kept in :attr:`prepare_error`, never raised (the first checkpoint then tries
+        again)."""
+        self.wait_prepared()
+        self.prepared_bytes = nbytes
+        self._preparing = threading.Thread(target=self._prepare, args=(nbytes, pin, device),
+                                           name="cfrun-slot", daemon=True)
+        self._preparing.start()
+
+    def _prepare(self, nbytes: int, pin: bool, device: torch.device | None) -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # no context on device 0 (issue 18, item 4)
+                cuda.relax_capture_mode()  # the script may be capturing a CUDA graph meanwhile
+            fresh = self.buf is None or self.buf.numel() < nbytes
+            buf = self._ensure(nbytes, pin, device)
+            if fresh:
+                with torch.no_grad():
+                    buf.fill_(0)  # the pages are allocated now, not in the first copy
+            self.prepare_error = None
+        except Exception as e:  # the first checkpoint allocates instead
+            self.prepare_error = repr(e)
+            logger.warning("cfrun: preparing the snapshot slot failed: %r", e)
+
+    def preparing(self) -> bool:
+        """True while :meth:`prepare`'s thread runs."""
+        return self._preparing is not None and self._preparing.is_alive()
+
+    def wait_prepared(self) -> None:
+        """Wait for :meth:`prepare`'s thread, if one runs."""
+        thread, self._preparing = self._preparing, None
+        if thread is not None:
+            thread.join()
 
     def ensure(self, nbytes: int, *, pin: bool, device: torch.device | None = None
                ) -> torch.Tensor:
-        """A ``uint8`` tensor over the first ``nbytes`` of the slot, (re)allocating if needed.
+        """A ``uint8`` tensor over the first ``nbytes`` of the slot, (re)allocating if needed
+        (after waiting for :meth:`prepare`'s thread).
 
         With ``pin`` (the state has CUDA tensors, the first on ``device``), the slot is
         page-locked the first time it is needed, even if it was created earlier for CPU
-        tensors; :attr:`pinned` tells whether that worked and :attr:`pin_error` why not (the
-        CUDA error is cleared: :func:`cfrun.rank.cuda.host_register`). Call only when the agent
-        is not reading the slot (no persist in flight).
+        tensors, and only when it lies on tmpfs or hugetlbfs
+        (:data:`cfrun.contract.slots.MEMORY_FS_TYPES`); :attr:`pinned` tells whether that
+        worked and :attr:`pin_error` why not (a failed ``cudaHostRegister``'s error is
+        cleared: :func:`cfrun.rank.cuda.host_register`; it is not tried again for the same
+        file). Call only when the agent is not reading the slot (no persist in flight).
         """
+        self.wait_prepared()
+        return self._ensure(nbytes, pin, device)
+
+    def _ensure(self, nbytes: int, pin: bool, device: torch.device | None) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
             self.release()
             directory = shm_dir(self.job_dir, nbytes)
@@ -164,17 +231,32 @@ class SnapshotSlot:
             self.path = slots.create_slot(directory, self.rank, nbytes)
             self.buf = torch.from_file(str(self.path), shared=True, size=nbytes,
                                        dtype=torch.uint8)
-        if pin and not self.pinned and torch.cuda.is_available():
-            self.pin_error = cuda.host_register(
-                self.buf, device or torch.device("cuda", torch.cuda.current_device()))
+        if pin and not self.pinned and self._pin_tried != self.generation \
+                and torch.cuda.is_available():
+            self._pin_tried = self.generation
+            self.pin_error = self._pin(device or torch.device("cuda",
+                                                              torch.cuda.current_device()))
             self.pinned = self.pin_error is None
         return self.buf[:nbytes]
+
+    def _pin(self, device: torch.device) -> str | None:
+        """Page-lock the slot; None when it worked, else why not. A slot that is not on a
+        memory file system is not tried: ``cudaHostRegister`` of such a file mapping fails
+        (issue 23)."""
+        assert self.buf is not None and self.path is not None
+        kind = slots.fs_type(self.path)
+        if kind not in slots.MEMORY_FS_TYPES:
+            return (f"the slot {self.path} is on {kind or 'an unknown file system'}, not "
+                    "tmpfs/hugetlbfs (give /dev/shm room, e.g. docker --shm-size, or set "
+                    "CFRUN_SHM_DIR)")
+        return cuda.host_register(self.buf, device)
 
     def release(self) -> None:
         """Unpin, unmap and delete the slot file (the agent must not be reading it)."""
         if self.buf is not None and self.pinned:
             cuda.host_unregister(self.buf)
         self.pinned = False
+        self.pin_error = None
         self.buf = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
@@ -257,6 +339,54 @@ class SnapshotHandle:
         self._finished.set()
 
 
+class CopyPlan:
+    """Where each tensor of a checkpoint goes in the slot and which copy moves it, worked out
+    once per state layout and reused by every checkpoint with that layout (issue 23: with
+    ~640 tensors, a ResNet-50, per-tensor Python at each checkpoint cost ~25 ms of the step
+    where the copy itself took 4 ms). Holds the slot layout (:func:`plan_layout`), the entries'
+    JSON, the slot views (rebuilt when the slot is reallocated) and the tensor positions of
+    each copy group: ``now`` (on the training thread: small tensors, those the next forward
+    may change, everything in ``inline`` mode), ``later_cpu`` (snapshot thread) and
+    ``later_cuda`` (side streams). Training thread only."""
+
+    def __init__(self, tensors: list[torch.Tensor], async_flags: list[bool], inline: bool,
+                 sync_max_bytes: int) -> None:
+        self.entries, total = plan_layout(tensors)
+        self.total = max(SLOT_ALIGN_BYTES, -(-total // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
+        self.entry_docs = [e.to_json() for e in self.entries]
+        self.devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        self.now: list[int] = []
+        self.later_cpu: list[int] = []
+        self.later_cuda: list[int] = []
+        for i, (e, t, later) in enumerate(zip(self.entries, tensors, async_flags)):
+            if inline or not later or e.nbytes <= sync_max_bytes:
+                self.now.append(i)
+            else:
+                (self.later_cuda if t.is_cuda else self.later_cpu).append(i)
+        self._like = [(t.dtype, t.shape) for t in tensors]
+        self._views: list[torch.Tensor] = []
+        self._generation = -1
+
+    def bind(self, buf: torch.Tensor, generation: int) -> None:
+        """Make the slot views over ``buf``, the slot's mapping of ``generation`` (kept until
+        the slot is reallocated)."""
+        if generation != self._generation:
+            self._views = [buf[e.offset:e.offset + e.nbytes].view(dtype).view(shape)
+                           for e, (dtype, shape) in zip(self.entries, self._like)]
+            self._generation = generation
+
+    def dsts(self, idx: list[int]) -> list[torch.Tensor]:
+        """The slot views of the tensors at positions ``idx`` (after :meth:`bind`)."""
+        views = self._views
+        return [views[i] for i in idx]
+
+
+def plan_key(tensors: list[torch.Tensor], async_flags: list[bool]) -> tuple[Any, ...]:
+    """What a :class:`CopyPlan` depends on in a checkpoint's tensors: each one's dtype, shape,
+    device and whether it may be copied later (one tuple per tensor, no Python objects kept)."""
+    return tuple((t.dtype, t.shape, t.device, a) for t, a in zip(tensors, async_flags))
+
+
 class Snapshotter:
     """Rank-side two-phase checkpointing. Training-thread API: ``ready``, ``busy``, ``start``
     (returns a :class:`SnapshotHandle`), ``gate``, ``wait_idle``; a background thread per
@@ -302,6 +432,8 @@ class Snapshotter:
         """(device, stream handle) -> an event recorded there after the last optimizer step
         that ran on that stream (:meth:`after_step`): the side stream waits for all of them."""
         self._cancel_handoff = False
+        self._plan: tuple[tuple[Any, ...], CopyPlan] | None = None
+        """(key, plan) of the last checkpoint's layout (:meth:`_plan_for`)."""
         self._record: dict[str, Any] = {}
         self._record_lock = threading.Lock()
         self._warned: set[str] = set()
@@ -374,6 +506,30 @@ class Snapshotter:
         (what :meth:`gate` waits for). Returns True when none does."""
         return self.copy_done.wait(timeout_s)
 
+    def prepare(self, tensors: list[torch.Tensor]) -> int:
+        """Make the slot ready for a state like ``tensors`` (the models' and optimizers':
+        :meth:`cfrun.rank.capture.Capture.model_tensors`) before the first checkpoint, off the
+        training thread: allocated, every page written once and, with CUDA tensors,
+        page-locked (:meth:`SnapshotSlot.prepare`), so the first checkpoint costs what the
+        others cost (issue 23). The size is theirs plus :data:`PREPARE_HEADROOM` for the
+        script's variables, the RNG and the data position (a larger state grows the slot at
+        its checkpoint, as before). Training thread; nothing when a checkpoint is in flight.
+        Returns the bytes asked for (0 when nothing was done)."""
+        _, nbytes = plan_layout(tensors)
+        return self.prepare_bytes(nbytes, sorted({t.device for t in tensors if t.is_cuda},
+                                                 key=str))
+
+    def prepare_bytes(self, nbytes: int, devices: list[torch.device]) -> int:
+        """:meth:`prepare` for a state of about ``nbytes`` with tensors on ``devices`` (CUDA
+        ones; none: not page-locked). Nothing when a checkpoint is in flight or the slot is
+        (being) prepared at least this large already. Returns the bytes asked for, or 0."""
+        nbytes += max(PREPARE_HEADROOM_MIN_BYTES, int(nbytes * PREPARE_HEADROOM))
+        nbytes = -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        if self.busy() or nbytes <= self.slot.prepared_bytes:
+            return 0
+        self.slot.prepare(nbytes, pin=bool(devices), device=devices[0] if devices else None)
+        return nbytes
+
     def use_mode(self, mode: str) -> None:
         """Copy the next checkpoints in ``mode`` (the tuner's choice), unless
         ``CFRUN_SNAPSHOT_MODE`` forces one."""
@@ -414,30 +570,25 @@ class Snapshotter:
         the background thread. Raises OSError/RuntimeError when the synchronous part fails
         (the caller logs it).
         """
-        entries, total = plan_layout(tensors)
-        total = max(SLOT_ALIGN_BYTES, -(-total // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
-        devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-        buf = self.slot.ensure(total, pin=bool(devices), device=devices[0] if devices else None)
+        async_flags = [id(t) in async_ids for t in tensors]
+        plan = self._plan_for(tensors, async_flags)
+        devices = plan.devices
+        buf = self.slot.ensure(plan.total, pin=bool(devices),
+                               device=devices[0] if devices else None)
+        plan.bind(buf, self.slot.generation)
         host_copy = bool(devices) and not self.slot.pinned
         if host_copy:
             self._warn_once("unpinned", f"cfrun: the snapshot slot could not be page-locked "
                             f"({self.slot.pin_error}); CUDA state is copied from the snapshot "
                             "thread, and the next optimizer step waits for that copy")
         inline = self.mode == "inline"
-        sync_max_bytes = self._sync_copy_max_bytes
-        later_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-        later_cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cuda_entries: list[TensorEntry] = []
-        for e, t in zip(entries, tensors):
-            dst = _view(buf, e, t)
-            if not inline and id(t) in async_ids and e.nbytes > sync_max_bytes:
-                if t.is_cuda:
-                    later_cuda.append((dst, t))
-                    cuda_entries.append(e)
-                else:
-                    later_cpu.append((dst, t))
-            else:  # a CUDA copy here is queued on the current stream, before the next forward
-                dst.copy_(t.detach(), non_blocking=t.is_cuda)
+        with torch.no_grad():  # a copy from a parameter must not record autograd history
+            copy_all(plan.dsts(plan.now), [tensors[i] for i in plan.now])
+        later_cpu = list(zip(plan.dsts(plan.later_cpu), [tensors[i] for i in plan.later_cpu]))
+        later_cuda = list(zip(plan.dsts(plan.later_cuda),
+                              [tensors[i] for i in plan.later_cuda]))
+        cuda_entries = [plan.entries[i] for i in plan.later_cuda]
+        total = plan.total
         done_events = (self._enqueue_cuda(buf, later_cuda, cuda_entries, devices,
                                           copy=not host_copy) if devices else [])
         if inline:
@@ -447,7 +598,7 @@ class Snapshotter:
                     dst.copy_(src.detach())
             later_cuda = []
         doc = {"format_version": FORMAT_VERSION, "rank": self.rank, "tree": tree,
-               "tensors": [e.to_json() for e in entries], "meta": meta}
+               "tensors": plan.entry_docs, "meta": meta}
         msg = messages.PersistRequest(step, self.rank, self.world_size, str(self.slot.path),
                                       total, doc, t_trigger).to_json()
         self._inflight = step
@@ -466,6 +617,14 @@ class Snapshotter:
         with self._record_lock:  # after every wait above: all of it is stall
             self._record["boundary_s"] = time.perf_counter() - t_boundary
         return handle
+
+    def _plan_for(self, tensors: list[torch.Tensor], async_flags: list[bool]) -> CopyPlan:
+        """The copy plan of this state's layout: the last one when the layout, the mode and
+        the small-tensor limit are unchanged, else a new one."""
+        key = (self.mode == "inline", self._sync_copy_max_bytes, plan_key(tensors, async_flags))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, CopyPlan(tensors, async_flags, key[0], key[1]))
+        return self._plan[1]
 
     def _side_stream(self, device: torch.device) -> Any:
         """This device's side stream, created on first use and reused by every checkpoint: a
@@ -637,8 +796,8 @@ class Snapshotter:
             t0 = time.perf_counter()
             if self._copy_delay_s > 0:
                 time.sleep(self._copy_delay_s)
-            for dst, src in pairs:
-                dst.copy_(src.detach())
+            with torch.no_grad():
+                copy_all([d for d, _ in pairs], [src for _, src in pairs])
             if host_copy:
                 _synchronize(done_events)
                 self._copy_on_side_streams(cuda_pairs)
@@ -736,6 +895,7 @@ class Snapshotter:
         """At exit: let the last hand-off and persist finish, then free the slot."""
         if self.thread is not None:
             self.thread.join(timeout_s)
+        self.slot.wait_prepared()
         self.gate()
         if not self.busy():
             self.slot.release()
@@ -756,15 +916,18 @@ def _synchronize(events: list[tuple[torch.device, Any]]) -> None:
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dst.copy_(src, non_blocking=True)`` for each pair, in one ``torch._foreach_copy_``
-    call where torch has it and every tensor is on one device (one launch for many tensors;
-    issue 18, item 11); else one ``copy_`` each."""
+    call where torch has it (one call, one GIL release and, on one device, one launch for
+    many tensors; issue 18, item 11, issue 23); if torch refuses the lists (devices it does not
+    take together), one ``copy_`` each."""
     if not dsts:
         return
     foreach = getattr(torch, "_foreach_copy_", None)
-    device = dsts[0].device
-    if foreach is not None and all(t.device == device for t in (*dsts, *srcs)):
-        foreach(dsts, srcs, non_blocking=True)
-        return
+    if foreach is not None:
+        try:
+            foreach(dsts, srcs, non_blocking=True)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # copying a pair again is harmless
     for d, s in zip(dsts, srcs):
         d.copy_(s, non_blocking=True)
 
@@ -794,10 +957,6 @@ def run_layout(entries: list[TensorEntry], align_bytes: int = STAGING_ALIGN_BYTE
     if run_end >= 0:
         runs.append((run_slot, run_end, run_stage))
     return offsets, runs, size
-
-
-def _view(buf: torch.Tensor, e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
-    return buf[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
 
 
 def remove_slots(job_dir: Path) -> int:

@@ -55,3 +55,26 @@ def test_master_weights_on_cuda_resume_bit_exactly(tmp_path: Path):
     ref = _plain(tmp_path, "train_master_weights.py", args)
     got = _cfrun(tmp_path, "kills", "train_master_weights.py", args, "thread", "9@0,22@1")
     assert_bit_identical(ref, got)
+
+
+def test_a_slot_on_a_disk_is_not_page_locked_and_leaves_no_cuda_error(tmp_path: Path):
+    """Issue 23: with the slots on a disk file system (here CFRUN_SHM_DIR on the test's disk;
+    in production the ``<job_dir>/.slots`` fallback when /dev/shm is small),
+    ``cudaHostRegister`` of the slot's mapping failed with "invalid argument" and left the
+    error pending, so the script's next CUDA call failed. cfrun now says why the slot is not
+    page-locked, copies from the snapshot thread, and the run resumes bit for bit."""
+    from cfrun.contract import slots
+
+    shm = tmp_path / "disk-slots"
+    shm.mkdir(mode=0o700)
+    if slots.fs_type(shm) in slots.MEMORY_FS_TYPES:
+        pytest.skip("the test's directory is in RAM here: no disk to put the slots on")
+    args = ["--steps", "30"]
+    ref = _plain(tmp_path, "train_cuda_amp.py", args)
+    run = run_cfrun(["--interval", "4", "--inject-crash", "10@0", "--job-dir", "j",
+                     str(SCRIPTS / "train_cuda_amp.py"), "--out", "j.pt", *args], cwd=tmp_path,
+                    env={**ENV, "CFRUN_SHM_DIR": str(shm)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "not tmpfs/hugetlbfs" in run.stderr, run.stderr[-3000:]
+    assert not run.events("checkpoint_failed") and not run.events("unprotected")
+    assert_bit_identical(ref, torch.load(tmp_path / "j.pt", weights_only=True))

@@ -12,7 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun, slow_reference
+from conftest import (
+    SCRIPTS,
+    Run,
+    assert_bit_identical,
+    clean_env,
+    over_recompute_bound,
+    run_cfrun,
+    slow_reference,
+)
 
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
@@ -311,7 +319,8 @@ def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(run.events("hang")) == 1
     [resumed] = [e["step"] for e in run.events("resumed")]
-    assert 15 <= resumed <= 17  # the checkpoint due at 15, or deferred while 10 persisted
+    # the checkpoint due at 15, or deferred while 10 persisted (then 10 if past the hang)
+    assert 15 <= resumed <= 17 or not over_recompute_bound(run, [17], [resumed], 5), resumed
     assert_bit_identical(reference, torch.load(tmp_path / "j.pt", weights_only=True))
 
 

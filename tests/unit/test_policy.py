@@ -45,6 +45,19 @@ def test_in_flight_floor_when_persist_is_slow():
     assert d.reason.startswith("one checkpoint in flight")
 
 
+@pytest.mark.parametrize("budget", [0.01, 0.035, 0.2])
+@pytest.mark.parametrize("mtbf_s", [None, 3600.0, 5.0])
+def test_the_plan_never_picks_an_interval_whose_persist_outlasts_it(budget, mtbf_s):
+    """Issue 23: at the chosen interval one checkpoint's copy, persist and commit
+    (``Costs.persist_s``) end before the next one is due, whatever the budget and the MTBF ask
+    for (a checkpoint due earlier would be deferred: the plan would not be what runs)."""
+    for iter_s in (0.004, 0.1, 0.37, 2.0):
+        for persist_s in (0.0, 0.001, 0.3, 2.7, 5.7, 40.0):
+            d = choose_interval(costs(iter_s=iter_s, persist_s=persist_s), budget, mtbf_s)
+            assert d.interval * iter_s >= persist_s - 1e-9, (iter_s, persist_s, d)
+            assert d.k_in_flight * iter_s >= persist_s - 1e-9
+
+
 def test_young_daly_floor_with_known_mtbf():
     c = costs()
     mtbf = 3600.0

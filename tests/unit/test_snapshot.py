@@ -3,8 +3,10 @@ background thread's error handling, and (GPU only) the CUDA path's overlap and e
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -403,3 +405,110 @@ def test_side_stream_is_cfruns_own_not_from_the_pool(job):
     rank.snap.gate()
     rank.wait()
     assert_bit_identical(w.cpu(), rank.committed(1)["w"])
+
+
+# ---------------------------------------------------------------- issue 23 (CPU parts)
+
+def test_copy_plan_is_reused_while_the_layout_holds_and_rebuilt_when_it_changes(job):
+    """The per-tensor work (slot layout, views, entry JSON) is done once per state layout;
+    every checkpoint still holds its own step's values, and a changed shape makes a new plan."""
+    rank = Rank(job)
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(100_000, generator=g), "b": torch.randn(10, generator=g),
+             "m": torch.randn(50_000, generator=g).to(torch.bfloat16)}
+    rank.start(1, state, {"w", "m"})
+    rank.snap.gate()
+    rank.wait()
+    assert rank.snap._plan is not None
+    plan = rank.snap._plan[1]
+    for t in state.values():
+        t.mul_(3)
+    rank.start(2, state, {"w", "m"})
+    rank.snap.gate()
+    rank.wait()
+    assert rank.snap._plan[1] is plan
+    for name, t in rank.committed(2).items():
+        assert_bit_identical(state[name], t)
+    state["m"] = torch.randn(70_001, generator=g)
+    rank.start(3, state, {"w", "m"})
+    rank.snap.gate()
+    rank.wait()
+    assert rank.snap._plan[1] is not plan
+    for name, t in rank.committed(3).items():
+        assert_bit_identical(state[name], t)
+
+
+def test_slot_is_prepared_off_the_training_thread_and_the_first_checkpoint_reuses_it(job):
+    """The slot is allocated and written once on a background thread before the first
+    checkpoint (issue 23: on the training thread this stalled the first checkpoint of every
+    process for seconds); the checkpoint then uses that slot, no new one."""
+    rank = Rank(job)
+    state = {"w": torch.randn(300_000), "b": torch.randn(7)}
+    main = threading.get_ident()
+    seen: list[int] = []
+    real = S.SnapshotSlot._ensure
+
+    def spy(self, *args, **kwargs):
+        seen.append(threading.get_ident())
+        return real(self, *args, **kwargs)
+
+    S.SnapshotSlot._ensure = spy  # type: ignore[method-assign]
+    try:
+        asked = rank.snap.prepare(list(state.values()))
+        rank.snap.slot.wait_prepared()
+        assert seen and seen[0] != main  # allocated on the slot thread
+        path, generation = rank.snap.slot.path, rank.snap.slot.generation
+        assert path is not None and asked >= 300_007 * 4
+        assert path.stat().st_blocks * 512 >= asked  # every page written already
+        rank.start(1, state, {"w"})
+        rank.snap.gate()
+        rank.wait()
+    finally:
+        S.SnapshotSlot._ensure = real  # type: ignore[method-assign]
+    assert (rank.snap.slot.path, rank.snap.slot.generation) == (path, generation)
+    for name, t in rank.committed(1).items():
+        assert_bit_identical(state[name], t)
+
+
+def test_a_slot_off_tmpfs_is_not_page_locked_and_not_tried_again(tmp_path, monkeypatch):
+    """Issue 23: cudaHostRegister of a file mapping on a disk file system (the
+    ``<job_dir>/.slots`` fallback) fails and left a pending CUDA error. cfrun does not try it
+    there (the reason names the file system), and after a failed try on tmpfs it does not try
+    again for the same slot file."""
+    from cfrun.contract import slots
+    from cfrun.rank import cuda as C
+
+    calls: list[int] = []
+
+    def register(buf, device):
+        calls.append(buf.numel())
+        return "injected failure"
+
+    monkeypatch.setattr(C, "host_register", register)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dev = torch.device("cuda", 0)
+    (tmp_path / "job").mkdir(mode=0o700)
+    slot = S.SnapshotSlot(tmp_path / "job", 0)
+    with monkeypatch.context() as m:
+        if slots.fs_type(tmp_path) in slots.MEMORY_FS_TYPES:  # a /tmp in RAM: as if on a disk
+            m.setattr(slots, "fs_type", lambda path: "ext4")
+        try:
+            slot.ensure(1 << 16, pin=True, device=dev)
+            assert not slot.pinned and not calls
+            assert slot.pin_error and "not tmpfs/hugetlbfs" in slot.pin_error
+        finally:
+            slot.release()
+    if slots.fs_type("/dev/shm") != "tmpfs":
+        return
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    monkeypatch.setattr(S, "shm_dir", lambda job_dir, nbytes: shm)
+    slot = S.SnapshotSlot(tmp_path / "job", 0)
+    try:
+        slot.ensure(1 << 16, pin=True, device=dev)
+        slot.ensure(1 << 16, pin=True, device=dev)
+        assert calls == [1 << 16] and slot.pin_error == "injected failure"
+        slot.ensure(1 << 17, pin=True, device=dev)  # a new file: tried once more
+        assert calls == [1 << 16, 1 << 17]
+    finally:
+        slot.release()
+        shutil.rmtree(shm, ignore_errors=True)

@@ -1,0 +1,229 @@
+"""What a checkpoint costs the training step, cfrun against DCP and torch.save (issue 23).
+
+Contenders, run one after another by this process (one process tree) on the same work, the
+unmodified script ``bench/_gpu_overhead_train.py``:
+
+* ``plain``: no checkpoints (the baseline);
+* ``cfrun_policy``: ``cfrun --overhead 3.5%`` (its profile, then its interval); its persist
+  times also give ``k* = ceil(persist / step)``, the least interval at which one checkpoint's
+  persist ends before the next is due;
+* ``cfrun_k``, ``cfrun_2k``, ``cfrun_5k``: ``cfrun --interval`` k*, 2k*, 5k*;
+* ``dcp_k``..: ``torch.distributed.checkpoint.async_save`` every k*, 2k*, 5k* steps (at most one
+  in flight), and ``torch_save_k``..: ``torch.save`` + fsync, at the same intervals (these run
+  in one process, after each other, on the same model).
+
+Workloads (``--workloads``): ``gpt`` (24 layers x 1024, sequence 1024, batch 8 on a GPU) and
+``resnet`` (ResNet-50's layout written without torchvision, batch 128, channels-last, bf16 on
+a GPU); ``--size small`` runs CPU-sized variants of both (see the training script).
+
+Per contender: mean and p99 step time (ms; the first iterations are warm-up), overhead =
+mean / plain's mean - 1, checkpoints taken, the stall of the first checkpoint and the median
+and largest of the others (cfrun: ``stall_s`` from events.jsonl; DCP and torch.save: the save
+call), cfrun's deferred checkpoints (``checkpoint_deferred`` events), and the median snapshot
+and persist (DCP: trigger to durable) against the measured floors: ``copy``, one copy of the
+state's bytes into a reused (on CUDA: page-locked) host buffer, and ``disk``, a write + fsync
+of as many bytes beside the job dirs. Raw JSON goes to ``bench/results/gpu_overhead.json``.
+
+Usage::
+
+    .venv/bin/python bench/gpu_overhead.py --size small   # CPU, ~2 minutes on 2 idle cores
+    python bench/gpu_overhead.py --size full              # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from checkpoint_overhead import child_env, measure_disk, measure_memcpy, median  # noqa: E402
+
+TRAIN = BENCH_DIR / "_gpu_overhead_train.py"
+DEFAULT_OUT = BENCH_DIR / "results" / "gpu_overhead.json"
+STEPS = {"small": 40, "full": 120}
+"""Iterations per contender run (the policy run gets :data:`POLICY_STEPS` more)."""
+POLICY_STEPS = 60
+"""Extra iterations of the ``--overhead`` run: its profile takes about 50."""
+ROW_FIELDS = ("name", "kind", "k", "ok", "mean_ms", "p99_ms", "overhead", "checkpoints",
+              "stall_first_s", "stall_rest_median_s", "stall_rest_max_s", "deferred",
+              "snapshot_s", "persist_s", "snapshot_over_copy_floor", "persist_over_disk_floor")
+"""Every row of the JSON has these (None where a contender has no such figure)."""
+
+
+def run(cmd: list[str], cwd: Path, timeout_s: float) -> tuple[list[dict], str]:
+    """Run ``cmd``; its ``RESULT`` lines (parsed) and, on failure, the end of its stderr."""
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout_s} s"
+    results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    return results, "" if p.returncode == 0 else f"exit {p.returncode}: {p.stderr[-2000:]}"
+
+
+def events(job_dir: Path) -> list[dict]:
+    """The job's events.jsonl, parsed (empty when missing)."""
+    path = job_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def row(name: str, kind: str, k: int, result: dict | None, error: str, stall_s: list[float],
+        snapshot_s: list[float], persist_s: list[float], deferred: int | None,
+        plain_mean_ms: float | None, floors: dict) -> dict:
+    """One contender's figures (:data:`ROW_FIELDS`) from its run's result and checkpoints."""
+    iters = (result or {}).get("iter_ms") or []
+    mean_ms = statistics.fmean(iters) if iters else None
+    p99_ms = sorted(iters)[min(len(iters) - 1, math.ceil(0.99 * len(iters)) - 1)] if iters \
+        else None
+    snap, pers = median(snapshot_s), median(persist_s)
+    return {
+        "name": name, "kind": kind, "k": k, "ok": bool(iters) and not error, "error": error,
+        "mean_ms": mean_ms, "p99_ms": p99_ms,
+        "overhead": (mean_ms / plain_mean_ms - 1) if mean_ms and plain_mean_ms else None,
+        "checkpoints": len(stall_s), "stall_first_s": stall_s[0] if stall_s else None,
+        "stall_rest_median_s": median(stall_s[1:]),
+        "stall_rest_max_s": max(stall_s[1:], default=None), "deferred": deferred,
+        "snapshot_s": snap, "persist_s": pers,
+        "snapshot_over_copy_floor": snap / floors["copy_s"] if snap else None,
+        "persist_over_disk_floor": pers / floors["disk_s"] if pers else None,
+        "iter_ms": iters, "stall_s": stall_s,
+    }
+
+
+def cfrun_row(name: str, k: int, args: list[str], model: str, size: str, steps: int,
+              work: Path, timeout_s: float, plain_mean_ms: float | None, floors: dict) -> dict:
+    """Run the script under ``cfrun ARGS`` and read its checkpoints from events.jsonl."""
+    job = work / name
+    cmd = [sys.executable, "-m", "cfrun", *args, "--max-restarts", "0", "--job-dir", str(job),
+           str(TRAIN), "--model", model, "--size", size, "--steps", str(steps)]
+    results, error = run(cmd, work, timeout_s)
+    evs = events(job)
+    ckpts = sorted((e for e in evs if e["event"] == "checkpoint"), key=lambda e: e["step"])
+    deferred = sum(e["event"] == "checkpoint_deferred" for e in evs)
+    return row(name, "cfrun", k, results[0] if results else None, error,
+               [e["stall_s"] for e in ckpts], [e["snapshot_s"] for e in ckpts],
+               [e["persist_s"] for e in ckpts], deferred, plain_mean_ms, floors)
+
+
+def copy_floor_s(state_bytes: int) -> float:
+    """Seconds of one copy of ``state_bytes`` into a reused host buffer: from the GPU into a
+    page-locked one (median of 5), else :func:`checkpoint_overhead.measure_memcpy`."""
+    if not torch.cuda.is_available():
+        return measure_memcpy(state_bytes, repeats=3)["reused_buffer_s"]
+    src = torch.ones(state_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(state_bytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
+             policy_steps: int = POLICY_STEPS, multiples: tuple[int, ...] = (1, 2, 5)) -> dict:
+    """Every contender on one workload; returns its rows, k*, the floors and the state size."""
+    work.mkdir(parents=True)
+    base = [sys.executable, str(TRAIN), "--model", model, "--size", size, "--steps", str(steps),
+            "--ckpt-dir", str(work / "ckpt")]
+    plain_res, plain_err = run([*base, "--contenders", "plain:none:0"], work, timeout_s)
+    plain = plain_res[0] if plain_res else None
+    state_bytes = plain["state_bytes"] if plain else 1
+    floors = {"copy_s": copy_floor_s(state_bytes),
+              "disk_s": measure_disk(str(work), state_bytes, repeats=2)["write_fsync_s"]}
+    plain_row = row("plain", "none", 0, plain, plain_err, [], [], [], None, None, floors)
+    plain_ms = plain_row["mean_ms"]
+    rows = [plain_row]
+    rows.append(cfrun_row("cfrun_policy", 0, ["--overhead", "3.5%"], model, size,
+                          steps + policy_steps, work, timeout_s, plain_ms, floors))
+    persist_s = rows[-1]["persist_s"] or floors["disk_s"]
+    step_s = statistics.median(plain["iter_ms"]) / 1e3 if plain else 1.0
+    k_star = max(1, math.ceil(persist_s / step_s))
+    ks = {("k" if m == 1 else f"{m}k"): m * k_star for m in multiples}
+    for tag, k in ks.items():
+        rows.append(cfrun_row(f"cfrun_{tag}", k, ["--interval", str(k)], model, size,
+                              max(steps, 3 * k + 6), work, timeout_s, plain_ms, floors))
+    specs = [f"{kind}_{tag}:{kind}:{k}:{max(steps, 3 * k + 6)}"
+             for kind in ("dcp_thread", "torch_save") for tag, k in ks.items()]
+    in_script, err = run([*base, "--contenders", ",".join(specs)], work, 2 * timeout_s)
+    by_name = {r["name"]: r for r in in_script}
+    for spec in specs:
+        name, kind, k, _ = spec.split(":")
+        r = by_name.get(name)
+        stall = (r or {}).get("stall_s") or []
+        rows.append(row(name, kind, int(k), r, err if r is None else "", stall, stall,
+                        (r or {}).get("pgt_s") or [], None, plain_ms, floors))
+    return {"model": model, "size": size, "state_bytes": state_bytes, "k_star": k_star,
+            "step_s": step_s, "persist_for_k_star_s": persist_s, "floors": floors,
+            "rows": rows}
+
+
+def _fmt(x: float | None, scale: float = 1.0, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def report(result: dict) -> None:
+    """Print one workload's table: ratios against plain and against the floors."""
+    print(f"\n{result['model']} ({result['size']}): state {result['state_bytes'] / 1e6:.1f} MB, "
+          f"step {result['step_s'] * 1e3:.1f} ms, k* = {result['k_star']}, floors: copy "
+          f"{result['floors']['copy_s'] * 1e3:.1f} ms, disk {result['floors']['disk_s']:.3f} s")
+    print(f"{'contender':16} {'k':>4} {'mean ms':>8} {'p99 ms':>8} {'overhead':>9} {'ckpts':>5} "
+          f"{'stall1 s':>8} {'stall s':>8} {'max s':>8} {'defer':>5} {'snap/flr':>8} "
+          f"{'pers/flr':>8}")
+    for r in result["rows"]:
+        print(f"{r['name']:16} {r['k']:>4} {_fmt(r['mean_ms'], 1, '.1f'):>8} "
+              f"{_fmt(r['p99_ms'], 1, '.1f'):>8} {_fmt(r['overhead'], 100, '+.1f') + '%':>9} "
+              f"{r['checkpoints']:>5} {_fmt(r['stall_first_s']):>8} "
+              f"{_fmt(r['stall_rest_median_s']):>8} {_fmt(r['stall_rest_max_s']):>8} "
+              f"{'-' if r['deferred'] is None else r['deferred']:>5} "
+              f"{_fmt(r['snapshot_over_copy_floor']):>8} {_fmt(r['persist_over_disk_floor']):>8}"
+              + ("" if r["ok"] else f"  FAILED {r['error'][:80]}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=["small", "full"], default="small")
+    ap.add_argument("--workloads", default="gpt,resnet")
+    ap.add_argument("--steps", type=int, default=None, help="iterations per run")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--tmp-root", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--multiples", default="1,2,5",
+                    help="the fixed intervals, as multiples of k*")
+    ap.add_argument("--policy-steps", type=int, default=POLICY_STEPS,
+                    help="extra iterations of the --overhead run (its profile takes ~50)")
+    args = ap.parse_args(argv)
+    steps = args.steps or STEPS[args.size]
+    out = {"size": args.size, "steps": steps, "device": "cuda" if torch.cuda.is_available()
+           else "cpu", "torch": torch.__version__, "workloads": []}
+    with tempfile.TemporaryDirectory(dir=args.tmp_root, prefix="gpu-overhead-") as tmp:
+        for name in args.workloads.split(","):
+            result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
+                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",")))
+            out["workloads"].append(result)
+            report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"\nraw results: {args.out}")
+    return 0 if all(r["ok"] for w in out["workloads"] for r in w["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
