@@ -592,3 +592,91 @@ def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: s
     assert isinstance(owner, (ast.FunctionDef, ast.AsyncFunctionDef))
     starts = {owner.lineno} | {d.lineno for d in owner.decorator_list}
     return owner.name == name and firstlineno in starts
+
+
+def _is_simple(value: Any, depth: int = 0) -> bool:
+    """A value the checkpoint's data record stores and gives back as it was: ``None``, a
+    bool/int/float/str, a tensor, or lists, tuples and str-keyed dicts of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, torch.nn.Parameter)
+    if depth > 4 or type(value) not in (list, tuple, dict):
+        return False
+    if isinstance(value, dict):
+        return all(type(k) is str and _is_simple(v, depth + 1) for k, v in value.items())
+    return all(_is_simple(v, depth + 1) for v in value)
+
+
+def _library_wrapper_frames(start: types.FrameType | None,
+                            script_path: str) -> list[types.FrameType]:
+    """Frames of loader wrappers outside the script from ``start`` outwards (innermost first):
+    generator functions and ``__next__`` methods (:func:`consumer_frame`), and ``__iter__``
+    methods (a wrapper's ``iter()`` that calls the DataLoader's), up to the first other
+    frame. ``start`` is the frame that called ``next()`` (at a checkpoint) or ``iter()`` (at
+    the resume) on the training DataLoader."""
+    out = []
+    f = start
+    while f is not None and (_is_wrapper_frame(f) or f.f_code.co_name == "__iter__"):
+        if os.path.realpath(f.f_code.co_filename) != script_path:
+            out.append(f)
+        f = f.f_back
+    return out
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def wrapper_state(caller: types.FrameType, script_path: str) -> list[dict[str, Any]]:
+    """What the library loader wrappers between the training DataLoader and the script hold.
+
+    Lightning Fabric's ``_FabricDataLoader`` counts its ``iter()`` calls (the count becomes the
+    DistributedSampler's epoch); timm's ``PrefetchLoader`` holds the next batch in a local of
+    its ``__iter__`` generator. A resume that jumps the epoch loop gives both back
+    (:func:`restore_wrapper_state`) instead of replaying completed epochs through the wrapper.
+    Wrappers the script defines are captured with the script's frames.
+
+    Called on the training thread at a loader checkpoint boundary; ``caller`` is the frame that
+    called ``next()`` on the training DataLoader's iterator. Returns, innermost first, one
+    record per wrapper frame outside ``script_path``: its ``code_key``, its simple locals
+    (``values``, in the shape :func:`restore_frames` takes) and, for a method, the class of
+    ``self`` and its simple attributes (``attrs``); tensors are cloned (the wrapper may reuse
+    them), values that are not simple (:func:`_is_simple`: loaders, devices, streams) are
+    left out, as are cfrun's own attributes.
+    """
+    out = []
+    for f in _library_wrapper_frames(caller, script_path):
+        f_locals = f.f_locals
+        values = {name: {"kind": "value", "v": _detach_tree(v)} for name, v in f_locals.items()
+                  if name != "self" and not name.startswith("__") and _is_simple(v)}
+        rec: dict[str, Any] = {"code": code_key(f.f_code), "values": values}
+        owner = f_locals.get("self")
+        if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+            rec["cls"] = _class_name(owner)
+            rec["attrs"] = {k: _detach_tree(v) for k, v in vars(owner).items()
+                            if not k.startswith("_cfrun") and _is_simple(v)}
+        out.append(rec)
+    return out
+
+
+def restore_wrapper_state(saved: list[dict[str, Any]], caller: types.FrameType,
+                          script_path: str) -> list[str]:
+    """Put :func:`wrapper_state` back into the live wrappers at the resumed epoch's ``iter()``
+    of the training DataLoader (``caller`` is the frame that called it: the wrapper's
+    ``__iter__``, which has already run its own per-epoch code, such as Fabric's
+    ``set_epoch``). Locals go to the frames of the same code, attributes to the ``self`` of
+    the same class (a wrapper read through ``__next__`` is at its ``__iter__`` now). Training
+    thread. Returns what was restored (``Class.attr`` and local names)."""
+    frames = _library_wrapper_frames(caller, script_path)
+    restored = restore_frames(saved, saved, frames)
+    owners = [f.f_locals.get("self") for f in frames]
+    for rec in saved:
+        attrs = rec.get("attrs")
+        match = [o for o in owners if o is not None and _class_name(o) == rec.get("cls")]
+        if match and attrs:
+            current = vars(match[0])
+            for k, v in attrs.items():
+                current[k] = _to_device_like(v, current.get(k))
+                restored.append(f"{type(match[0]).__name__}.{k}")
+    return restored
