@@ -130,7 +130,34 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
         if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
-    return None
+    return _helper_attrs(value)
+
+
+_TRAINING_OBJECTS = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
+
+
+def _helper_attrs(value: Any) -> tuple[str, Any] | None:
+    """``("attrs", ...)`` for an object of a library class that holds a model, an optimizer or a
+    DataLoader as an attribute (timm's ``CheckpointSaver``, its ``PrefetchLoader``, Lightning
+    Fabric's loader wrapper): its progress lives in attributes (the saver's best metric and
+    kept files, the wrapper's ``iter()`` count), which the resume puts back. Only attributes
+    that are simple and hold no tensor (:func:`_is_simple`) are kept; anything else of the
+    object, and an object whose kept attributes are larger than
+    :data:`MAX_VALUE_JSON_BYTES`, is left as the restarted script makes it (no flag: a
+    library object's other state is the library's). ``None`` for any other object."""
+    cls = type(value)
+    attrs = getattr(value, "__dict__", None)
+    if cls.__module__ in ("__main__", "builtins") or not isinstance(attrs, dict) or isinstance(
+            value, (torch.utils.data.Dataset, torch.utils.data.Sampler, enum.Enum,
+                    torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)) \
+            or not any(isinstance(v, _TRAINING_OBJECTS) for v in attrs.values()):
+        return None
+    kept = {k: v for k, v in attrs.items()
+            if not k.startswith("_cfrun") and _is_simple(v, tensors=False)}
+    enc = encode(kept, [], typed=True)
+    if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
+        return None
+    return "attrs", {"cls": _class_name(value), "attrs": enc}
 
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
@@ -256,6 +283,9 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 elif kind == "np_generator":
                     if isinstance(current, np.random.Generator):
                         current.bit_generator.state = value
+                elif kind == "attrs":
+                    if current is not None and _class_name(current) == value["cls"]:
+                        vars(current).update(value["attrs"])
                 elif kind == "object":
                     if current is not None and type(current).__module__ == "__main__":
                         vars(current).update(_to_device_like(value, current))
@@ -594,18 +624,20 @@ def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: s
     return owner.name == name and firstlineno in starts
 
 
-def _is_simple(value: Any, depth: int = 0) -> bool:
+def _is_simple(value: Any, depth: int = 0, *, tensors: bool = True) -> bool:
     """A value the checkpoint's data record stores and gives back as it was: ``None``, a
-    bool/int/float/str, a tensor, or lists, tuples and str-keyed dicts of them."""
+    bool/int/float/str, a tensor (unless not ``tensors``), or lists, tuples and str-keyed
+    dicts of them."""
     if value is None or type(value) in (bool, int, float, str):
         return True
     if isinstance(value, torch.Tensor):
-        return not isinstance(value, torch.nn.Parameter)
+        return tensors and not isinstance(value, torch.nn.Parameter)
     if depth > 4 or type(value) not in (list, tuple, dict):
         return False
     if isinstance(value, dict):
-        return all(type(k) is str and _is_simple(v, depth + 1) for k, v in value.items())
-    return all(_is_simple(v, depth + 1) for v in value)
+        return all(type(k) is str and _is_simple(v, depth + 1, tensors=tensors)
+                   for k, v in value.items())
+    return all(_is_simple(v, depth + 1, tensors=tensors) for v in value)
 
 
 def _library_wrapper_frames(start: types.FrameType | None,

@@ -15,9 +15,9 @@ class PrefetchLoader:
     """timm's PrefetchLoader: normalizes on the device one batch ahead of the consumer; an
     empty loader raises UnboundLocalError at the last ``yield``."""
 
-    def __init__(self, loader, mean=(0.5,), std=(0.25,), device=torch.device("cpu")):
+    def __init__(self, loader, mean=(0.5,), std=(0.25,), device=None):
         self.loader = loader
-        self.device = device
+        self.device = device = device if device is not None else torch.device("cpu")
         self.mean = torch.tensor(mean, device=device).view(1, -1)
         self.std = torch.tensor(std, device=device).view(1, -1)
         self.is_cuda = device.type == "cuda"

@@ -14,7 +14,6 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm_lib import CheckpointSaver, CosineLRScheduler, PrefetchLoader, update_summary
 from torch.utils.data import DataLoader, TensorDataset
 
