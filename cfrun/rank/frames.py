@@ -699,7 +699,7 @@ def restore_wrapper_state(saved: list[dict[str, Any]], caller: types.FrameType,
     ``__iter__``, which has already run its own per-epoch code, such as Fabric's
     ``set_epoch``). Locals go to the frames of the same code, attributes to the ``self`` of
     the same class (a wrapper read through ``__next__`` is at its ``__iter__`` now). Training
-    thread. Returns what was restored (``Class.attr`` and local names)."""
+    thread. Returns what was restored (local names, ``Class.__dict__`` for attributes)."""
     frames = _library_wrapper_frames(caller, script_path)
     restored = restore_frames(saved, saved, frames)
     owners = [f.f_locals.get("self") for f in frames]
@@ -710,5 +710,5 @@ def restore_wrapper_state(saved: list[dict[str, Any]], caller: types.FrameType,
             current = vars(match[0])
             for k, v in attrs.items():
                 current[k] = _to_device_like(v, current.get(k))
-                restored.append(f"{type(match[0]).__name__}.{k}")
+            restored.append(f"{type(match[0]).__name__}.__dict__")
     return restored
