@@ -32,7 +32,7 @@ from cfrun.rank import cuda
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.capture import Capture
-from cfrun.rank.data import inexact_reasons, loader_fingerprint, worker_rng_of
+from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
 from cfrun.rank.log import NotExact, kill_self, say
 from cfrun.rank.preemption import Marks, Preemption
@@ -341,12 +341,6 @@ class Boundary:
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
             epoch_loop, epoch_value = self._epoch_loop(consumer)
-            if consumer is not caller and not FW.is_script_frame(caller, self.s.script):
-                # a library's wrapper (Lightning Fabric's) may keep state across epochs (its
-                # iter() count sets the DistributedSampler's epoch): replaying the completed
-                # epochs through it, one batch each, brings that state where it was; a jump
-                # would leave it at the start
-                epoch_loop, epoch_value = None, None
             data = {
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),
@@ -358,6 +352,10 @@ class Boundary:
                 "epoch_value": epoch_value,
                 "enumerate": self._enumerate_index(it, caller, consumer),
                 "wrapped": consumer is not caller,
+                # a library wrapper's state (Fabric's iter() count, timm's prefetched batch)
+                # and the sampler's epoch: a resume jumps the epoch loop and puts them back
+                "wrappers": F.wrapper_state(caller, self.s.script),
+                "sampler": sampler_state(loader),
             }
             self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
                                        self._epoch_frame)

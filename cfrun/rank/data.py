@@ -211,6 +211,35 @@ def loader_fingerprint(loader: DataLoader) -> dict[str, Any]:
             "dataset_type": type(loader.dataset).__name__}
 
 
+def _samplers(loader: DataLoader) -> list[Any]:
+    out: list[Any] = []
+    for obj in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if obj is not None and isinstance(getattr(obj, "__dict__", None), dict) \
+                and all(obj is not o for o in out):
+            out.append(obj)
+    return out
+
+
+def sampler_state(loader: DataLoader) -> list[dict[str, Any]]:
+    """The scalar attributes (int, float, bool, str) of ``loader``'s sampler and of its batch
+    sampler's sampler: a ``DistributedSampler``'s ``epoch``, which ``set_epoch()`` sets
+    before each epoch (the script's call, or a wrapper's: Lightning Fabric's counts its
+    ``iter()`` calls). Main process, at a loader checkpoint boundary."""
+    return [{k: v for k, v in vars(obj).items()
+             if type(v) in (bool, int, float, str) and not k.startswith("_cfrun")}
+            for obj in _samplers(loader)]
+
+
+def set_sampler_state(loader: DataLoader, state: list[dict[str, Any]]) -> None:
+    """Inverse of :func:`sampler_state`, before the resumed epoch's ``iter()`` draws its
+    order: attributes the live samplers have, with values of the same type, are set."""
+    for obj, saved in zip(_samplers(loader), state):
+        current = vars(obj)
+        for k, v in saved.items():
+            if k in current and type(current[k]) is type(v):
+                current[k] = v
+
+
 def epoch_rng(loader: DataLoader) -> dict[str, Any]:
     """RNG states an epoch of ``loader`` draws its order and worker seeds from."""
     from cfrun.rank.rng import get_global_rng

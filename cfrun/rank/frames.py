@@ -130,7 +130,34 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
         if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
-    return None
+    return _helper_attrs(value)
+
+
+_TRAINING_OBJECTS = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
+
+
+def _helper_attrs(value: Any) -> tuple[str, Any] | None:
+    """``("attrs", ...)`` for an object of a library class that holds a model, an optimizer or a
+    DataLoader as an attribute (timm's ``CheckpointSaver``, its ``PrefetchLoader``, Lightning
+    Fabric's loader wrapper): its progress lives in attributes (the saver's best metric and
+    kept files, the wrapper's ``iter()`` count), which the resume puts back. Only attributes
+    that are simple and hold no tensor (:func:`_is_simple`) are kept; anything else of the
+    object, and an object whose kept attributes are larger than
+    :data:`MAX_VALUE_JSON_BYTES`, is left as the restarted script makes it (no flag: a
+    library object's other state is the library's). ``None`` for any other object."""
+    cls = type(value)
+    attrs = getattr(value, "__dict__", None)
+    if cls.__module__ in ("__main__", "builtins") or not isinstance(attrs, dict) or isinstance(
+            value, (torch.utils.data.Dataset, torch.utils.data.Sampler, enum.Enum,
+                    torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)) \
+            or not any(isinstance(v, _TRAINING_OBJECTS) for v in attrs.values()):
+        return None
+    kept = {k: v for k, v in attrs.items()
+            if not k.startswith("_cfrun") and _is_simple(v, tensors=False)}
+    enc = encode(kept, [], typed=True)
+    if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
+        return None
+    return "attrs", {"cls": _class_name(value), "attrs": enc}
 
 
 def _is_plain(value: Any, depth: int = 0) -> bool:
@@ -256,6 +283,9 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 elif kind == "np_generator":
                     if isinstance(current, np.random.Generator):
                         current.bit_generator.state = value
+                elif kind == "attrs":
+                    if current is not None and _class_name(current) == value["cls"]:
+                        vars(current).update(value["attrs"])
                 elif kind == "object":
                     if current is not None and type(current).__module__ == "__main__":
                         vars(current).update(_to_device_like(value, current))
@@ -592,3 +622,93 @@ def _in_same_function(tree: ast.Module, node: ast.AST, firstlineno: int, name: s
     assert isinstance(owner, (ast.FunctionDef, ast.AsyncFunctionDef))
     starts = {owner.lineno} | {d.lineno for d in owner.decorator_list}
     return owner.name == name and firstlineno in starts
+
+
+def _is_simple(value: Any, depth: int = 0, *, tensors: bool = True) -> bool:
+    """A value the checkpoint's data record stores and gives back as it was: ``None``, a
+    bool/int/float/str, a tensor (unless not ``tensors``), or lists, tuples and str-keyed
+    dicts of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if isinstance(value, torch.Tensor):
+        return tensors and not isinstance(value, torch.nn.Parameter)
+    if depth > 4 or type(value) not in (list, tuple, dict):
+        return False
+    if isinstance(value, dict):
+        return all(type(k) is str and _is_simple(v, depth + 1, tensors=tensors)
+                   for k, v in value.items())
+    return all(_is_simple(v, depth + 1, tensors=tensors) for v in value)
+
+
+def _library_wrapper_frames(start: types.FrameType | None,
+                            script_path: str) -> list[types.FrameType]:
+    """Frames of loader wrappers outside the script from ``start`` outwards (innermost first):
+    generator functions and ``__next__`` methods (:func:`consumer_frame`), and ``__iter__``
+    methods (a wrapper's ``iter()`` that calls the DataLoader's), up to the first other
+    frame. ``start`` is the frame that called ``next()`` (at a checkpoint) or ``iter()`` (at
+    the resume) on the training DataLoader."""
+    out = []
+    f = start
+    while f is not None and (_is_wrapper_frame(f) or f.f_code.co_name == "__iter__"):
+        if os.path.realpath(f.f_code.co_filename) != script_path:
+            out.append(f)
+        f = f.f_back
+    return out
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def wrapper_state(caller: types.FrameType, script_path: str) -> list[dict[str, Any]]:
+    """What the library loader wrappers between the training DataLoader and the script hold.
+
+    Lightning Fabric's ``_FabricDataLoader`` counts its ``iter()`` calls (the count becomes the
+    DistributedSampler's epoch); timm's ``PrefetchLoader`` holds the next batch in a local of
+    its ``__iter__`` generator. A resume that jumps the epoch loop gives both back
+    (:func:`restore_wrapper_state`) instead of replaying completed epochs through the wrapper.
+    Wrappers the script defines are captured with the script's frames.
+
+    Called on the training thread at a loader checkpoint boundary; ``caller`` is the frame that
+    called ``next()`` on the training DataLoader's iterator. Returns, innermost first, one
+    record per wrapper frame outside ``script_path``: its ``code_key``, its simple locals
+    (``values``, in the shape :func:`restore_frames` takes) and, for a method, the class of
+    ``self`` and its simple attributes (``attrs``); tensors are cloned (the wrapper may reuse
+    them), values that are not simple (:func:`_is_simple`: loaders, devices, streams) are
+    left out, as are cfrun's own attributes.
+    """
+    out = []
+    for f in _library_wrapper_frames(caller, script_path):
+        f_locals = f.f_locals
+        values = {name: {"kind": "value", "v": _detach_tree(v)} for name, v in f_locals.items()
+                  if name != "self" and not name.startswith("__") and _is_simple(v)}
+        rec: dict[str, Any] = {"code": code_key(f.f_code), "values": values}
+        owner = f_locals.get("self")
+        if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+            rec["cls"] = _class_name(owner)
+            rec["attrs"] = {k: _detach_tree(v) for k, v in vars(owner).items()
+                            if not k.startswith("_cfrun") and _is_simple(v)}
+        out.append(rec)
+    return out
+
+
+def restore_wrapper_state(saved: list[dict[str, Any]], caller: types.FrameType,
+                          script_path: str) -> list[str]:
+    """Put :func:`wrapper_state` back into the live wrappers at the resumed epoch's ``iter()``
+    of the training DataLoader (``caller`` is the frame that called it: the wrapper's
+    ``__iter__``, which has already run its own per-epoch code, such as Fabric's
+    ``set_epoch``). Locals go to the frames of the same code, attributes to the ``self`` of
+    the same class (a wrapper read through ``__next__`` is at its ``__iter__`` now). Training
+    thread. Returns what was restored (local names, ``Class.__dict__`` for attributes)."""
+    frames = _library_wrapper_frames(caller, script_path)
+    restored = restore_frames(saved, saved, frames)
+    owners = [f.f_locals.get("self") for f in frames]
+    for rec in saved:
+        attrs = rec.get("attrs")
+        match = [o for o in owners if o is not None and _class_name(o) == rec.get("cls")]
+        if match and attrs:
+            current = vars(match[0])
+            for k, v in attrs.items():
+                current[k] = _to_device_like(v, current.get(k))
+            restored.append(f"{type(match[0]).__name__}.__dict__")
+    return restored

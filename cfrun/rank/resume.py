@@ -10,12 +10,19 @@ then runs from its first line, and cfrun fast-forwards it to the checkpoint's bo
 * **loader loops, jump** (the epoch loop is a ``for ... in range()`` or a ``while``): the epoch
   loop's head is reached the same way and jumps to the checkpoint's epoch; the training
   loader's next ``iter()`` restores the state and skips the consumed batches without loading
-  them;
-* **loader loops, replay** (any other epoch loop): completed epochs run without loading data and
-  with the script's output suppressed, until the training loader's ``iter()`` of the
-  checkpoint's epoch. A training loader the script reads through a wrapper (a generator, a
-  prefetcher that assumes one batch at least) yields one batch per replayed epoch instead of
-  none; the steps taken on it are not counted.
+  them. Completed epochs never run again: no validation, saving or logging of theirs. A
+  wrapper the loader is read through, the script's or a library's (timm's PrefetchLoader,
+  Lightning Fabric's ``_FabricDataLoader``), gets its state back at that ``iter()``, which
+  its ``__iter__`` makes: its prefetched batch, its own counters
+  (:func:`cfrun.rank.frames.wrapper_state`), and the sampler's epoch
+  (:func:`cfrun.rank.data.sampler_state`);
+* **loader loops, replay** (any other epoch loop, e.g. ``for epoch in epochs_list``): completed
+  epochs run without loading data and with the script's output and ``torch.save`` suppressed,
+  until the training loader's ``iter()`` of the checkpoint's epoch; the script's other
+  epoch-end code (validation, its own saving and logging by other means) runs again, and cfrun
+  says so. A training loader the script reads through a wrapper (a generator, a prefetcher
+  that assumes one batch at least) yields one batch per replayed epoch instead of none; the
+  steps taken on it are not counted.
 
 Restoring (:meth:`Resume._apply`) first checks that the checkpoint fits the live job
 (:func:`cfrun.codec.checkpoint.check_fits`: a mismatch stops the job with exit 5, nothing
@@ -62,7 +69,7 @@ from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.capture import free_params, scaler_numbers
-from cfrun.rank.data import loader_fingerprint, set_epoch_rng
+from cfrun.rank.data import loader_fingerprint, set_epoch_rng, set_sampler_state
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
 from cfrun.rank.rng import set_global_rng
@@ -139,6 +146,15 @@ def check_state(state: Any, meta: dict[str, Any]) -> None:
                                                                 dict), "epoch RNG state")
     if data.get("epoch_loop"):
         F.LoopInfo.from_json(data["epoch_loop"])
+    wrappers = data.get("wrappers") or []  # absent in checkpoints of an older cfrun
+    need(isinstance(wrappers, list) and all(
+        isinstance(w, dict) and isinstance(w.get("code"), list)
+        and isinstance(w.get("values"), dict) and isinstance(w.get("attrs", {}), dict)
+        and all(isinstance(v, dict) and "kind" in v and "v" in v for v in w["values"].values())
+        for w in wrappers), "loader wrapper state")
+    sampler = data.get("sampler") or []
+    need(isinstance(sampler, list) and all(isinstance(d, dict) for d in sampler),
+         "sampler state")
 
 
 class _NullWriter(io.TextIOBase):
@@ -179,6 +195,10 @@ class Resume:
         """(restored loader iterator, the enumerate count at the checkpoint, batches consumed)"""
         self._kind = "replay"
         self._jumped = False
+        self._wrapper_caller: types.FrameType | None = None
+        """The frame that called the training DataLoader's ``iter()`` of the resumed epoch (a
+        library wrapper's, whose state :meth:`_load` puts back), between that call and
+        :meth:`_apply`."""
         self._saved_stdout: Any = None
         self._warn_filters: Any = None
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
@@ -346,6 +366,8 @@ class Resume:
         assert plan is not None
         data = plan.state["data"]
         set_epoch_rng(loader, data["epoch_rng"])
+        set_sampler_state(loader, data.get("sampler") or [])  # before the order is drawn
+        self._wrapper_caller = _outside_cfrun(caller)
         n = data["iter_index"]  # epochs keep their numbers after a jump
         object.__setattr__(loader, "_cfrun_iter_calls", n + 1)
         loader.__dict__["_cfrun_skip"] = data["batches"]
@@ -564,6 +586,7 @@ class Resume:
             self._unusable(plan.step, e)
         for key in ("modules", "optimizers", "free_params"):  # loaded: free their tensors
             st[key] = []  # (held for the whole run otherwise: a second copy of the state)
+        self._wrapper_caller = None
         self._restored(plan.step, plan.mode)
         self.resumed = True
         self.awaiting_loader = False
@@ -615,8 +638,12 @@ class Resume:
                 if sd is not None:
                     obj.load_state_dict(sd)
         set_global_rng(st["rng"])
-        return F.restore_frames(st["script"], st["script"],
-                                F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+        restored = F.restore_frames(st["script"], st["script"],
+                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+        data, caller = st.get("data"), self._wrapper_caller
+        if isinstance(data, dict) and data.get("wrappers") and caller is not None:
+            restored += F.restore_wrapper_state(data["wrappers"], caller, self.s.script)
+        return restored
 
     # ---------------------------------------------------------------- fast-forward
 
@@ -629,7 +656,9 @@ class Resume:
         how = ("with one training batch each (the training loader is read through a wrapper)"
                if one_batch else "without loading data")
         say(f"fast-forwarding {epochs} completed epoch(s) {how} "
-            "(script output suppressed until the resume point)")
+            "(script output suppressed until the resume point); the epoch loop is not a "
+            "for ... in range() or while loop, so its end-of-epoch code (validation, saving, "
+            "logging) runs again, with stdout and torch.save suppressed")
         self._saved_stdout = sys.stdout
         sys.stdout = _NullWriter()
         self._warn_filters = warnings.filters[:]
@@ -658,6 +687,18 @@ class Resume:
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
+
+
+_CFRUN_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+def _outside_cfrun(frame: types.FrameType | None) -> types.FrameType | None:
+    """``frame`` or the first frame outwards whose code is not cfrun's (the caller of a patched
+    DataLoader method)."""
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(
+            _CFRUN_DIR + os.sep):
+        frame = frame.f_back
+    return frame
 
 
 MAX_SKIP_ELEMENTS = 10_000_000

@@ -6,7 +6,10 @@
 ``generator`` (a device-mover generator function), ``both`` (the generator around the
 prefetcher) or ``library`` (a wrapper object from another module, as Lightning Fabric's). Prints one line per batch (with the enumerate counter) and one per epoch; saves the
 final model, optimizer and scheduler state to OUT. ``ITER_LOG`` (optional): a file that gets one
-line per training iteration; ``SHUFFLE=0``: the training loader does not shuffle;
+line per training iteration; ``EPOCH_LOG`` (optional): a file that gets a line per
+``validate()`` and per ``save()`` (each epoch's checkpoint, ``torch.save`` to a temporary file
+then ``os.replace``), written with ``os.write`` so that it counts runs whatever cfrun
+suppresses; ``SHUFFLE=0``: the training loader does not shuffle;
 ``EPOCHS=list``: the epoch loop iterates a list (cfrun replays completed epochs instead of
 jumping them).
 """
@@ -65,7 +68,27 @@ def train_one_epoch(epoch, model, loader, opt, iter_log):
     return total
 
 
+def note(line):
+    """A line appended to EPOCH_LOG, if set, with os.write (not stdout, not torch.save)."""
+    path = os.environ.get("EPOCH_LOG")
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def save(epoch, model, opt, path):
+    """The script's own checkpoint of each epoch: a temporary file, then os.replace."""
+    tmp = path + ".tmp"
+    torch.save({"epoch": epoch, "model": model.state_dict(), "opt": opt.state_dict()}, tmp)
+    os.replace(tmp, path)
+    note(f"save {epoch}")
+
+
 def validate(model, loader):
+    note("validate")
     model.eval()
     with torch.no_grad():
         val = sum(F.mse_loss(model(x), y).item() for x, y in loader)
@@ -106,6 +129,8 @@ def main():
         total = train_one_epoch(epoch, model, epoch_loader, opt, iter_log)
         sched.step()
         val = validate(model, val_loader)
+        if os.environ.get("EPOCH_LOG"):
+            save(epoch, model, opt, out + ".epoch")
         print(f"epoch {epoch} loss {total:.8f} val {val:.8f} lr {sched.get_last_lr()[0]:.6f}",
               flush=True)
         return total, val
