@@ -689,14 +689,14 @@ class Resume:
                 "it was not restored")
 
 
-_CFRUN_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 
 def _outside_cfrun(frame: types.FrameType | None) -> types.FrameType | None:
     """``frame`` or the first frame outwards whose code is not cfrun's (the caller of a patched
     DataLoader method)."""
     while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(
-            _CFRUN_DIR + os.sep):
+            _PACKAGE_DIR + os.sep):
         frame = frame.f_back
     return frame
 
