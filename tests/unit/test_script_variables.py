@@ -158,3 +158,30 @@ def test_dataclass_is_built_without_running_init() -> None:
     finally:
         del sys.modules[mod.__name__]
     assert back == obj and calls == [1]
+
+
+def test_a_restored_variable_keeps_the_live_values_type() -> None:
+    """Issue 24, item 2: a forged checkpoint turned the script's ``out_path`` into a
+    ``PosixPath`` of its choosing and the script wrote there. A captured value replaces a live
+    one only of its own type (numbers, arrays and tensors count as one kind; ``None`` either
+    side is a value not set yet)."""
+    import inspect as pyinspect
+
+    from cfrun.rank.frames import code_key, restore_frames
+
+    def frame_with_vars():
+        out_path = "out.pt"  # noqa: F841 (read through the frame)
+        total = 0  # noqa: F841
+        best = None  # noqa: F841
+        return pyinspect.currentframe()
+
+    frame = frame_with_vars()
+    values = {"out_path": {"kind": "value", "v": pathlib.PosixPath("/root/secret")},
+              "total": {"kind": "value", "v": torch.tensor(3.0)},
+              "best": {"kind": "value", "v": 0.5}}
+    rec = {"code": list(code_key(frame.f_code)), "values": values}
+    restored = restore_frames([rec], [rec], [frame])
+    assert sorted(restored) == ["best", "total"]
+    assert frame.f_locals["out_path"] == "out.pt"
+    assert torch.equal(frame.f_locals["total"], torch.tensor(3.0)) and \
+        frame.f_locals["best"] == 0.5
