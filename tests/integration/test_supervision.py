@@ -212,9 +212,11 @@ def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
 def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
     a few seconds after the grace, and the newest committed checkpoint stays the resume point."""
+    # 0.4 s steps: a due checkpoint no longer waits for the 8 s persist (it is deferred), so
+    # the job must outlast the first commit for a persist to be in flight after it
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "1"], at_step=12,
                                         env=faults.arm({}, **{"agent.commit_delay_s": 8}),
-                                        script=[SLOW, "60", "j.pt", "0.1"], during_persist=True)
+                                        script=[SLOW, "60", "j.pt", "0.4"], during_persist=True)
     assert run.returncode == 75, run.stderr[-2000:]
     # killed at the 1 s deadline (plus teardown on a loaded machine), not when the 8 s persist ends
     assert elapsed_s < 4.0, elapsed_s
@@ -230,7 +232,7 @@ def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(referen
 def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=12,
                                         env=faults.arm({}, **{"agent.commit_delay_s": 3}),
-                                        script=[SLOW, "60", "j.pt", "0.1"], during_persist=True,
+                                        script=[SLOW, "60", "j.pt", "0.3"], during_persist=True,
                                         second_after_s=0.3)
     assert run.returncode == 75, run.stderr[-2000:]
     assert elapsed_s < 0.3 + 2.5, elapsed_s  # at once, not at the 20 s deadline
