@@ -47,3 +47,45 @@ def test_modules_planted_in_the_working_directory_never_run(tmp_path):
     subprocess.run([sys.executable, "-c", "import argparse"], cwd=shared,
                    env=clean_env({"PLANTED_LOG": str(log)}), check=True)
     assert "argparse" in log.read_text()
+
+
+def test_no_secret_of_a_running_job_is_on_a_command_line(tmp_path):
+    """Issue 24, items 5 and 7: the agent's abstract socket name was on its command line
+    (``/proc/PID/cmdline`` is every user's to read), so a local user bound it first and the job
+    could not start; a password in ``--persist-to`` was there too. Now neither is on the
+    command line of any process of the job, nor in config.json."""
+    import json
+    import time
+
+    import psutil
+
+    from cfrun.contract import ipc
+
+    level2 = "file://alice:hunter2@" + str(tmp_path / "l2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--persist-to",
+         level2, str(SCRIPTS / "slow_steps.py"), "400", "out.pt", "0.05"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        record = None
+        while record is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                record = ipc.read_agent_record(str(tmp_path / "j"))
+            except OSError:
+                time.sleep(0.2)
+        assert record is not None, proc.communicate(timeout=60)
+        lines = []  # cfrun's own command is the user's to write (CFRUN_PERSIST_TO keeps it off)
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                lines.append(" ".join(p.cmdline()))
+            except psutil.Error:
+                pass
+        assert any("cfrun.agent" in line for line in lines), lines
+        assert not [line for line in lines if record.address in line or "hunter2" in line]
+        config = (tmp_path / "j" / "config.json").read_text()
+        assert "hunter2" not in config and json.loads(config)["persist_to"].startswith(
+            "file://alice:<withheld>@")
+    finally:
+        proc.kill()
+        proc.communicate()
