@@ -49,9 +49,9 @@ from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import (
     STAGING_PREFIX,
-    STEP_PREFIX,
     JobDir,
     atomic_write_json,
+    parse_step_dir_name,
     step_dir_name,
 )
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
@@ -74,12 +74,16 @@ class Superseded(RuntimeError):
 
 def _staging_steps(checkpoints: Path) -> dict[int, Path]:
     """The staging directories in ``checkpoints`` (``.staging-step-NNNNNN``) by step."""
-    prefix = STAGING_PREFIX + STEP_PREFIX
+    out = {}
     try:
-        return {int(p.name[len(prefix):]): p for p in checkpoints.iterdir()
-                if p.name.startswith(prefix) and p.name[len(prefix):].isdigit()}
+        for p in checkpoints.iterdir():
+            step = parse_step_dir_name(p.name[len(STAGING_PREFIX):]) \
+                if p.name.startswith(STAGING_PREFIX) else None
+            if step is not None:
+                out[step] = p
     except OSError:
-        return {}
+        pass
+    return out
 
 
 def _manifest_bytes(step_dir: Path) -> int:
@@ -102,6 +106,8 @@ class Committer:
     def __init__(self, jobdir: JobDir, *, keep: int, nnodes: int, node_rank: int,
                  local_world_size: int | None, reply: Reply) -> None:
         self.jobdir = jobdir
+        self.jobdir_id = jobdir.dir_id()
+        """The job dir at the agent's start: a commit into another one is refused."""
         self.keep = keep
         self.nnodes = nnodes
         self.node_rank = node_rank
@@ -147,6 +153,7 @@ class Committer:
         if delay_s:
             time.sleep(float(delay_s))
         files = [f for r in sorted(shard) for f in shard[r][0]]
+        self.jobdir.check_same(self.jobdir_id)  # never into a job dir swapped meanwhile
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
                meta={**req.commit_meta(), **self.job_meta},
                keep=None)  # retention after the ranks' reply: deleting is not part of the PGT

@@ -43,7 +43,7 @@ from typing import Any
 import filelock
 
 from cfrun.contract import events as _events
-from cfrun.contract.errors import BadInputError, JobDirLockedError
+from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
 from cfrun.contract.fsio import atomic_write_json, fsync_dir  # noqa: F401  (re-exported)
 from cfrun.contract.settings import node_rank
 
@@ -339,6 +339,35 @@ class JobDir:
             raise JobDirLockedError(
                 f"job dir {str(self.root)!r} is in use by another cfrun") from None
         self._lock = lock
+
+    def dir_id(self) -> tuple[int, int]:
+        """The job dir's (device, inode), the link itself if it is one: what identifies the
+        directory the lock was taken in.
+
+        Raises:
+            OSError: the job dir is gone.
+        """
+        st = os.stat(self.root, follow_symlinks=False)
+        return st.st_dev, st.st_ino
+
+    def check_same(self, expected: tuple[int, int]) -> None:
+        """Raise unless the job dir is still the directory whose :meth:`dir_id` was
+        ``expected``: renamed away and replaced by another (whoever could write an ancestor, or
+        an accident) means its checkpoints are not this job's. The supervisor checks before each
+        attempt (the ranks load then), the agent before each commit (issue 24, item 3).
+
+        Raises:
+            FatalJobError: the job dir was replaced or removed; nothing is loaded or committed.
+        """
+        try:
+            now: tuple[int, int] | None = self.dir_id()
+        except OSError:
+            now = None
+        if now != expected:
+            raise FatalJobError(
+                f"job dir {str(self.root)!r} was {'removed' if now is None else 'replaced'} "
+                "while the job ran (another directory now has its name); stopped: nothing of "
+                "it is loaded or committed. Find out who moved it, then start the job again")
 
     def unlock(self) -> None:
         if self._lock is not None:

@@ -190,6 +190,8 @@ class Supervisor:
         self.rerun = rerun
         self.metrics: Any = None  # JobMetrics once the job runs
         self.metrics_server: Any = None
+        self.jobdir_id: tuple[int, int] | None = None
+        """The job dir's (device, inode) when its lock was taken."""
         self.identity: Identity | None = None  # the job's (None: cfrun profile)
         self.state = SupervisorState.STARTING
         self.agent: subprocess.Popen[bytes] | None = None
@@ -252,6 +254,7 @@ class Supervisor:
                 return 0
         jd.create()
         jd.lock()
+        self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
         if identity is not None:
             self._take_identity(identity, changes, write)
         self._kill_leftovers()
@@ -424,6 +427,8 @@ class Supervisor:
             (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()
         while True:
+            if self.jobdir_id is not None:
+                jd.check_same(self.jobdir_id)  # the ranks load from it next
             steps = committed_steps(jd.checkpoints)
             self._set(SupervisorState.RUNNING, attempt=attempt,
                       resume_step=steps[0] if steps else None)

@@ -89,3 +89,43 @@ def test_no_secret_of_a_running_job_is_on_a_command_line(tmp_path):
     finally:
         proc.kill()
         proc.communicate()
+
+
+def test_a_job_dir_swapped_while_the_job_runs_is_never_loaded(tmp_path):
+    """Issue 24, item 3: whoever could write the job dir's parent renamed a running job's dir
+    away and put one of their own (here a copy, as a forger would start from) in its place;
+    the next restart loaded its checkpoint. Now the supervisor re-identifies the job dir
+    (device and inode) before each attempt: the restart after a rank's kill stops with exit 5
+    and one line, and nothing of the planted dir is loaded."""
+    import shutil
+    import signal
+    import time
+
+    import psutil
+
+    from cfrun.contract.checkpoints import committed_steps
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",
+         str(SCRIPTS / "slow_steps.py"), "400", "out.pt", "0.05"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_steps(tmp_path / "j" / "checkpoints"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (tmp_path / "j").rename(tmp_path / "j-moved")
+        shutil.copytree(tmp_path / "j-moved", tmp_path / "j", symlinks=True)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "slow_steps.py" in " ".join(p.cmdline())]
+        assert ranks
+        ranks[0].send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 5, err[-3000:]
+    assert "was replaced while the job ran" in err
+    assert not [line for line in (tmp_path / "j" / "events.jsonl").read_text().splitlines()
+                if '"resumed"' in line]
