@@ -150,6 +150,12 @@ class Boundary:
         self._idle_from: int | None = None
         """The agreed step from which :attr:`_last_taken` no longer counts as in flight
         (several ranks: rank 0's :class:`~cfrun.contract.coordination.CheckpointGate`)."""
+        self._stale_gate = co.read(co.checkpoint_gate_path(self.jobdir.root), co.CheckpointGate) \
+            if settings.world_size > 1 and settings.rank != 0 else None
+        """A follower: the gate record an earlier attempt left (never followed). Attempt
+        numbers are each node's own, so on another node than rank 0's the record's attempt
+        cannot tell this attempt's gate from an earlier one's; rank 0's attempt number grows
+        with each restart, so a record of this attempt always differs from the stale one."""
         self._deferred: tuple[int, int] | None = None
         """(due step, step in flight) of the checkpoint being deferred, if any."""
         self._due_passed = 0
@@ -557,7 +563,7 @@ class Boundary:
         path = co.checkpoint_gate_path(self.jobdir.root)
         if self.s.rank != 0:
             rec = co.read(path, co.CheckpointGate)
-            if rec is not None and rec.attempt == self.s.attempt \
+            if rec is not None and rec != self._stale_gate \
                     and rec.after_step == self._last_taken:
                 self._idle_from = rec.idle_from_step
             return
