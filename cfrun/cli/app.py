@@ -34,11 +34,16 @@ from cfrun.cli.options import (
     LauncherOption,
     LocalAddrOption,
     LogFormatOption,
+    MasterAddrOption,
+    MasterPortOption,
     MaxRestartsOption,
     NprocPerNodeOption,
+    RdzvBackendOption,
+    RdzvConfOption,
     RetryBeforeFirstStepOption,
     ScriptArgsArgument,
     ScriptArgument,
+    StandaloneOption,
 )
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
@@ -340,10 +345,17 @@ def run_cmd(
         "--rdzv-id", "--rdzv_id", metavar="TEXT", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
     local_addr: LocalAddrOption = None,
+    standalone: StandaloneOption = False,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
+    rdzv_backend: RdzvBackendOption = "c10d",
+    rdzv_conf: RdzvConfOption = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
         _setup_logging(log_format)  # main() set up CFRUN_LOG_FORMAT's already
+    rdzv_endpoint = _torchrun_rendezvous(standalone, nnodes, rdzv_backend, rdzv_endpoint,
+                                         master_addr, master_port)
     given = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
              "rdzv_id": rdzv_id, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
              "local_addr": local_addr}
@@ -351,6 +363,9 @@ def run_cmd(
     nnodes, node_rank, rdzv_endpoint, rdzv_id, nproc_per_node, max_restarts, local_addr = (
         taken[k] for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
                            "max_restarts", "local_addr"))
+    from cfrun.contract.cluster import fixed_nnodes, resolve_nproc_per_node
+
+    nnodes, nproc_per_node = fixed_nnodes(nnodes), resolve_nproc_per_node(nproc_per_node)
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
@@ -369,6 +384,28 @@ def run_cmd(
         return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
          retry=_run_retry(ctx))
+
+
+def _torchrun_rendezvous(standalone: bool, nnodes: str, backend: str, endpoint: str | None,
+                         master_addr: str | None, master_port: str | None) -> str | None:
+    """The rendezvous endpoint from torchrun's spellings: ``--rdzv-endpoint`` as given, else
+    ``--master-addr:--master-port`` (port 29500 by default, torchrun's) where several nodes
+    meet; on one node cfrun's ``--standalone`` rendezvous picks its own port and these are
+    no-ops.
+
+    Raises:
+        BadInputError: ``--standalone`` with several nodes, or a backend other than c10d or
+            static.
+    """
+    if backend.strip().lower() not in ("c10d", "static"):
+        raise BadInputError(f"--rdzv-backend {backend!r} is not supported; give c10d or static "
+                            "(cfrun runs torchrun's c10d rendezvous), or drop it")
+    if standalone and nnodes.partition(":")[0].strip() not in ("", "1"):
+        raise BadInputError(f"--standalone runs one node, but --nnodes is {nnodes!r}; drop "
+                            "--standalone, or --nnodes")
+    if endpoint or not master_addr:
+        return endpoint
+    return f"{master_addr}:{master_port or 29500}"
 
 
 def _run_retry(ctx: Any) -> list[str]:
@@ -1109,6 +1146,25 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
     raise typer.Exit(code)
 
 
+def _refuse_dropped(run: Any, words: list[str]) -> None:
+    """Refuse a torchrun option that has no meaning under cfrun (``--tee``, ``--log-dir``,
+    ``-m``: :data:`cfrun.contract.cluster.DROPPED_TORCHRUN_OPTIONS`) among ``cfrun run``'s
+    options, in one line naming it, before typer would call it unknown. The words after the
+    script are the script's: never looked at.
+
+    Raises:
+        BadInputError: a dropped option before the script.
+    """
+    from cfrun.contract.cluster import check_dropped_option
+
+    takes_value = {name for p in run.params if not getattr(p, "is_flag", True)
+                   for name in (*p.opts, *p.secondary_opts)}
+    i = 0
+    while i < len(words) and words[i].startswith("-") and words[i] != "--":
+        check_dropped_option(words[i])
+        i += 2 if words[i] in takes_value else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -1129,6 +1185,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         debug = E.get_flag(E.DEBUG)
         faults.check()
+        if args[0] == "run":
+            _refuse_dropped(command.commands["run"], args[1:])  # type: ignore[attr-defined]
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False,
                           obj={"argv": typed})
     except _EXIT as e:
