@@ -805,9 +805,13 @@ def _or(value: Any, unknown: str) -> str:
 
 @app.command("status", cls=CfrunCommand,
              help="State of a job: steps, checkpoints, interval, overhead, stall and PGT, "
-                  "restarts.")
+                  "restarts, and the command that resumes a stopped one. Without a job dir, or "
+                  "with a directory of job dirs, one line per job.")
 def status_cmd(
-    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
+    job_dir: Annotated[str | None, typer.Argument(
+        metavar="[JOB_DIR|SCRIPT]",
+        help="A job dir; a directory of job dirs (default ./cfrun-jobs: one line per job); or "
+             "a script, whose job dir in ./cfrun-jobs is shown.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     plot: Annotated[str | None, typer.Option(
         "--plot", metavar="PNG",
@@ -823,7 +827,11 @@ def status_cmd(
 
     from cfrun.cli import inspect as report
 
-    jd = report.open_job_dir(job_dir)
+    found = report.find_jobs(job_dir, Path.cwd())
+    if isinstance(found, list):
+        _list_jobs([report.summary(j) for j in found], as_json=as_json)
+        return
+    jd = found
     if metrics:
         from cfrun.supervisor.metrics import JobMetrics
 
@@ -839,6 +847,20 @@ def status_cmd(
         _watch(jd, report.status, every_s=2.0)
         return
     Console().print(_status_table(st))
+
+
+def _list_jobs(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    """``cfrun status`` of several jobs: one line each, ``DIR  STATE  step N  newest
+    checkpoint M`` (JSON: the :func:`cfrun.cli.inspect.summary` of each)."""
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    cwd = Path.cwd()
+    for r in rows:
+        path = Path(r["job_dir"])
+        shown = path.relative_to(cwd) if path.is_relative_to(cwd) else path
+        print(f"{shown}  {r['state']}  step {_or(r['current_step'], 'none yet')}  newest "
+              f"checkpoint {_or(r['last_committed_step'], 'none yet')}")
 
 
 def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str, str]]:
@@ -870,6 +892,8 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
         ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
+    if st.get("resume_command"):
+        rows.insert(1, ("resume with", st["resume_command"]))
     if st["error"]:
         rows.insert(1, ("error", st["error"]))
     if st["unprotected"]:
