@@ -875,10 +875,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
          if st["interval"]["steps"] is not None
          else f"not decided yet ({st['interval']['why']})"),
-        ("overhead", f"budget {st['overhead']['budget_pct']}%, stall "
-                     + (f"{st['overhead']['stall_pct']}% of wall time"
-                        if st["overhead"]["stall_pct"] is not None
-                        else "not measured yet (no attempt has ended)")),
+        ("overhead", _overhead_text(st["overhead"])),
         ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
                                  f"{_fmt_s(st['stall_s']['p95'])}, "
                                  f"max {_fmt_s(st['stall_s']['max'])}"),
@@ -903,6 +900,14 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
     return rows
 
 
+
+
+def _overhead_text(overhead: dict[str, Any]) -> str:
+    """``0.95% stalled (budget 3.5%)``: the job's overhead, the one figure of
+    :data:`cfrun.contract.events.OVERHEAD_DEFINITION`, in the table and ``--watch``."""
+    pct = overhead["stall_pct"]
+    return (f"{pct}% stalled" if pct is not None else "not measured yet (no attempt started)") \
+        + f" (budget {overhead['budget_pct']}%)"
 
 
 def _resume_text(r: dict[str, Any] | None) -> str:
@@ -990,13 +995,10 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
             return
         while True:
             st, rate = snapshot()
-            overhead = st["overhead"]
             print(f"cfrun status: {st['state']}, step {_or(st['current_step'], 'none yet')}"
                   f"{f' ({rate})' if rate else ''}, newest checkpoint "
                   f"{_or(st['last_committed_step'], 'none yet')}, overhead "
-                  + (f"{overhead['stall_pct']}%" if overhead["stall_pct"] is not None
-                     else "not measured yet")
-                  + f" (budget {overhead['budget_pct']}%), restarts {len(st['restarts'])}",
+                  f"{_overhead_text(st['overhead'])}, restarts {len(st['restarts'])}",
                   flush=True)
             if not st["is_running"]:
                 return

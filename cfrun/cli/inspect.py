@@ -27,6 +27,7 @@ from cfrun.contract import gpus
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.config import resume_command
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
 from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
 from cfrun.contract.jobdir import JobDir, step_dir_name
 
@@ -251,7 +252,8 @@ def status(jd: JobDir) -> dict[str, Any]:
 
     Keys: job_dir, script, state, is_running, current_step, last_committed_step,
     resume_command (:func:`summary`), interval ({steps, why}), overhead ({budget_pct,
-    stall_pct}), stall_s and pgt_s statistics
+    stall_pct, definition}: :func:`cfrun.contract.events.overhead_seconds`, live), stall_s
+    and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
     restarts ([{attempt, cause, step, where}]), disk_bytes, error (the message that stopped a
@@ -270,9 +272,8 @@ def status(jd: JobDir) -> dict[str, Any]:
     head = summary(jd, config, events)
     running = head["is_running"]
     ckpts = [e for e in events if e.get("event") == "checkpoint"]
-    attempts = [e for e in events if e.get("event") == "attempt_end"]
-    wall_s = sum(float(e.get("duration_s", 0)) for e in attempts)
-    stall_total_s = sum(float(e.get("stall_s", 0)) for e in ckpts)
+    stall_total_s, wall_s = overhead_seconds(events, now_unix_s=time.time() if running
+                                             else None)
     interval = config.get("interval")
     strategy = {}
     if os.path.lexists(jd.strategy_path):
@@ -284,7 +285,8 @@ def status(jd: JobDir) -> dict[str, Any]:
               "why": f"policy ({strategy.get('source', 'profiling')}): "
                      f"{strategy.get('reason', 'not decided yet')}"},
         "overhead": {"budget_pct": round(100 * float(config.get("overhead", 0.035)), 3),
-                     "stall_pct": round(100 * stall_total_s / wall_s, 3) if wall_s else None},
+                     "stall_pct": round(100 * stall_total_s / wall_s, 3) if wall_s else None,
+                     "definition": OVERHEAD_DEFINITION},
         "stall_s": _stats([float(e["stall_s"]) for e in ckpts if "stall_s" in e]),
         "pgt_s": _stats([float(e["pgt_s"]) for e in ckpts if "pgt_s" in e]),
         "checkpoints_taken": len(ckpts),

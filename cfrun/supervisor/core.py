@@ -297,7 +297,7 @@ class Supervisor:
         cannot be bound is one warning, not a failed job."""
         from cfrun.supervisor.metrics import JobMetrics, serve
 
-        self.metrics = JobMetrics(self.jobdir.root)
+        self.metrics = JobMetrics(self.jobdir.root, live=True)
         self.monitor.metrics = self.metrics
         if self.cfg.metrics:
             try:

@@ -76,3 +76,60 @@ def test_status_names_what_it_cannot_find(jobs, tmp_path):
     assert run.returncode == 2 and "no job of" in run.stderr, run.stderr
     run = cfrun_in_process(["status"], cwd=tmp_path)
     assert run.returncode == 2 and "no ./cfrun-jobs here" in run.stderr, run.stderr
+
+
+def _status_json(cwd, job_dir):
+    run = cfrun_in_process(["status", str(job_dir), "--json"], cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def _metric_ratio(cwd, job_dir):
+    run = cfrun_in_process(["status", str(job_dir), "--metrics"], cwd=cwd)
+    line = next(x for x in run.stdout.splitlines() if x.startswith("cfrun_overhead_ratio "))
+    return float(line.split()[1])
+
+
+def test_one_overhead_live_and_after_a_sigterm(tmp_path):
+    """Item 3: the overhead is measured while the first attempt runs (not "not measured yet"
+    until one ends), after a SIGTERM (whose attempt has no ``attempt_end``), and status and
+    the metric give the same figure."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import clean_env
+
+    job = tmp_path / "j"
+    proc = subprocess.Popen([sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir",
+                             str(job), str(SCRIPTS / "train_until_file.py"),
+                             str(tmp_path / "never"), "1000000", str(tmp_path / "out.pt")],
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while '"event": "commit"' not in ((job / "events.jsonl").read_text()
+                                          if (job / "events.jsonl").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        live = _status_json(tmp_path, job)
+        assert live["is_running"] and live["overhead"]["stall_pct"] is not None, live
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    st = _status_json(tmp_path, job)
+    assert st["state"] == "preempted", st
+    pct = st["overhead"]["stall_pct"]
+    assert pct is not None and 0 < pct < 100, st["overhead"]
+    assert _metric_ratio(tmp_path, job) == pytest.approx(pct / 100, abs=1e-4)
+    assert st["resume_command"] == f"cfrun resume {job}"
+
+
+def test_status_and_metric_agree_on_a_finished_job(jobs):
+    job = _job_dirs(jobs)["train"]
+    pct = _status_json(jobs, job)["overhead"]["stall_pct"]
+    assert pct is not None and _metric_ratio(jobs, job) == pytest.approx(pct / 100, abs=1e-4)
