@@ -288,8 +288,9 @@ def run_cmd(
              "job dir's metrics.prom is written either way.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run",
-        help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "
-             "and the launch command as JSON, and exit without starting or writing anything."
+        help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults), "
+             "the launch command and what the job dir would do (new, resume from step N, "
+             "finished, refused) as JSON, and exit without starting or writing anything."
     )] = False,
     log_format: LogFormatOption = "auto",
     interval: IntervalOption = None,
@@ -376,11 +377,15 @@ def run_cmd(
     cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
                               job_key_file=_job_key_path(job_key_file))
     if dry_run:
+        from cfrun.supervisor.core import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv
 
         config = cfg.to_json()
         config.pop("env", None)  # the environment is recorded at run time, not shown here
-        print(json.dumps({"config": config, "launch": build_launch_argv(cfg)}, indent=1))
+        print(json.dumps({"config": config, "launch": build_launch_argv(cfg),
+                          "job_dir": dry_run_outcome(
+                              cfg, accept_changed_command=accept_changed_command,
+                              rerun=rerun)}, indent=1))
         return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
          retry=_run_retry(ctx))

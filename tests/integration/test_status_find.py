@@ -133,3 +133,25 @@ def test_status_and_metric_agree_on_a_finished_job(jobs):
     job = _job_dirs(jobs)["train"]
     pct = _status_json(jobs, job)["overhead"]["stall_pct"]
     assert pct is not None and _metric_ratio(jobs, job) == pytest.approx(pct / 100, abs=1e-4)
+
+
+def test_dry_run_says_what_the_job_dir_would_do(jobs, tmp_path):
+    """Item 8: ``--dry-run`` tells finished, refused (a changed command) and new apart."""
+    def outcome(args, cwd=jobs):
+        run = cfrun_in_process(["--dry-run", *args], cwd=cwd)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)["job_dir"]
+
+    train = _job_dirs(jobs)["train"]
+    assert outcome(["train.py", "--epochs", "1", "--out", "final.pt"]).startswith("finished")
+    assert outcome(["--rerun", "train.py", "--epochs", "1", "--out", "final.pt"]) \
+        .startswith("resume from the checkpoint of step 20")
+    assert outcome(["--job-dir", str(train), "train.py", "--epochs", "2", "--out",
+                    "final.pt"]).startswith("refused (exit 2)")
+    assert outcome(["--job-dir", "new", "train.py"]).startswith("new")
+    assert not (jobs / "new").exists()
+
+
+def test_help_lists_cfrun_run(tmp_path):
+    run = cfrun_in_process(["-h"], cwd=tmp_path)
+    assert any(line.split()[:1] == ["run"] for line in run.stdout.splitlines()), run.stdout
