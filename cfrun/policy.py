@@ -147,7 +147,8 @@ def adapt_interval(k: int, measured: float, budget: float, k_min: int,
     if measured > budget or run > budget:
         new = max(k + 1, math.ceil(k * max(measured, run) / (AIM_FRACTION * budget)))
         new = max(k_min, min(new, math.ceil(k * ADAPT_MAX_GROW)))
-        why = (f"over budget ({measured:.2%} > {budget:.2%})" if measured > budget else
+        why = (f"over budget in the last window (its steps {measured:.2%} slower than clean "
+               f"ones > {budget:.2%})" if measured > budget else
                f"over budget so far ({run:.2%} of the run > {budget:.2%})")
         return min(MAX_INTERVAL, new), why
     if k < k_min:

@@ -34,11 +34,16 @@ from cfrun.cli.options import (
     LauncherOption,
     LocalAddrOption,
     LogFormatOption,
+    MasterAddrOption,
+    MasterPortOption,
     MaxRestartsOption,
     NprocPerNodeOption,
+    RdzvBackendOption,
+    RdzvConfOption,
     RetryBeforeFirstStepOption,
     ScriptArgsArgument,
     ScriptArgument,
+    StandaloneOption,
 )
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
@@ -283,8 +288,9 @@ def run_cmd(
              "job dir's metrics.prom is written either way.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run",
-        help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults) "
-             "and the launch command as JSON, and exit without starting or writing anything."
+        help="Print the resolved settings (flags, CFRUN_* variables, PET_* and SLURM defaults), "
+             "the launch command and what the job dir would do (new, resume from step N, "
+             "finished, refused) as JSON, and exit without starting or writing anything."
     )] = False,
     log_format: LogFormatOption = "auto",
     interval: IntervalOption = None,
@@ -340,10 +346,17 @@ def run_cmd(
         "--rdzv-id", "--rdzv_id", metavar="TEXT", envvar=E.RDZV_ID,
         help="Rendezvous id shared by the nodes (default: the job dir's name).")] = None,
     local_addr: LocalAddrOption = None,
+    standalone: StandaloneOption = False,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
+    rdzv_backend: RdzvBackendOption = "c10d",
+    rdzv_conf: RdzvConfOption = None,
 ) -> None:
     """Run SCRIPT under cfrun (resumes by itself if the job dir has checkpoints)."""
     if ctx.get_parameter_source("log_format").name == "COMMANDLINE":  # type: ignore[union-attr]
         _setup_logging(log_format)  # main() set up CFRUN_LOG_FORMAT's already
+    rdzv_endpoint = _torchrun_rendezvous(standalone, nnodes, rdzv_backend, rdzv_endpoint,
+                                         master_addr, master_port)
     given = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
              "rdzv_id": rdzv_id, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
              "local_addr": local_addr}
@@ -351,6 +364,9 @@ def run_cmd(
     nnodes, node_rank, rdzv_endpoint, rdzv_id, nproc_per_node, max_restarts, local_addr = (
         taken[k] for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
                            "max_restarts", "local_addr"))
+    from cfrun.contract.cluster import fixed_nnodes, resolve_nproc_per_node
+
+    nnodes, nproc_per_node = fixed_nnodes(nnodes), resolve_nproc_per_node(nproc_per_node)
     cfg = _build_config(script, script_args, job_dir, interval, overhead, nproc_per_node,
                         max_restarts, keep, grace, mtbf, hang_timeout, crash_loop, inject_crash,
                         profile_only=False, peer=peer, peer_token_file=peer_token_file,
@@ -361,14 +377,40 @@ def run_cmd(
     cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
                               job_key_file=_job_key_path(job_key_file))
     if dry_run:
+        from cfrun.supervisor.core import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv
 
         config = cfg.to_json()
         config.pop("env", None)  # the environment is recorded at run time, not shown here
-        print(json.dumps({"config": config, "launch": build_launch_argv(cfg)}, indent=1))
+        print(json.dumps({"config": config, "launch": build_launch_argv(cfg),
+                          "job_dir": dry_run_outcome(
+                              cfg, accept_changed_command=accept_changed_command,
+                              rerun=rerun)}, indent=1))
         return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
          retry=_run_retry(ctx))
+
+
+def _torchrun_rendezvous(standalone: bool, nnodes: str, backend: str, endpoint: str | None,
+                         master_addr: str | None, master_port: str | None) -> str | None:
+    """The rendezvous endpoint from torchrun's spellings: ``--rdzv-endpoint`` as given, else
+    ``--master-addr:--master-port`` (port 29500 by default, torchrun's) where several nodes
+    meet; on one node cfrun's ``--standalone`` rendezvous picks its own port and these are
+    no-ops.
+
+    Raises:
+        BadInputError: ``--standalone`` with several nodes, or a backend other than c10d or
+            static.
+    """
+    if backend.strip().lower() not in ("c10d", "static"):
+        raise BadInputError(f"--rdzv-backend {backend!r} is not supported; give c10d or static "
+                            "(cfrun runs torchrun's c10d rendezvous), or drop it")
+    if standalone and nnodes.partition(":")[0].strip() not in ("", "1"):
+        raise BadInputError(f"--standalone runs one node, but --nnodes is {nnodes!r}; drop "
+                            "--standalone, or --nnodes")
+    if endpoint or not master_addr:
+        return endpoint
+    return f"{master_addr}:{master_port or 29500}"
 
 
 def _run_retry(ctx: Any) -> list[str]:
@@ -768,9 +810,13 @@ def _or(value: Any, unknown: str) -> str:
 
 @app.command("status", cls=CfrunCommand,
              help="State of a job: steps, checkpoints, interval, overhead, stall and PGT, "
-                  "restarts.")
+                  "restarts, and the command that resumes a stopped one. Without a job dir, or "
+                  "with a directory of job dirs, one line per job.")
 def status_cmd(
-    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
+    job_dir: Annotated[str | None, typer.Argument(
+        metavar="[JOB_DIR|SCRIPT]",
+        help="A job dir; a directory of job dirs (default ./cfrun-jobs: one line per job); or "
+             "a script, whose job dir in ./cfrun-jobs is shown.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     plot: Annotated[str | None, typer.Option(
         "--plot", metavar="PNG",
@@ -786,7 +832,11 @@ def status_cmd(
 
     from cfrun.cli import inspect as report
 
-    jd = report.open_job_dir(job_dir)
+    found = report.find_jobs(job_dir, Path.cwd())
+    if isinstance(found, list):
+        _list_jobs([report.summary(j) for j in found], as_json=as_json)
+        return
+    jd = found
     if metrics:
         from cfrun.supervisor.metrics import JobMetrics
 
@@ -804,6 +854,20 @@ def status_cmd(
     Console().print(_status_table(st))
 
 
+def _list_jobs(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    """``cfrun status`` of several jobs: one line each, ``DIR  STATE  step N  newest
+    checkpoint M`` (JSON: the :func:`cfrun.cli.inspect.summary` of each)."""
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    cwd = Path.cwd()
+    for r in rows:
+        path = Path(r["job_dir"])
+        shown = path.relative_to(cwd) if path.is_relative_to(cwd) else path
+        print(f"{shown}  {r['state']}  step {_or(r['current_step'], 'none yet')}  newest "
+              f"checkpoint {_or(r['last_committed_step'], 'none yet')}")
+
+
 def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str, str]]:
     """The rows of ``cfrun status``'s table (never "None": :func:`_or`); ``rate``: the steps/s
     row of ``--watch``."""
@@ -816,10 +880,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
          if st["interval"]["steps"] is not None
          else f"not decided yet ({st['interval']['why']})"),
-        ("overhead", f"budget {st['overhead']['budget_pct']}%, stall "
-                     + (f"{st['overhead']['stall_pct']}% of wall time"
-                        if st["overhead"]["stall_pct"] is not None
-                        else "not measured yet (no attempt has ended)")),
+        ("overhead", _overhead_text(st["overhead"])),
         ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
                                  f"{_fmt_s(st['stall_s']['p95'])}, "
                                  f"max {_fmt_s(st['stall_s']['max'])}"),
@@ -833,6 +894,8 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
         ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
+    if st.get("resume_command"):
+        rows.insert(1, ("resume with", st["resume_command"]))
     if st["error"]:
         rows.insert(1, ("error", st["error"]))
     if st["unprotected"]:
@@ -842,6 +905,14 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
     return rows
 
 
+
+
+def _overhead_text(overhead: dict[str, Any]) -> str:
+    """``0.95% stalled (budget 3.5%)``: the job's overhead, the one figure of
+    :data:`cfrun.contract.events.OVERHEAD_DEFINITION`, in the table and ``--watch``."""
+    pct = overhead["stall_pct"]
+    return (f"{pct}% stalled" if pct is not None else "not measured yet (no attempt started)") \
+        + f" (budget {overhead['budget_pct']}%)"
 
 
 def _resume_text(r: dict[str, Any] | None) -> str:
@@ -929,13 +1000,10 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
             return
         while True:
             st, rate = snapshot()
-            overhead = st["overhead"]
             print(f"cfrun status: {st['state']}, step {_or(st['current_step'], 'none yet')}"
                   f"{f' ({rate})' if rate else ''}, newest checkpoint "
                   f"{_or(st['last_committed_step'], 'none yet')}, overhead "
-                  + (f"{overhead['stall_pct']}%" if overhead["stall_pct"] is not None
-                     else "not measured yet")
-                  + f" (budget {overhead['budget_pct']}%), restarts {len(st['restarts'])}",
+                  f"{_overhead_text(st['overhead'])}, restarts {len(st['restarts'])}",
                   flush=True)
             if not st["is_running"]:
                 return
@@ -1109,6 +1177,25 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
     raise typer.Exit(code)
 
 
+def _refuse_dropped(run: Any, words: list[str]) -> None:
+    """Refuse a torchrun option that has no meaning under cfrun (``--tee``, ``--log-dir``,
+    ``-m``: :data:`cfrun.contract.cluster.DROPPED_TORCHRUN_OPTIONS`) among ``cfrun run``'s
+    options, in one line naming it, before typer would call it unknown. The words after the
+    script are the script's: never looked at.
+
+    Raises:
+        BadInputError: a dropped option before the script.
+    """
+    from cfrun.contract.cluster import check_dropped_option
+
+    takes_value = {name for p in run.params if not getattr(p, "is_flag", True)
+                   for name in (*p.opts, *p.secondary_opts)}
+    i = 0
+    while i < len(words) and words[i].startswith("-") and words[i] != "--":
+        check_dropped_option(words[i])
+        i += 2 if words[i] in takes_value else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -1129,6 +1216,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         debug = E.get_flag(E.DEBUG)
         faults.check()
+        if args[0] == "run":
+            _refuse_dropped(command.commands["run"], args[1:])  # type: ignore[attr-defined]
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False,
                           obj={"argv": typed})
     except _EXIT as e:

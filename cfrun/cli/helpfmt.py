@@ -106,8 +106,10 @@ def root_help(group: Any, width: int | None = None) -> str:
                extra_usage=["   or: cfrun COMMAND [ARGS]..."],
                extra_options=[_VERSION_RECORD])
     with formatter.section("Commands"):
-        formatter.write_dl([(name, _summary(cmd.help or ""))
-                            for name, cmd in group.commands.items() if not cmd.hidden])
+        formatter.write_dl([("run", "cfrun run SCRIPT [ARGS]... is cfrun SCRIPT [ARGS]... "
+                                    "(above), spelled out.")]
+                           + [(name, _summary(cmd.help or ""))
+                              for name, cmd in group.commands.items() if not cmd.hidden])
     formatter.write_paragraph()
     formatter.write_text("Everything after SCRIPT goes to the script untouched. cfrun COMMAND "
                          "--help shows a command's options.")

@@ -25,7 +25,9 @@ from typing import Any, BinaryIO
 from cfrun.contract import coordination as co
 from cfrun.contract import gpus
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
+from cfrun.contract.config import resume_command
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
 from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
 from cfrun.contract.jobdir import JobDir, step_dir_name
 
@@ -93,6 +95,82 @@ def open_job_dir(path: str) -> JobDir:
     if not jd.config_path.is_file():
         raise BadInputError(f"{path!r} is not a cfrun job dir (no config.json)")
     return jd
+
+
+JOBS_DIR = "cfrun-jobs"
+"""The directory of default job dirs under the working directory
+(:func:`cfrun.contract.config.default_job_dir`)."""
+
+
+def _jobs_under(root: Path) -> list[JobDir]:
+    """The job dirs directly inside ``root`` (those with ``config.json``), by name."""
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+    return [JobDir(p) for p in children if JobDir(p).config_path.is_file()]
+
+
+def _recorded_script(jd: JobDir) -> str | None:
+    """The script path ``config.json`` records; None where it is unreadable."""
+    try:
+        script = _read_json(jd.config_path, MAX_CONFIG_BYTES).get("script")
+    except BadInputError:
+        return None
+    return script if isinstance(script, str) else None
+
+
+def find_jobs(path: str | None, cwd: Path) -> JobDir | list[JobDir]:
+    """What ``cfrun status [PATH]`` shows (issue 27, item 4): one job dir, or the job dirs to
+    list one line each. ``PATH`` is a job dir; a directory of job dirs (``cfrun-jobs``); a
+    script, whose job dirs are those of ``./cfrun-jobs`` whose ``config.json`` records that
+    script (its default job dir hashes its arguments and world size too, so a bare path may
+    match several); none: ``./cfrun-jobs`` (or ``cwd`` itself when it is a job dir).
+
+    Raises:
+        BadInputError: nothing there, or no job found, naming what to give instead.
+    """
+    if path is None:
+        if JobDir(cwd).config_path.is_file():
+            return JobDir(cwd)
+        path = JOBS_DIR
+        if not (cwd / path).is_dir():
+            raise BadInputError(f"no ./{JOBS_DIR} here ({cwd}); give a job dir, e.g. cfrun "
+                                f"status {JOBS_DIR}/train-1a2b3c4d, or run cfrun status where "
+                                "the job was started")
+    p = (cwd / Path(path).expanduser())
+    if p.is_file():
+        script = str(p.resolve())
+        jobs = [jd for jd in _jobs_under(cwd / JOBS_DIR) if _recorded_script(jd) == script]
+        if not jobs:
+            raise BadInputError(f"no job of {path!r} in ./{JOBS_DIR}; give the --job-dir it ran "
+                                "with, or run cfrun status where it was started")
+        return jobs[0] if len(jobs) == 1 else jobs
+    if p.is_dir() and not JobDir(p).config_path.is_file():
+        jobs = _jobs_under(p)
+        if not jobs:
+            raise BadInputError(f"{path!r} is not a cfrun job dir (no config.json) and holds "
+                                "none; give the --job-dir of a run")
+        return jobs
+    return open_job_dir(path)
+
+
+def summary(jd: JobDir, config: dict[str, Any] | None = None,
+            events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A job's one-line facts (``cfrun status`` of several jobs, and the head of
+    :func:`status`): job_dir, script, state, is_running, current_step, last_committed_step,
+    resume_command (the ``cfrun resume`` line that goes on with a stopped, failed, fatal,
+    preempted or dead job; None while it runs or after it succeeded)."""
+    config = _read_json(jd.config_path, MAX_CONFIG_BYTES) if config is None else config
+    events = _read_events(jd) if events is None else events
+    states = [e for e in events if e.get("event") == "state"]
+    running, state = _liveness(jd, config, states[-1]["state"] if states else None)
+    node = config.get("node_rank")
+    return {"job_dir": str(jd.root), "script": config.get("script"), "state": state,
+            "is_running": running, "current_step": co.newest_heartbeat_step(jd.root),
+            "last_committed_step": _newest_readable(jd),
+            "resume_command": None if running or state == "succeeded"
+            else resume_command(jd.root, node if isinstance(node, int) else 0)}
 
 
 def _stats(values: list[float]) -> dict[str, float | int | None]:
@@ -173,7 +251,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     (supervisor pid N gone)`` when it died without one.
 
     Keys: job_dir, script, state, is_running, current_step, last_committed_step,
-    interval ({steps, why}), overhead ({budget_pct, stall_pct}), stall_s and pgt_s statistics
+    resume_command (:func:`summary`), interval ({steps, why}), overhead ({budget_pct,
+    stall_pct, definition}: :func:`cfrun.contract.events.overhead_seconds`, live), stall_s
+    and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
     restarts ([{attempt, cause, step, where}]), disk_bytes, error (the message that stopped a
@@ -189,29 +269,24 @@ def status(jd: JobDir) -> dict[str, Any]:
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
     events = _read_events(jd)
     states = [e for e in events if e.get("event") == "state"]
-    running, state = _liveness(jd, config, states[-1]["state"] if states else None)
-    newest = _newest_readable(jd)
+    head = summary(jd, config, events)
+    running = head["is_running"]
     ckpts = [e for e in events if e.get("event") == "checkpoint"]
-    attempts = [e for e in events if e.get("event") == "attempt_end"]
-    wall_s = sum(float(e.get("duration_s", 0)) for e in attempts)
-    stall_total_s = sum(float(e.get("stall_s", 0)) for e in ckpts)
+    stall_total_s, wall_s = overhead_seconds(events, now_unix_s=time.time() if running
+                                             else None)
     interval = config.get("interval")
     strategy = {}
     if os.path.lexists(jd.strategy_path):
         strategy = _read_json(jd.strategy_path, MAX_CONFIG_BYTES)
     return {
-        "job_dir": str(jd.root),
-        "script": config.get("script"),
-        "state": state,
-        "is_running": running,
-        "current_step": co.newest_heartbeat_step(jd.root),
-        "last_committed_step": newest,
+        **head,
         "interval": {"steps": interval, "why": "fixed by --interval"} if interval is not None
         else {"steps": strategy.get("interval"),
               "why": f"policy ({strategy.get('source', 'profiling')}): "
                      f"{strategy.get('reason', 'not decided yet')}"},
         "overhead": {"budget_pct": round(100 * float(config.get("overhead", 0.035)), 3),
-                     "stall_pct": round(100 * stall_total_s / wall_s, 3) if wall_s else None},
+                     "stall_pct": round(100 * stall_total_s / wall_s, 3) if wall_s else None,
+                     "definition": OVERHEAD_DEFINITION},
         "stall_s": _stats([float(e["stall_s"]) for e in ckpts if "stall_s" in e]),
         "pgt_s": _stats([float(e["pgt_s"]) for e in ckpts if "pgt_s" in e]),
         "checkpoints_taken": len(ckpts),

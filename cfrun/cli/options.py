@@ -66,3 +66,27 @@ LocalAddrOption = Annotated[str | None, typer.Option(
     "--local-addr", "--local_addr", metavar="ADDRESS", envvar=E.LOCAL_ADDR,
     help="This node's address for the rendezvous and the ranks' store (torchrun "
          "--local-addr), where the host name does not resolve to it.")]
+
+StandaloneOption = Annotated[bool, typer.Option(
+    "--standalone",
+    help="torchrun's one-node rendezvous: what cfrun does on one node anyway (accepted so a "
+         "torchrun command line pastes).")]
+
+MasterAddrOption = Annotated[str | None, typer.Option(
+    "--master-addr", "--master_addr", metavar="HOST",
+    help="torchrun's static rendezvous host: with --nnodes > 1 and no --rdzv-endpoint, the "
+         "rendezvous is at HOST:--master-port; on one node cfrun picks a free port itself.")]
+
+MasterPortOption = Annotated[str | None, typer.Option(
+    "--master-port", "--master_port", metavar="PORT",
+    help="torchrun's static rendezvous port (default 29500), with --master-addr.")]
+
+RdzvBackendOption = Annotated[str, typer.Option(
+    "--rdzv-backend", "--rdzv_backend", metavar="[c10d|static]",
+    help="torchrun's rendezvous backend: cfrun always uses c10d at the rendezvous endpoint "
+         "(static's node ranks are kept: --node-rank).")]
+
+RdzvConfOption = Annotated[str | None, typer.Option(
+    "--rdzv-conf", "--rdzv_conf", metavar="KEY=VALUE,...",
+    help="torchrun's rendezvous settings: accepted and not used (cfrun sets is_host itself; "
+         "its timeouts are torchrun's defaults).")]

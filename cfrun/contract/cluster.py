@@ -112,3 +112,87 @@ def cluster_defaults(environ: Mapping[str, str]) -> ClusterDefaults:
         if gpus.isdigit() and int(gpus) > 0:
             put("nproc_per_node", gpus, "SLURM_GPUS_ON_NODE")
     return ClusterDefaults(out)
+
+
+def fixed_nnodes(text: str) -> str:
+    """``--nnodes``: ``"2"`` or ``"2:2"`` -> ``"2"``; torchrun's elastic ``MIN:MAX`` range is
+    refused in one line, as ``PET_NNODES``'s (:func:`_fixed_nnodes`).
+
+    Raises:
+        BadInputError: an elastic range.
+    """
+    lo, _, hi = text.partition(":")
+    if hi and lo.strip() != hi.strip():
+        raise BadInputError(f"drop the range of --nnodes={text}: cfrun keeps a fixed world size "
+                            f"(a changed one would not resume); give --nnodes={hi.strip()}")
+    return lo.strip()
+
+
+def visible_gpu_count() -> int:
+    """GPUs the ranks can use: NVML's devices within ``CUDA_VISIBLE_DEVICES``
+    (:func:`cfrun.contract.gpus.samples`); 0 without NVML or without a GPU. torch is not
+    imported (``cfrun --dry-run`` stays fast)."""
+    from cfrun.contract.gpus import samples
+
+    return len(samples())
+
+
+def resolve_nproc_per_node(text: str) -> str:
+    """torchrun's ``--nproc-per-node`` words as torchrun reads them: ``gpu`` -> the visible
+    GPUs (an error without one, as torchrun's), ``auto`` -> the visible GPUs, else the CPU
+    count; a number is returned unchanged (checked later).
+
+    Raises:
+        BadInputError: ``gpu`` on a machine without a visible GPU.
+    """
+    word = text.strip().lower()
+    if word not in ("gpu", "auto"):
+        return text
+    count = visible_gpu_count()
+    if word == "gpu" and count == 0:
+        raise BadInputError("--nproc-per-node gpu: no GPU is visible on this machine (torchrun "
+                            "refuses it too); give a number, e.g. --nproc-per-node 1, or auto")
+    import os
+
+    return str(count or os.cpu_count() or 1)
+
+
+DROPPED_TORCHRUN_OPTIONS = {
+    "--tee": "each rank's output reaches the console as the script prints it, and the job "
+             "dir keeps cfrun's records",
+    "-t": "each rank's output reaches the console as the script prints it, and the job dir "
+          "keeps cfrun's records",
+    "--redirects": "the ranks' output goes to the console and their failures to the job dir",
+    "-r": "the ranks' output goes to the console and their failures to the job dir",
+    "--log-dir": "torchrun's logs go to the job dir (give --job-dir to place it)",
+    "--log_dir": "torchrun's logs go to the job dir (give --job-dir to place it)",
+    "--logs-specs": "torchrun's logs go to the job dir (give --job-dir to place it)",
+    "--local-ranks-filter": "each rank's output reaches the console as the script prints it",
+    "--monitor-interval": "it watches the ranks itself (heartbeats, --hang-timeout)",
+    "--monitor_interval": "it watches the ranks itself (heartbeats, --hang-timeout)",
+    "--role": "every rank runs the one script (one role)",
+    "--no-python": "it runs a Python training script, whose state it checkpoints",
+    "--no_python": "it runs a Python training script, whose state it checkpoints",
+    "--run-path": "it runs the script as python SCRIPT does",
+    "--run_path": "it runs the script as python SCRIPT does",
+    "--start-method": "torchrun starts each rank as its own process (spawn)",
+    "--start_method": "torchrun starts each rank as its own process (spawn)",
+    "-m": "it runs a script file, which it records and hashes for an exact resume; give the "
+          "module's file instead, e.g. cfrun pkg/train.py",
+    "--module": "it runs a script file, which it records and hashes for an exact resume; give "
+                "the module's file instead, e.g. cfrun pkg/train.py",
+}
+"""torchrun options that have no meaning under cfrun -> why (``drop X: cfrun does it
+because ...``, exit 2)."""
+
+
+def check_dropped_option(word: str) -> None:
+    """Refuse one of :data:`DROPPED_TORCHRUN_OPTIONS` (``--tee``, ``--tee=3``) in one line.
+
+    Raises:
+        BadInputError: ``word`` names such an option.
+    """
+    name = word.split("=", 1)[0]
+    why = DROPPED_TORCHRUN_OPTIONS.get(name)
+    if why is not None:
+        raise BadInputError(f"drop {name}: cfrun does it because {why}")

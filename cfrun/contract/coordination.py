@@ -110,6 +110,20 @@ def newest_heartbeat_step(job_dir: Path) -> int | None:
     return max(steps) if steps else None
 
 
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
+def is_transport_error(error_type: str | None, message: str | None) -> bool:
+    """A rank's error that only reports another rank's death (a collective lost its peer):
+    gloo's and NCCL's ``DistNetworkError``/``DistBackendError``, or a message that says the
+    peer closed, reset or crashed. The supervisor does not blame it for a failure
+    (:mod:`cfrun.supervisor.machine`); the rank prints one line for it instead of its
+    traceback (:mod:`cfrun.rank.install`)."""
+    return error_type in ("DistNetworkError", "DistBackendError") or \
+        any(t in (message or "") for t in _TRANSPORT)
+
+
 def error_path(job_dir: Path, attempt: int, rank: int) -> Path:
     """``<job_dir>/errors/attempt-A-rank-R.json`` (:class:`RankError`)."""
     return Path(job_dir) / ERRORS_DIR / f"attempt-{attempt}-rank-{rank}.json"

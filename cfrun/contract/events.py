@@ -154,3 +154,45 @@ def check(kind: str, names: Iterable[str]) -> None:
     if kind not in _logged:
         _logged.add(kind)
         logger.warning("cfrun: bug: %s (written anyway)", "; ".join(found))
+
+
+OVERHEAD_DEFINITION = ("checkpoint stall over the training wall time of the attempts so far "
+                       "(a running attempt counted to now)")
+"""cfrun's one definition of a job's overhead, as ``cfrun status``, the ``cfrun_overhead_ratio``
+metric and the README say it (:func:`overhead_seconds`)."""
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
+
+
+def overhead_seconds(events: Iterable[dict[str, object]], *,
+                     now_unix_s: float | None = None) -> tuple[float, float]:
+    """``(stall_s, wall_s)`` of :data:`OVERHEAD_DEFINITION` from ``events.jsonl``'s events, in
+    order: ``stall_s`` the sum of the ``checkpoint`` events' stalls (the time the training
+    loop waited for its snapshot), ``wall_s`` the ``attempt_end`` durations plus, for an attempt
+    that has no ``attempt_end`` (a running one, one ended by SIGTERM or a killed supervisor),
+    its start to ``now_unix_s`` when given (the job runs), else to its newest event. The
+    overhead is ``stall_s / wall_s`` (undefined while ``wall_s`` is 0). Used by ``cfrun
+    status`` and :class:`cfrun.supervisor.metrics.JobMetrics`; never raises for odd events."""
+    stall_s = wall_s = 0.0
+    open_start: float | None = None
+    last_t: float | None = None
+    for e in events:
+        kind, t = e.get("event"), _num(e.get("t_unix_s"))
+        if kind == "checkpoint":
+            stall_s += _num(e.get("stall_s")) or 0.0
+        elif kind == "attempt_start":
+            if open_start is not None and last_t is not None:  # never ended: to its last event
+                wall_s += max(0.0, last_t - open_start)
+            open_start = t
+        elif kind == "attempt_end":
+            wall_s += _num(e.get("duration_s")) or 0.0
+            open_start = None
+        if t is not None:
+            last_t = t
+    if open_start is not None:
+        end = now_unix_s if now_unix_s is not None else last_t
+        wall_s += max(0.0, (end or open_start) - open_start)
+    return stall_s, wall_s

@@ -120,6 +120,7 @@ def _install() -> Any:
 
     from cfrun.contract import faults
     from cfrun.rank import data
+    from cfrun.rank.log import say
     from cfrun.rank.runtime import Runtime
     from cfrun.rank.settings import RankSettings
 
@@ -170,12 +171,17 @@ def _install() -> Any:
     orig_hook = sys.excepthook
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+        note = None
         try:
             rt.on_uncaught(exc_type, exc, tb)
+            note = _transport_note(rt, exc_type, exc)
         except Exception:
             pass
         finally:
-            orig_hook(exc_type, exc, tb)
+            if note is not None:
+                say(note)
+            else:
+                orig_hook(exc_type, exc, tb)
 
     sys.excepthook = excepthook
     orig_exit = sys.exit
@@ -206,6 +212,27 @@ _REGISTERED: dict[int, Any] = {}
 object dies), or the object itself where it takes no weak reference. Kept here, not as an
 attribute on the object, so nothing of cfrun reaches the user's ``state_dict()`` or saved files
 (an LR scheduler's ``state_dict()`` is its ``__dict__``)."""
+
+
+def _transport_note(rt: Any, exc_type: Any, exc: Any) -> str | None:
+    """The one line a rank prints instead of its traceback for an uncaught error that only
+    reports another rank's death (:func:`cfrun.contract.coordination.is_transport_error`: gloo's
+    "Connection reset by peer" after a rank was killed), naming the error record in the job
+    dir's ``errors/`` that keeps the traceback (issue 27, item 5); None for any other error,
+    or where the record was not written (the traceback is printed then)."""
+    from cfrun.contract import coordination as co
+
+    message = str(exc)
+    if not co.is_transport_error(getattr(exc_type, "__name__", None), message):
+        return None
+    path = co.error_path(rt.marks.jobdir.root, rt.marks.s.attempt, rt.marks.s.rank)
+    if not path.is_file():
+        return None
+    import re
+
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (message.strip().splitlines() or [""])[0])
+    return (f"{exc_type.__name__}: {first[:120].rstrip()} (a consequence of another rank's "
+            f"failure; traceback in {path})")
 
 
 def _mark_registered(obj: Any) -> bool:

@@ -139,6 +139,33 @@ class SignalReceived(Exception):
         self.signum = signum
 
 
+def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
+                    rerun: bool = False) -> str:
+    """What a run of ``cfg`` would do with its job dir, for ``cfrun --dry-run`` (issue 27,
+    item 8): ``new``, ``resume from step N``, ``start over`` (no checkpoint), ``finished``
+    (nothing to do), ``refused`` (a changed command, exit 2) or ``locked`` (exit 3), with the
+    reason. Reads only, as :meth:`Supervisor.run` decides before it writes anything."""
+    jd = JobDir(cfg.job_dir)
+    if not jd.root.exists():
+        return "new: the job dir does not exist yet; the job starts at step 0"
+    steps = committed_steps(jd.checkpoints)
+    try:
+        _, changes, _ = check_identity(
+            jd.identity_path, Command.of(cfg), job_name=cfg.job_name,
+            accept_changed=accept_changed_command, nnodes=cfg.nnodes, resumable=bool(steps))
+    except BadInputError as e:
+        return f"refused (exit 2): {e}"
+    finished = None if changes or rerun else finished_at(jd, cfg.node_rank)
+    if finished is not None:
+        return f"finished {finished}: nothing to do (exit 0; --rerun runs it again)"
+    if _lock_held(jd.lock_path):
+        return "locked (exit 3): another cfrun runs this job"
+    if steps:
+        return f"resume from the checkpoint of step {steps[0]}" + \
+            (" (changed command accepted)" if changes else "")
+    return "start at step 0: the job dir holds no checkpoint"
+
+
 def finished_at(jd: JobDir, node_rank: int) -> str | None:
     """``"at step N on DATE"`` when this node's last attempt of the job in ``jd`` succeeded
     (its last ``state`` event is ``succeeded`` and no attempt started since) and the job
@@ -300,7 +327,7 @@ class Supervisor:
         cannot be bound is one warning, not a failed job."""
         from cfrun.supervisor.metrics import JobMetrics, serve
 
-        self.metrics = JobMetrics(self.jobdir.root)
+        self.metrics = JobMetrics(self.jobdir.root, live=True)
         self.monitor.metrics = self.metrics
         if self.cfg.metrics:
             try:

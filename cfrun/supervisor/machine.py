@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cfrun.contract.config import resume_command
+from cfrun.contract.coordination import is_transport_error
 from cfrun.contract.errors import (
     EXIT_FAILED,
     EXIT_FATAL,
@@ -102,8 +103,6 @@ _VOLATILE = [
     (re.compile(r"\b(port|pid)([ =:]\s*)\d+", re.IGNORECASE), r"\1\2N"),
     (re.compile(r"\b0x[0-9A-Fa-f]+\b"), "0xADDR"),
 ]
-_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "remote worker crashing", "NCCL communicator was aborted")
 
 
 def normalise_error_message(message: str | None) -> str | None:
@@ -114,14 +113,6 @@ def normalise_error_message(message: str | None) -> str | None:
     for pattern, repl in _VOLATILE:
         message = pattern.sub(repl, message)
     return message
-
-
-def is_transport_error(error_type: str | None, message: str | None) -> bool:
-    """A rank's error that only reports another rank's death (a collective lost its peer):
-    gloo's and NCCL's ``DistNetworkError``/``DistBackendError``, or a message that says the
-    peer closed, reset or crashed."""
-    return error_type in ("DistNetworkError", "DistBackendError") or \
-        any(t in (message or "") for t in _TRANSPORT)
 
 
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: Killed\b")

@@ -17,7 +17,7 @@ yields:
 ``cfrun_restarts_total{cause}``               restarts by cause: ``killed``, ``exit``,
                                               ``hang``, ``oom``, ``hardware``
 ``cfrun_attempts_total``                      attempts started
-``cfrun_overhead_ratio``                      checkpoint stall over wall time of ended attempts
+``cfrun_overhead_ratio``                      checkpoint stall over the training wall time so far
 ``cfrun_overhead_budget_ratio``               the ``--overhead`` budget
 ``cfrun_peer_up``                             1 while the peer tier answers, 0 when it does not
                                               (absent without ``--peer``)
@@ -38,6 +38,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -46,6 +47,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cfrun.contract import coordination
+from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
 from cfrun.contract.fsio import write_atomic
 from cfrun.contract.gpus import samples
 from cfrun.contract.jobdir import JobDir
@@ -96,10 +98,13 @@ class JobMetrics:
 
     Any process may construct one (the supervisor, ``cfrun status``); ``collect()`` is called
     by ``prometheus_client`` (from its HTTP thread too: calls are serialized by the caller or
-    harmless, as each reads files and updates counts under the GIL).
+    harmless, as each reads files and updates counts under the GIL). ``live``: the job runs
+    (the supervisor's own collector): a running attempt's overhead counts to now; None: the
+    job dir's lock says (``cfrun status --metrics``).
     """
 
-    def __init__(self, job_dir: str | Path) -> None:
+    def __init__(self, job_dir: str | Path, *, live: bool | None = None) -> None:
+        self.live = live
         self.jobdir = JobDir(job_dir)
         self._offset = 0
         self._partial = b""
@@ -112,8 +117,8 @@ class JobMetrics:
         self.newest_committed: int | None = None
         self.restarts: dict[str, int] = {}
         self.attempts = 0
-        self.stall_total_s = 0.0
-        self.wall_s = 0.0
+        self._timeline: list[dict[str, Any]] = []  # what overhead_seconds reads
+        self._last_t: float | None = None
         self.peer_up: int | None = None
 
     def _read_new_events(self) -> None:
@@ -140,11 +145,15 @@ class JobMetrics:
 
     def _apply(self, e: dict[str, Any]) -> None:
         kind = e.get("event")
+        if isinstance(e.get("t_unix_s"), int | float):
+            self._last_t = float(e["t_unix_s"])
+        if kind in ("checkpoint", "attempt_start", "attempt_end"):
+            self._timeline.append({k: e.get(k) for k in ("event", "t_unix_s", "stall_s",
+                                                         "duration_s")})
         if kind == "checkpoint":
             self.checkpoints += 1
             if isinstance(e.get("stall_s"), int | float):
                 self.stall.observe(float(e["stall_s"]))
-                self.stall_total_s += float(e["stall_s"])
         elif kind == "commit":
             step = e.get("step")
             if isinstance(step, int):
@@ -162,8 +171,6 @@ class JobMetrics:
             self.restarts[label] = self.restarts.get(label, 0) + 1
         elif kind == "attempt_start":
             self.attempts += 1
-        elif kind == "attempt_end" and isinstance(e.get("duration_s"), int | float):
-            self.wall_s += float(e["duration_s"])
         elif kind in ("protected", "peer_reconnected", "durable"):
             self.peer_up = 1
         elif kind == "peer_unavailable":
@@ -212,9 +219,12 @@ class JobMetrics:
             restarts.add_metric([cause], self.restarts.get(cause, 0))
         yield restarts
         yield CounterMetricFamily("cfrun_attempts", "Attempts started", value=self.attempts)
-        if self.wall_s > 0:
-            yield GaugeMetricFamily("cfrun_overhead_ratio", "Checkpoint stall over the wall time "
-                                    "of ended attempts", value=self.stall_total_s / self.wall_s)
+        stall_s, wall_s = overhead_seconds(
+            self._timeline, now_unix_s=time.time() if (self.jobdir.is_locked() if self.live is None
+                                                        else self.live) else self._last_t)
+        if wall_s > 0:
+            yield GaugeMetricFamily("cfrun_overhead_ratio", OVERHEAD_DEFINITION[:1].upper()
+                                    + OVERHEAD_DEFINITION[1:], value=stall_s / wall_s)
         budget = self._budget()
         if budget is not None:
             yield GaugeMetricFamily("cfrun_overhead_budget_ratio", "The --overhead budget",

@@ -29,6 +29,7 @@ from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
+from cfrun.contract.events import overhead_seconds
 from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
@@ -288,22 +289,20 @@ class Monitor:
             pass
 
     def overhead_text(self, started_unix_s: float) -> str:
-        """``overhead S% (budget B%)``: training time this attempt lost in checkpoint stalls
-        (``checkpoint`` events' ``stall_s`` over the wall time since the attempt started), and
-        the policy's latest measured overhead (``adapt`` events) when there is one."""
-        stall_s = 0.0
+        """``overhead S% stalled (budget B%)``: the job's overhead as ``cfrun status`` shows it
+        (:func:`cfrun.contract.events.overhead_seconds`, to now), and the step slowdown the
+        policy measured in its latest window (``adapt`` events of this attempt, since
+        ``started_unix_s``) when there is one."""
+        events = self.jobdir.read_events()
+        stall_s, wall_s = overhead_seconds(events, now_unix_s=time.time())
         measured = None
-        for e in self.jobdir.read_events():
-            if e.get("t_unix_s", 0) < started_unix_s:
-                continue
-            if e.get("event") == "checkpoint":
-                stall_s += float(e.get("stall_s") or 0.0)
-            elif e.get("event") == "adapt" and e.get("measured_overhead") is not None:
+        for e in events:
+            if e.get("event") == "adapt" and e.get("t_unix_s", 0) >= started_unix_s \
+                    and e.get("measured_overhead") is not None:
                 measured = float(e["measured_overhead"])
-        wall_s = max(time.time() - started_unix_s, 1e-9)
-        text = f"overhead {100 * stall_s / wall_s:.2f}% stalled"
+        text = f"overhead {100 * stall_s / max(wall_s, 1e-9):.2f}% stalled"
         if measured is not None:
-            text += f", {100 * measured:.2f}% measured"
+            text += f", last policy window {100 * measured:.2f}%"
         if self.cfg.interval is not None:
             return text + f" (budget {100 * self.cfg.overhead:.2f}%, not applied: --interval)"
         return text + f" (budget {100 * self.cfg.overhead:.2f}%)"

@@ -201,6 +201,13 @@ def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_
     assert len(run.events("attempt_start")) == 2
     failures = run.events("failure")
     assert [f["error"]["rank"] for f in failures] == [1, 1]
+    # rank 0's gloo error is one line per attempt, its traceback kept in errors/ (issue 27,
+    # item 5); rank 1's own traceback (the user's error) is printed as Python prints it
+    notes = [l for l in run.stderr.splitlines() if "a consequence of another rank's failure" in l]
+    assert len(notes) == 2 and all(l.startswith("[cfrun rank 0] ") for l in notes), run.stderr
+    assert "[rank0]: Traceback" not in run.stderr and "[rank1]: Traceback" in run.stderr
+    kept = json.loads((run.job_dir / "errors" / "attempt-0-rank-0.json").read_text())
+    assert "Connection closed by peer" in "".join(kept["traceback"])
 
 
 def test_resume_from_elsewhere_uses_the_recorded_cwd_and_env(tmp_path):
