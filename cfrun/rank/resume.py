@@ -1,8 +1,10 @@
 """Phase 6: resume. Bring a restarted script to the moment right after the checkpoint's step.
 
-At install the rank loads the newest verified checkpoint (:meth:`Resume.load_plan`); the script
-then runs from its first line, and cfrun fast-forwards it to the checkpoint's boundary
-(README, "Resume semantics"):
+At install the rank chooses the newest verified checkpoint and starts reading its own shard on
+a background thread (:meth:`Resume.load_plan`, :class:`cfrun.codec.checkpoint.ShardRead`); the
+script then runs from its first line, importing and building its model while the read goes on,
+and cfrun fast-forwards it to the checkpoint's boundary, where it waits for the read
+(:meth:`Resume._await_read`; README, "Resume semantics"):
 
 * **step loops** (the checkpoint was taken at the head of the loop around
   ``optimizer.step()``): a tracer waits for the script to reach that loop head, restores
@@ -31,9 +33,13 @@ the live objects and frames, and hands the step count back to the boundary phase
 
 A checkpoint that cannot be read, decoded or applied is unusable: at install every rank judges
 the newest ones alike (:func:`cfrun.codec.checkpoint.check_usable`, with :func:`check_state`),
-moves the bad ones aside and falls back to the same older one; a failure only this rank sees
-later (its own shard, or applying it) moves the checkpoint aside and restarts the attempt
-(:meth:`Resume._unusable`), so that every rank falls back together.
+moves the bad ones aside and falls back to the same older one. Its own shard's bytes, which only
+this rank reads, are judged by the background read: found corrupt, the checkpoint is moved aside
+where the plan is first used, before anything of it reached the script, and the rank falls back
+as at install (:meth:`Resume._fall_back`), the other ranks having judged the same file at
+install. A failure only this rank sees later (an I/O error, applying it) moves the checkpoint
+aside and restarts the attempt (:meth:`Resume._unusable`), so that every rank falls back
+together.
 """
 
 from __future__ import annotations
