@@ -232,8 +232,9 @@ class Resume:
         script imports its libraries and builds its model, and :meth:`_await_read` takes them
         where the plan is first used.
 
-        Unusable ones are moved aside on the way (rank 0 says so, once each); a failure of this
-        rank's own shard, or while preparing the plan, goes to :meth:`_unusable`.
+        Unusable ones are moved aside on the way (rank 0 says so, once each); this rank's own
+        shard is judged by its read (:meth:`_await_read`); a failure while preparing the plan
+        goes to :meth:`_unusable`.
         """
         read_start = time.time()
         got = self._open(None)
