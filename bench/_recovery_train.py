@@ -25,6 +25,9 @@ parser = argparse.ArgumentParser(description="recovery benchmark training script
 parser.add_argument("--steps", type=int, default=100000)
 parser.add_argument("--hidden", type=int, default=2048)
 parser.add_argument("--stamps", required=True)
+parser.add_argument("--startup-s", type=float, default=0.0,
+                    help="sleep this long before building the model (a job's slow start-up: "
+                         "CUDA initialisation, a large model's construction)")
 
 
 def stamp(path, step):
@@ -38,6 +41,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ot.HIDDEN = args.hidden
+    time.sleep(args.startup_s)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = 0
     if distributed:

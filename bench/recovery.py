@@ -17,9 +17,12 @@ That is the *time to recover*, broken down from the job's events and the kill ti
 * ``import``: rank process creation -> cfrun's hooks installed (interpreter, torch, cfrun);
 * ``agent_wait``: the rank waiting for the persist agent to finish the killed attempt's
   hand-off (``agent_wait_s`` of ``resumed``);
-* ``read``: cfrun reading and verifying the checkpoint (``read_s`` of ``resumed``);
+* ``read``: what cfrun's reading and verifying of the checkpoint held the script: at install
+  (``read_sync_s`` of ``resumed``: choosing the checkpoint, the JSON) plus the wait for the
+  background read at the resume point (``read_wait_s``); for a cfrun without the background
+  read (issue 23, item 5), all of ``read_s``;
 * ``to_boundary``: the script's own start-up to the loop head where the state is restored
-  (imports, model and optimizer construction, DDP set-up, fast-forward);
+  (imports, model and optimizer construction, DDP set-up, fast-forward), less that wait;
 * ``restore``: putting the state into the live objects (``restore_s`` of ``resumed``);
 * ``first_step``: ``resumed`` -> the first optimizer step's stamp.
 
@@ -28,12 +31,16 @@ The *plain start-up* (measured before each kill, interleaved) is the same script
 The *read floor* is the state's bytes over the disk's read bandwidth (a file dropped from the
 page cache, ``bench/scaling.measure_read``).
 
-Target (issue 16): recover <= plain start-up + read floor + 1 s, for 1 and 2 ranks.
+Target (issue 23, item 5): recover <= plain start-up + 1 s, for 1 and 2 ranks: the checkpoint
+is read while the script starts up (from the page cache after a kill: the file was just
+written). The read floor is printed for reference (issue 16's target added it).
 
 Usage::
 
     .venv/bin/python bench/recovery.py                  # 3 kills each for 1 and 2 ranks (~5 min)
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
+    # ~1 GB of state, 3 s of start-up; before/after: the same with --cfrun-root /work/main
+    .venv/bin/python bench/recovery.py --repeats 1 --ranks 1 --hidden 6500 --startup-s 3
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ DEFAULT_OUT = RESULTS_DIR / "recovery.json"
 PHASES = ["detect", "backoff", "launch", "import", "agent_wait", "read", "to_boundary", "restore",
           "first_step"]
 """The breakdown's parts, in order; they add up to the time to recover."""
+EXTRA = ["read_bg"]
+"""Shown beside the breakdown, not part of it: ``read_bg``, the whole read (``read_s``),
+in the background from ``read_sync_s`` on, overlapping ``to_boundary``."""
 SLACK_S = 1.0
 
 
@@ -117,10 +127,15 @@ def stop(proc, grace_s=30.0):
             proc.wait()
 
 
-def plain_startup(ranks, work, timeout_s):
+def work_args(args):
+    """The training script's options that set its work: state size and start-up."""
+    return ["--hidden", str(args.hidden), "--startup-s", str(args.startup_s)]
+
+
+def plain_startup(ranks, work, timeout_s, args):
     """Seconds from launching the plain script (no cfrun) to its first optimizer step."""
     stamps = Path(tempfile.mkdtemp(dir=work)) / "stamps"
-    script = [str(TRAIN_SCRIPT), "--stamps", str(stamps), "--steps", "3"]
+    script = [str(TRAIN_SCRIPT), "--stamps", str(stamps), "--steps", "3", *work_args(args)]
     cmd = ([sys.executable, *script] if ranks == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={ranks}", *script])
@@ -149,9 +164,12 @@ def one_kill(ranks, args, work):
     cmd = [sys.executable, "-m", "cfrun", "--interval", str(args.interval), "--job-dir",
            str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks),
            *shlex.split(args.cfrun_args), str(TRAIN_SCRIPT),
-           "--stamps", str(stamps)]
+           "--stamps", str(stamps), *work_args(args)]
     out = open(run / "cfrun.log", "w")
-    p = subprocess.Popen(cmd, env=scaling.env_for("cfrun"), cwd=run, stdout=out, stderr=out)
+    env = scaling.env_for("cfrun")
+    if args.cfrun_root:  # another checkout's cfrun (e.g. main's, for a before/after)
+        env["PYTHONPATH"] = args.cfrun_root
+    p = subprocess.Popen(cmd, env=env, cwd=run, stdout=out, stderr=out)
     rec = {"ranks": ranks, "cmd": shlex.join(cmd)}
     try:
         commit = wait_for(lambda: [e for e in events(job) if e.get("event") == "commit"],
@@ -194,14 +212,17 @@ def breakdown(t_kill, end, start, resumed, t_first):
     def d(a, b):
         return None if a is None or b is None else b - a
 
-    read_end = None if read0 is None or read_s is None else read0 + read_s
+    sync_s, wait_s = resumed.get("read_sync_s", read_s), resumed.get("read_wait_s", 0.0)
+    held_s = None if sync_s is None else sync_s + (wait_s or 0.0)
+    install_end = None if read0 is None or sync_s is None else read0 + sync_s
     restore0 = None if restore_s is None else t_res - restore_s
+    boundary = d(install_end, restore0)
     return {"detect": d(t_kill, end["t_unix_s"]), "backoff": d(end["t_unix_s"], start["t_unix_s"]),
             "launch": d(start["t_unix_s"], proc0),
             "import": d(proc0, None if read0 is None else read0 - (agent_s or 0.0)),
-            "agent_wait": agent_s, "read": read_s,
-            "to_boundary": d(read_end, restore0), "restore": restore_s,
-            "first_step": d(t_res, t_first)}
+            "agent_wait": agent_s, "read": held_s,
+            "to_boundary": None if boundary is None else boundary - (wait_s or 0.0),
+            "restore": restore_s, "first_step": d(t_res, t_first), "read_bg": read_s}
 
 
 def main(argv=None):
@@ -213,6 +234,15 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=180, help="seconds per wait")
     ap.add_argument("--cfrun-args", default="",
                     help="more cfrun options, e.g. '--launcher python' (1 rank, no torchrun)")
+    ap.add_argument("--hidden", type=int, default=2048,
+                    help="the MLP's width: ~24 * hidden**2 bytes of state (2048: ~126 MB; "
+                         "6500: ~1 GB)")
+    ap.add_argument("--startup-s", type=float, default=0.0,
+                    help="the script sleeps this long before building its model (a large job's "
+                         "start-up: CUDA initialisation, model construction)")
+    ap.add_argument("--cfrun-root", default="",
+                    help="run the cfrun of this checkout instead (PYTHONPATH), e.g. /work/main "
+                         "for a before/after comparison")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--tmp-root", default=str(RESULTS_DIR / "tmp"))
     args = ap.parse_args(argv)
@@ -223,13 +253,14 @@ def main(argv=None):
     results = []
     try:
         sys.path.insert(0, str(BENCH_DIR))
-        state_bytes = scaling.co.state_bytes_of_script()
+        h = args.hidden  # parameters of the MLP (bench/_overhead_train.py) and Adam's two
+        state_bytes = 4 * 3 * (2 * h * h + 1037 * h + 10)
         read = scaling.measure_read(work, state_bytes)
         floor_s = state_bytes / read["bandwidth_bytes_per_s"]
         for ranks in [int(x) for x in args.ranks.split(",") if x]:
             plain, kills = [], []
             for i in range(args.repeats):  # interleaved: a slow phase of the machine hits both
-                plain.append(plain_startup(ranks, work, args.timeout))
+                plain.append(plain_startup(ranks, work, args.timeout, args))
                 rec = one_kill(ranks, args, work)
                 kills.append(rec)
                 print(f"[{ranks} rank(s)] plain start-up {plain[-1]:.2f} s; kill {i + 1}: "
@@ -241,24 +272,25 @@ def main(argv=None):
     print(f"\ncommand: {command}")
     print(f"state {state_bytes / 1e6:.0f} MB; read {read['bandwidth_bytes_per_s'] / 1e9:.2f} "
           f"GB/s -> read floor {floor_s:.2f} s; medians over {args.repeats} kill(s)")
-    hdr = ["ranks", "plain start", "recover", *PHASES, "target", ""]
+    hdr = ["ranks", "plain start", "recover", *PHASES, *EXTRA, "target", ""]
     print("  ".join(f"{h:>11}" for h in hdr))
     summary = []
     for r in results:
         plain = statistics.median(r["plain_startup_s"])
         rec = statistics.median(k["recover_s"] for k in r["kills"])
-        phases = {ph: med([k["phases"][ph] for k in r["kills"]]) for ph in PHASES}
-        limit = plain + floor_s + SLACK_S
+        phases = {ph: med([k["phases"].get(ph) for k in r["kills"]]) for ph in PHASES + EXTRA}
+        limit = plain + SLACK_S
         ok = rec <= limit
         summary.append({"ranks": r["ranks"], "plain_startup_s": plain, "recover_s": rec,
                         "phases": phases, "limit_s": limit, "passed": ok})
         print("  ".join(f"{x:>11}" for x in [str(r["ranks"]), fmt(plain), fmt(rec),
-                                              *(fmt(phases[ph]) for ph in PHASES), fmt(limit),
+                                              *(fmt(phases[ph]) for ph in PHASES + EXTRA),
+                                              fmt(limit),
                                               "PASS" if ok else "FAIL"]))
     for s in summary:
         print(f"{s['ranks']} rank(s): {'PASS' if s['passed'] else 'FAIL'}  recover "
-              f"{s['recover_s']:.2f} s <= plain start-up {s['plain_startup_s']:.2f} s + read "
-              f"floor {floor_s:.2f} s + {SLACK_S:g} s = {s['limit_s']:.2f} s")
+              f"{s['recover_s']:.2f} s <= plain start-up {s['plain_startup_s']:.2f} s + "
+              f"{SLACK_S:g} s = {s['limit_s']:.2f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": command, "state_bytes": state_bytes, "read": read,

@@ -22,9 +22,12 @@ untouched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ from cfrun.codec.format import (
     tensor_bytes,
     tensor_from_buffer,
 )
+from cfrun.contract import faults
 from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ranks)
     CORRUPT,
     INCOMPATIBLE,
@@ -128,31 +132,102 @@ def load_shard(step_dir: Path, rank: int) -> tuple[Any, dict[str, Any]]:
             checksum, or holds metadata the writer does not write (see the module doc).
         IncompatibleFormatError: written by an incompatible cfrun.
     """
-    manifest = read_manifest(step_dir)
-    if not 0 <= rank < manifest.world_size:
-        raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
-                                     f"{manifest.world_size} ranks")
-    return _load_streamed(step_dir, manifest, rank)
+    return ShardRead(step_dir, rank, background=False).wait()
 
 
 _Target = tuple[TensorEntry, "torch.Tensor | None", "torch.Tensor | None"]
 """A tensor to fill from a shard file: its table entry, and either a fresh tensor of its own
 or a slice of a full (1/N-reassembled) tensor."""
 
+_Streams = list[tuple[int, list[_Target]]]
+"""What to stream: each rank's ``.bin`` (by rank) with its targets, sorted by offset."""
+
 LOAD_CHUNK_BYTES = 16 << 20
-"""A rank streams each shard file through a buffer of this size at load (bounded memory)."""
+"""Bytes of a shard file no tensor takes (alignment padding, other ranks' tensors) are read
+through a buffer of this size; every tensor's bytes are read straight into the tensor."""
 
 
-def _load_streamed(step_dir: Path, manifest: Manifest, rank: int) -> tuple[Any, dict[str, Any]]:
-    """Rank ``rank``'s decoded state and meta, holding no more than its own state plus one
-    chunk (issue 18, item 10).
+class ShardRead:
+    """One rank's shard of a committed checkpoint, its tensors read on a background thread.
 
-    Each tensor is allocated once at its final size; each shard file is streamed once through a
-    :data:`LOAD_CHUNK_BYTES` buffer, checksummed as it goes, and only the bytes this rank needs
-    are copied out: its own tensors from its own file and, with 1/N sharding, every rank's
-    slice of each replicated tensor straight into the full tensor (no per-rank copies, no
-    ``torch.cat``). Reading every rank's whole file and reassembling held about twice the
-    state per rank.
+    The constructor (the caller's thread) reads and checks the JSON document, allocates every
+    tensor at its final size and decodes the tree around them (:attr:`state`, :attr:`meta`:
+    what the resume needs to arm itself, tensors not yet filled); a thread then streams each
+    needed ``.bin`` once, straight into the tensors, and checksums it
+    (:func:`_stream_into`). :meth:`wait` joins it. Holds the rank's own state plus one
+    :data:`LOAD_CHUNK_BYTES` buffer (issue 18, item 10); with 1/N sharding each rank's slice of
+    a replicated tensor goes straight into the full tensor.
+
+    The idea: the restarted script imports its libraries and builds its model while the
+    checkpoint is read, so the read costs the recovery nothing once the script is slower
+    (issue 23, item 5; CheckFreq and Gemini overlap the other way, the write with training).
+
+    Args:
+        rank: the rank whose state is loaded (each rank loads its own; ``cfrun export`` rank 0).
+        background: False: read on the caller's thread before returning.
+
+    Raises:
+        CheckpointCorruptError: the manifest or the JSON document (from the constructor).
+        IncompatibleFormatError: written by an incompatible cfrun (from the constructor).
+    """
+
+    def __init__(self, step_dir: Path, rank: int, *, background: bool = True) -> None:
+        self.step_dir = step_dir
+        self.start_unix_s = time.time()
+        self.read_s: float | None = None
+        """Seconds from the constructor's start to the end of the read (set at its end)."""
+        self._error: BaseException | None = None
+        manifest = read_manifest(step_dir)
+        if not 0 <= rank < manifest.world_size:
+            raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
+                                         f"{manifest.world_size} ranks")
+        self.state, self.meta, streams = _plan_load(step_dir, manifest, rank)
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(manifest, streams),
+                                            name="cfrun-checkpoint-read", daemon=True)
+            self._thread.start()
+        else:
+            self._run(manifest, streams)
+
+    def _run(self, manifest: Manifest, streams: _Streams) -> None:
+        try:
+            if self._thread is not None:
+                time.sleep(float(faults.value("rank.read_delay_s") or 0.0))
+            for q, targets in streams:
+                _stream_into(self.step_dir, manifest, q, targets)
+        except BaseException as e:  # handed to wait(), on the caller's thread
+            self._error = e
+        finally:
+            self.read_s = time.time() - self.start_unix_s
+
+    def done(self) -> bool:
+        """True once the read ended (well or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> tuple[Any, dict[str, Any]]:
+        """Wait for the read to end; ``(state, meta)`` as :func:`load_shard` returns them.
+
+        Raises:
+            CheckpointCorruptError: a ``.bin`` is not a regular file, has another size, is
+                unreadable or fails its checksum.
+            Exception: anything else the read raised (not a verdict on the files).
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.state, self.meta
+
+
+def _plan_load(step_dir: Path, manifest: Manifest, rank: int) -> tuple[Any, dict[str, Any],
+                                                                          _Streams]:
+    """Rank ``rank``'s decoded tree and meta around freshly allocated tensors, and what to
+    stream into them (:class:`ShardRead`).
+
+    Each tensor is allocated once at its final size; only the bytes this rank needs are read:
+    its own tensors from its own file and, with 1/N sharding, every rank's slice of each
+    replicated tensor straight into the full tensor (no per-rank copies, no ``torch.cat``).
 
     Raises:
         CheckpointCorruptError: see :func:`load_shard`; also the ranks' 1/N layouts disagree.
@@ -205,10 +280,10 @@ def _load_streamed(step_dir: Path, manifest: Manifest, rank: int) -> tuple[Any, 
                 targets.setdefault(q, []).append((e, None, part))
         for i, full in fulls.items():
             tensors[i] = full
-        for q in sorted(targets):
-            _stream_into(step_dir, manifest, q, sorted(targets[q], key=lambda x: x[0].offset))
         meta = doc.get("meta", {})
-        return decode(tree, [t for t in tensors if t is not None]), meta  # every one is set
+        state = decode(tree, [t for t in tensors if t is not None])  # every one is set
+        streams = [(q, sorted(targets[q], key=lambda x: x[0].offset)) for q in sorted(targets)]
+        return state, meta, streams
     except CheckpointCorruptError:
         raise
     except _DECODE_ERRORS as e:
@@ -230,12 +305,19 @@ def _empty_like_entry(e: TensorEntry) -> torch.Tensor:
     return torch.empty(e.shape, dtype=dtype)
 
 
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t``, writable, in place (any dtype, bfloat16 too)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
 def _stream_into(step_dir: Path, manifest: Manifest, q: int,
                  targets: list[_Target]) -> None:
-    """Stream rank ``q``'s ``.bin`` once, checking its size and checksum, and copy each
-    target's byte range (sorted by offset, not overlapping: :func:`check_layout`) into its
-    tensor: a fresh contiguous one, or a slice of a full tensor (through a contiguous
-    temporary of the slice's size when the slice is not contiguous).
+    """Read rank ``q``'s ``.bin`` once, sequentially, checking its size and checksum: each
+    target's bytes (sorted by offset, not overlapping: :func:`check_layout`) straight into its
+    tensor, a fresh contiguous one or a contiguous slice of a full tensor (a slice that is not
+    contiguous through a temporary of its size), and the bytes between them through a
+    :data:`LOAD_CHUNK_BYTES` buffer. Large ``readv`` calls into the final memory, the kernel
+    told the file is read sequentially: page-cache speed, no copy (issue 23, item 5).
 
     Raises:
         CheckpointCorruptError: not a regular file, another size, unreadable, checksum.
@@ -250,50 +332,52 @@ def _stream_into(step_dir: Path, manifest: Manifest, q: int,
     except OSError as err:
         raise CheckpointCorruptError(f"{where}: unreadable ({err.strerror or err})") from None
     h = xxhash.xxh3_64()
-    chunk = bytearray(LOAD_CHUNK_BYTES)
-    view = memoryview(chunk)
-    src = torch.frombuffer(chunk, dtype=torch.uint8)
+    scratch = memoryview(bytearray(min(LOAD_CHUNK_BYTES, entry.nbytes) or 1))
     pos = 0
-    k = 0  # the first target not yet complete
-    temp: torch.Tensor | None = None
-    try:
-        while True:
-            n = os.readv(fd, [view])
+
+    def fill(view: memoryview) -> None:
+        """Read exactly ``len(view)`` bytes at ``pos`` into ``view``, hash them."""
+        nonlocal pos
+        got = 0
+        while got < len(view):
+            n = os.readv(fd, [view[got:]])
             if n == 0:
-                break
-            if pos + n > entry.nbytes:
-                raise CheckpointCorruptError(f"{where}: longer than the manifest's "
-                                             f"{entry.nbytes} bytes")
-            h.update(view[:n])
-            end = pos + n
-            while k < len(targets) and targets[k][0].offset < end:
-                e, fresh, part = targets[k]
-                if fresh is not None:
-                    dst = fresh.reshape(-1).view(torch.uint8) if e.nbytes else None
-                elif part is not None and part.is_contiguous():
-                    dst = part.reshape(-1).view(torch.uint8) if e.nbytes else None
-                else:
-                    if temp is None:
-                        temp = torch.empty(e.nbytes, dtype=torch.uint8)
-                    dst = temp
-                lo, hi = max(e.offset, pos), min(e.offset + e.nbytes, end)
-                if dst is not None and hi > lo:
-                    dst[lo - e.offset:hi - e.offset].copy_(src[lo - pos:hi - pos])
-                if e.offset + e.nbytes > end:
-                    break  # the rest of this tensor is in the next chunk
-                if fresh is None and part is not None and temp is not None:
-                    part.copy_(temp.view(part.dtype).view(part.shape))
-                temp = None
-                k += 1
-            pos = end
+                raise CheckpointCorruptError(f"{where}: {pos + got} bytes, manifest says "
+                                             f"{entry.nbytes}")
+            got += n
+        h.update(view)
+        pos += got
+
+    def skip_to(offset: int) -> None:
+        while pos < offset:
+            fill(scratch[:min(len(scratch), offset - pos)])
+
+    try:
+        with contextlib.suppress(AttributeError, OSError):  # advice only (not on every OS)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for e, fresh, part in targets:
+            if e.offset < pos or e.offset + e.nbytes > entry.nbytes:
+                raise CheckpointCorruptError(f"{where}: tensor bytes at {e.offset} outside the "
+                                             "file or overlapping")
+            skip_to(e.offset)
+            if e.nbytes == 0:
+                continue
+            dst = fresh if fresh is not None else part
+            assert dst is not None
+            if dst.is_contiguous():
+                fill(_byte_view(dst))
+            else:
+                temp = torch.empty(e.nbytes, dtype=torch.uint8)
+                fill(_byte_view(temp))
+                dst.copy_(temp.view(dst.dtype).view(dst.shape))
+        skip_to(entry.nbytes)
+        if os.read(fd, 1):
+            raise CheckpointCorruptError(f"{where}: longer than the manifest's "
+                                         f"{entry.nbytes} bytes")
     except OSError as err:
         raise CheckpointCorruptError(f"{where}: unreadable ({err.strerror or err})") from None
     finally:
         os.close(fd)
-    while k < len(targets) and targets[k][0].nbytes == 0:  # empty tensors at the very end
-        k += 1
-    if pos != entry.nbytes or k != len(targets):
-        raise CheckpointCorruptError(f"{where}: {pos} bytes, manifest says {entry.nbytes}")
     if h.hexdigest() != entry.xxh3_64:
         raise CheckpointCorruptError(f"{where}: checksum mismatch")
 
@@ -427,18 +511,44 @@ def check_usable(step_dir: Path, *, world_size: int | None = None,
 
 def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                 world_size: int | None = None,
-                check_state: Callable[[Any, dict[str, Any]], None] | None = None
-                ) -> tuple[int, Any, dict[str, Any]] | None:
-    """The newest usable checkpoint (:func:`check_usable`), falling back to older ones.
-
-    A checkpoint that is not usable is moved aside (:func:`quarantine`: ``corrupt-step-…``, or
-    ``incompatible-step-…`` for a format this cfrun cannot read) so that neither retention,
-    ``cfrun ls`` nor a later resume counts it again; ``on_skip(step, error)`` is called for
-    each by the one rank whose move succeeded (by rank 0 where none could move it), so that
-    the job says it once. Every rank calls this at resume and reaches the same step.
+                check_state: Callable[[Any, dict[str, Any]], None] | None = None,
+                below: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+    """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, read
+    on the caller's thread (:func:`open_newest` with the read done before it returns).
 
     Returns:
         ``(step, state, meta)``, or ``None`` when no committed checkpoint is usable.
+
+    Raises:
+        WorldSizeChangedError, RankLoadError: see :func:`open_newest`.
+    """
+    got = open_newest(checkpoints, rank, on_skip=on_skip, world_size=world_size,
+                      check_state=check_state, below=below, background=False)
+    if got is None:
+        return None
+    state, meta = got[1].wait()
+    return got[0], state, meta
+
+
+def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
+                world_size: int | None = None,
+                check_state: Callable[[Any, dict[str, Any]], None] | None = None,
+                below: int | None = None, background: bool = True
+                ) -> tuple[int, ShardRead] | None:
+    """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, and
+    this rank's :class:`ShardRead` of it (its tensors still being read when ``background``).
+
+    A checkpoint that is not usable is moved aside (:func:`skip_checkpoint`). Every rank calls
+    this at resume and reaches the same step; a rank whose own shard then fails its read
+    (:meth:`ShardRead.wait`) calls :func:`skip_checkpoint` and this again with ``below`` the
+    step, which is where the synchronous read would have gone on (:mod:`cfrun.rank.resume`).
+
+    Args:
+        below: only steps lower than this one (the fallback after a failed read).
+        background: False: the shard is read (and its failure judged) before returning.
+
+    Returns:
+        ``(step, read)``, or ``None`` when no committed checkpoint is usable.
 
     Raises:
         WorldSizeChangedError: ``world_size`` is given and the newest readable manifest was
@@ -447,27 +557,42 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
             its bytes (an I/O error): a corrupt shard is a verdict, and falls back.
     """
     for step in committed_steps(checkpoints):
+        if below is not None and step >= below:
+            continue
         step_dir = checkpoints / step_dir_name(step)
         try:
             check_usable(step_dir, world_size=world_size, check_state=check_state,
                          loading_rank=rank)
-            state, meta = load_shard(step_dir, rank)
+            read = ShardRead(step_dir, rank, background=background)
+            if not background:
+                read.wait()
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
-            moved = quarantine(checkpoints, step,
-                               INCOMPATIBLE if isinstance(e, IncompatibleFormatError) else CORRUPT)
-            # said once: by the rank that moved it (or rank 0, if it could not be moved)
-            if moved is not None or (rank == 0 and os.path.lexists(step_dir)):
-                logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
-                               step_dir.name, e)
-                if on_skip is not None:
-                    on_skip(step, e)
+            skip_checkpoint(checkpoints, step, rank, e, on_skip)
             continue
         except WorldSizeChangedError:
             raise
         except Exception as e:  # not a verdict on the files: this rank could not load them
             raise RankLoadError(step, e) from None
-        return step, state, meta
+        return step, read
     return None
+
+
+def skip_checkpoint(checkpoints: Path, step: int, rank: int, error: Exception,
+                    on_skip: Any = None) -> None:
+    """Move checkpoint ``step``, found unusable, aside (:func:`quarantine`: ``corrupt-step-…``,
+    or ``incompatible-step-…`` for a format this cfrun cannot read) so that neither retention,
+    ``cfrun ls`` nor a later resume counts it again; ``on_skip(step, error)`` is called by the
+    one rank whose move succeeded (by rank 0 where none could move it), so that the job says
+    it once. Called by each rank that judged it so (:func:`open_newest`, the resume)."""
+    step_dir = checkpoints / step_dir_name(step)
+    moved = quarantine(checkpoints, step,
+                       INCOMPATIBLE if isinstance(error, IncompatibleFormatError) else CORRUPT)
+    # said once: by the rank that moved it (or rank 0, if it could not be moved)
+    if moved is not None or (rank == 0 and os.path.lexists(step_dir)):
+        logger.warning("cfrun: skipping checkpoint %s: %s; trying the previous one",
+                       step_dir.name, error)
+        if on_skip is not None:
+            on_skip(step, error)
 
 
 def _dtype_name(t: torch.Tensor) -> str:

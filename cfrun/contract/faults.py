@@ -67,6 +67,9 @@ POINTS: dict[str, str] = {
     "rank.sync_copy_max_bytes":
         "int BYTES: replaces cfrun.rank.snapshot.SYNC_COPY_MAX_BYTES, the largest tensor copied "
         "on the training thread (0: every tensor goes through the background copy)",
+    "rank.read_delay_s":
+        "float SECONDS: a rank's background read of its checkpoint shard at resume sleeps this "
+        "long before it reads (a slow disk: the script's own start-up goes on meanwhile)",
     "rank.snapshot_handoff_error":
         "int STEP: in attempt 0, the background thread raises TypeError while handing off the "
         "first checkpoint at or after STEP (a bug there must not stop later checkpoints)",

@@ -1,8 +1,10 @@
 """Phase 6: resume. Bring a restarted script to the moment right after the checkpoint's step.
 
-At install the rank loads the newest verified checkpoint (:meth:`Resume.load_plan`); the script
-then runs from its first line, and cfrun fast-forwards it to the checkpoint's boundary
-(README, "Resume semantics"):
+At install the rank chooses the newest verified checkpoint and starts reading its own shard on
+a background thread (:meth:`Resume.load_plan`, :class:`cfrun.codec.checkpoint.ShardRead`); the
+script then runs from its first line, importing and building its model while the read goes on,
+and cfrun fast-forwards it to the checkpoint's boundary, where it waits for the read
+(:meth:`Resume._await_read`; README, "Resume semantics"):
 
 * **step loops** (the checkpoint was taken at the head of the loop around
   ``optimizer.step()``): a tracer waits for the script to reach that loop head, restores
@@ -31,9 +33,13 @@ the live objects and frames, and hands the step count back to the boundary phase
 
 A checkpoint that cannot be read, decoded or applied is unusable: at install every rank judges
 the newest ones alike (:func:`cfrun.codec.checkpoint.check_usable`, with :func:`check_state`),
-moves the bad ones aside and falls back to the same older one; a failure only this rank sees
-later (its own shard, or applying it) moves the checkpoint aside and restarts the attempt
-(:meth:`Resume._unusable`), so that every rank falls back together.
+moves the bad ones aside and falls back to the same older one. Its own shard's bytes, which only
+this rank reads, are judged by the background read: found corrupt, the checkpoint is moved aside
+where the plan is first used, before anything of it reached the script, and the rank falls back
+as at install (:meth:`Resume._fall_back`), the other ranks having judged the same file at
+install. A failure only this rank sees later (an I/O error, applying it) moves the checkpoint
+aside and restarts the attempt (:meth:`Resume._unusable`), so that every rank falls back
+together.
 """
 
 from __future__ import annotations
@@ -58,13 +64,15 @@ from cfrun.codec.checkpoint import (
     INCOMPATIBLE,
     JobMismatchError,
     RankLoadError,
+    ShardRead,
     WorldSizeChangedError,
     check_fits,
     check_free_params,
-    load_newest,
+    open_newest,
     quarantine,
+    skip_checkpoint,
 )
-from cfrun.contract.errors import IncompatibleFormatError
+from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
@@ -204,41 +212,109 @@ class Resume:
         self._ff_fallback_path = self.jobdir.root / "ff_eval_run"
         self.ff_eval = "run" if self._ff_fallback_path.exists() else settings.ff_eval
         self._read_timing: tuple[float, float] | None = None
+        """(unix time the checkpoint read began, its seconds to the end of the background
+        read): the ``resumed`` event's."""
+        self._read_sync_s = 0.0
+        """Seconds the read held the script at install (choosing the checkpoint, its JSON)."""
+        self._read_wait_s = 0.0
+        """Seconds the script waited for the background read where the plan is first used."""
+        self._reading: ShardRead | None = None
+        """This rank's read of the plan's shard until :meth:`_await_read` took it."""
+        self._on_skip: Callable[[int, Exception], None] | None = None
         self.agent_wait_s: float | None = None
         """Seconds the rank waited at start for the agent's earlier hand-off (the runtime's)."""
-        """(unix time the checkpoint read began, its seconds): the ``resumed`` event's."""
 
     # ---------------------------------------------------------------- at install
 
     def load_plan(self) -> None:
-        """Find the newest usable checkpoint and prepare to fast-forward to it.
+        """Find the newest usable checkpoint and prepare to fast-forward to it; this rank's
+        tensors are read on a background thread meanwhile (:class:`ShardRead`), while the
+        script imports its libraries and builds its model, and :meth:`_await_read` takes them
+        where the plan is first used.
 
-        Unusable ones are moved aside on the way (rank 0 says so, once each); a failure of this
-        rank's own shard, or while preparing the plan, goes to :meth:`_unusable`.
+        Unusable ones are moved aside on the way (rank 0 says so, once each); this rank's own
+        shard is judged by its read (:meth:`_await_read`); a failure while preparing the plan
+        goes to :meth:`_unusable`.
         """
+        read_start = time.time()
+        got = self._open(None)
+        if got is None:
+            return
+        step, read = got
+        self._reading = read
+        self._read_sync_s = time.time() - read_start
+        try:
+            self._prepare(ResumePlan(step, read.state, read.meta))
+        except Exception as e:
+            self._unusable(step, e)
+
+    def _open(self, below: int | None) -> tuple[int, ShardRead] | None:
+        """:func:`open_newest` for this rank (steps below ``below``), its errors handled."""
         def skipped(step: int, error: Exception) -> None:  # one rank: the one that moved it
             reason = INCOMPATIBLE if isinstance(error, IncompatibleFormatError) else CORRUPT
             say(f"WARNING: checkpoint step {step} failed verification ({error}); moved aside "
                 f"as {reason}-{step_dir_name(step)}-*, falling back to the previous one")
             self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
 
-        read_start = time.time()
+        self._on_skip = skipped
         try:
-            got = load_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
-                              world_size=self.s.world_size, check_state=check_state)
+            return open_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
+                               world_size=self.s.world_size, check_state=check_state,
+                               below=below)
         except WorldSizeChangedError as e:
             self._fatal(f"{e}; run with the same --nnodes x --nproc-per-node ({e.saved} ranks), "
                         "or start a new --job-dir (the checkpoints are kept)")
         except RankLoadError as e:
             self._unusable(e.step, e)
-        if got is None:
-            return
-        self._read_timing = (read_start, time.time() - read_start)
-        step, state, meta = got
+
+    def _await_read(self) -> bool:
+        """Where the plan is first used (before anything of it reaches the script): wait for
+        this rank's background read. A shard found corrupt falls back as the synchronous read
+        at install did (:func:`skip_checkpoint`, then the next older usable checkpoint, read
+        here: :meth:`_fall_back`). False: no checkpoint is left, and the script runs from its
+        start, as it is doing. Training thread.
+
+        Raises:
+            SystemExit: through :meth:`_unusable` (the read failed other than by its bytes)
+                or :meth:`_restart`.
+        """
+        t0 = time.monotonic()
         try:
-            self._prepare(ResumePlan(step, state, meta))
-        except Exception as e:
-            self._unusable(step, e)
+            while self._reading is not None and self.plan is not None:
+                read, plan = self._reading, self.plan
+                self._reading = None
+                try:
+                    read.wait()
+                except (CheckpointCorruptError, IncompatibleFormatError) as e:
+                    skip_checkpoint(self.jobdir.checkpoints, plan.step, self.s.rank, e,
+                                    self._on_skip)
+                    self._fall_back(plan)
+                    continue
+                except Exception as e:  # not a verdict on the files: this rank failed
+                    self._unusable(plan.step, RankLoadError(plan.step, e))
+                if read.read_s is not None:
+                    self._read_timing = (read.start_unix_s, read.read_s)
+        finally:
+            self._read_wait_s += time.monotonic() - t0
+        return self.plan is not None
+
+    def _fall_back(self, bad: ResumePlan) -> None:
+        """This rank's shard of ``bad`` failed its read (moved aside already): open the next
+        older usable checkpoint, to resume from here if the script arrives at it the way it
+        arrives at ``bad`` (the same loops, :func:`_arming`), else restart the attempt, which
+        resumes from it at install."""
+        self.plan = None
+        got = self._open(bad.step)
+        if got is None:
+            say("no usable checkpoint is left; the script runs from its start")
+            return
+        step, read = got
+        older = ResumePlan(step, read.state, read.meta)
+        if _arming(older) != _arming(bad):
+            self._restart(f"checkpoint step {step}, the one to fall back to, resumes at another "
+                          f"place in the script than step {bad.step}")
+        say(f"resuming from checkpoint step {step}")
+        self.plan, self._reading = older, read
 
     def _prepare(self, plan: ResumePlan) -> None:
         """Arm the arrival at the plan's boundary (step loop head, epoch loop head or the
@@ -279,17 +355,22 @@ class Resume:
         try:
             self.jobdir.emit_event("checkpoint_corrupt", step=step, error=detail[:300])
         finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(1)
+            _exit_rank()
+
+    def _restart(self, why: str) -> NoReturn:
+        """End this rank so that the supervisor restarts the attempt (``why``: said once)."""
+        sys.settrace(None)
+        say(f"{why}; restarting the attempt to resume from it")
+        _exit_rank()
 
     # ---------------------------------------------------------------- DataLoader hooks
 
     def on_loader_iter(self, loader: Any, n: int, start: Callable[[], Any]) -> Any:
         """Called for ``iter(loader)``; ``n`` counts earlier ``iter()`` calls on this loader;
         ``start()`` starts the epoch as without cfrun (:mod:`cfrun.rank.data`)."""
+        if self._reading is not None and self.plan is not None and self.plan.mode == "loader" \
+                and self._kind == "replay":
+            self._await_read()  # before any epoch is skipped
         plan = self.plan
         if plan is not None and not self.resumed and plan.mode == "loader" \
                 and self._kind == "jump":
@@ -401,6 +482,8 @@ class Resume:
             if event == "line" and frame.f_lineno in targets:
                 sys.settrace(None)
                 frame.f_trace = None
+                if not self._await_read():
+                    return None
                 try:
                     arrive(frame, loop)
                 except Exception as e:
@@ -567,6 +650,7 @@ class Resume:
 
     def _apply(self, plan: ResumePlan, frame: types.FrameType, *, in_tracer: bool) -> None:
         """Load the checkpoint into the live objects, RNG and script frames."""
+        self._await_read()  # done where the plan was first used: nothing to wait for here
         restore_start = time.monotonic()
         st = plan.state
         roots = self.found.model_roots()
@@ -599,7 +683,9 @@ class Resume:
     def _timing(self, restore_s: float) -> dict[str, float]:
         """The ``resumed`` event's breakdown (bench/recovery.py, ``cfrun status``): when this
         process started (unix s), when its checkpoint read began and how long it took (verify
-        and load), the seconds it waited for the agent at start (``agent_wait_s``), and
+        and load, ``read_s``; in the background from ``read_sync_s`` on, the seconds it held
+        the script at install, to the resume point, which waited ``read_wait_s`` for it), the
+        seconds it waited for the agent at start (``agent_wait_s``), and
         ``restore_s``, the seconds spent putting the state into the live objects."""
         out = {"restore_s": round(restore_s, 4)}
         try:
@@ -613,6 +699,8 @@ class Resume:
         if self._read_timing is not None:
             out["read_start_unix_s"] = round(self._read_timing[0], 4)
             out["read_s"] = round(self._read_timing[1], 4)
+            out["read_sync_s"] = round(self._read_sync_s, 4)
+            out["read_wait_s"] = round(self._read_wait_s, 4)
         return out
 
     def _load(self, plan: ResumePlan, frame: types.FrameType, roots: list[Any],
@@ -687,6 +775,24 @@ class Resume:
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
+
+
+def _exit_rank() -> NoReturn:
+    """End this rank now (exit 1: the supervisor restarts the attempt), output flushed."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def _arming(plan: ResumePlan) -> tuple[Any, ...]:
+    """What :meth:`Resume._prepare` arms for ``plan``: the loops (or loader) the script must
+    arrive at. Two plans alike here are restored at the same place."""
+    if plan.mode == "loop":
+        return ("loop", plan.meta.get("loop"), plan.meta.get("outer_loops") or [])
+    data = plan.state.get("data") if isinstance(plan.state, dict) else None
+    return ("loader", data.get("epoch_loop") if isinstance(data, dict) else None)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))

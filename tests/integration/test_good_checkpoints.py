@@ -190,6 +190,16 @@ def _truncate_bin(step_dir: Path) -> None:
     _reseal(step_dir)
 
 
+def _flip_own_bin(step_dir: Path) -> None:
+    """One byte of the rank's own ``.bin`` flipped, the manifest left as it was: only the
+    rank's background read of its shard checksums that file (issue 23, item 5)."""
+    path = step_dir / "rank-00000.bin"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    os.chmod(path, 0o600)
+    path.write_bytes(bytes(data))
+
+
 def _drop_data(doc: dict[str, Any]) -> None:
     del doc["tree"]["data"]  # a KeyError where the resume looks up the loader position
 
@@ -210,6 +220,7 @@ def _short_random_state(doc: dict[str, Any]) -> None:
 
 BAD = {
     "truncated .bin, manifest fixed up": lambda d: _truncate_bin(d),
+    "checksum of its own .bin, found by the background read": lambda d: _flip_own_bin(d),
     "KeyError: no loader position": lambda d: _edit_doc(d, _drop_data),
     "IndexError: tensor reference": lambda d: _edit_doc(d, _bad_tensor_index),
     "RuntimeError: RNG state dtype": lambda d: _edit_doc(d, _rng_as_int8),

@@ -4,7 +4,8 @@ With DDP every rank persists its 1/N slice of the replicated state; on resume ea
 the full state back. Reading every rank's shard file whole and concatenating the slices held
 about twice the full state per rank (and that times the ranks of a node). ``train_big_ddp.py``
 (~268 MB of state per rank, 2 ranks) records each process's peak resident memory right after
-``import torch``, where cfrun loads the checkpoint: the resumed attempt's peak may exceed the
+its first optimizer step (the resumed one: after the restore, the background read of the
+checkpoint done): the resumed attempt's peak may exceed the
 first attempt's by at most 1.2 times one rank's full state.
 """
 
