@@ -107,10 +107,10 @@ def test_an_own_shard_that_fails_after_the_checks_is_a_rank_load_error(tmp_path:
     _save(ckpts, 10)
     import cfrun.codec.checkpoint as cc
 
-    def broken(step_dir: Path, rank: int) -> Any:
+    def broken(*args: Any) -> Any:  # the read of the own shard's bytes (ShardRead)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(cc, "load_shard", broken)
+    monkeypatch.setattr(cc, "_stream_into", broken)
     with pytest.raises(RankLoadError, match="step 10.*OSError"):
         load_newest(ckpts, 0)
     assert committed_steps(ckpts) == [10]  # the caller moves it aside and restarts

@@ -62,8 +62,10 @@ def test_torchruns_parser_gets_its_own_options_and_the_script_only() -> None:
     cfg = RunConfig(script="/s/train.py", script_args=args, job_dir="/j", cwd="/",
                     nproc_per_node=2, local_addr="10.0.0.1")
     argv = build_torchrun_argv(cfg, python="py", log_path="/j/log")
-    assert argv[:5] == ["py", "-m", "cfrun.supervisor.torchrun_log", "/j/log", TORCHRUN]
-    own, script_args = split_script(argv[5:])
+    assert argv[:2] == ["py", "-c"]  # the working directory off sys.path (module_argv)
+    i = argv.index("cfrun.supervisor.torchrun_log")
+    assert argv[i + 1:i + 3] == ["/j/log", TORCHRUN]
+    own, script_args = split_script(argv[i + 3:])
     assert own[-1] == "/s/train.py" and script_args == args
     assert all(word.startswith("--") for word in own[:-1])
     from torch.distributed.run import parse_args
