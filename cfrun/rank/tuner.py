@@ -294,9 +294,11 @@ class Tuner:
             if not self._probe_steps or n >= len(PROBE_MODES) or step < self._probe_steps[n]:
                 return False
             return not self._taken or step >= max(self._taken) + self._gap
-        if interval <= 0 or step < base or (step - base) % period_steps(interval) < QUIET_STEPS:
+        if interval <= 0 or step < base:
+            return False
+        if phase == "tuned" and (step - base) % period_steps(interval) < QUIET_STEPS:
             return False  # the first QUIET_STEPS of every adaptation period: none
-        return (step - base) % interval == 0
+        return (step - base) % interval == 0  # --interval K: every K-th step, no quiet steps
 
     def _plan_at(self, step: int) -> tuple[str, int, int]:
         """(phase, interval, base step) of the plan that applies at ``step``."""

@@ -122,3 +122,16 @@ def test_an_adapted_interval_switches_every_rank_at_its_effective_step(tmp_path,
     assert taken
     adapts = [e for e in jd.read_events() if e["event"] == "adapt"]
     assert len(adapts) >= 2 and ranks[1].interval == ranks[0].interval > interval, adapts
+
+
+def test_a_fixed_interval_has_no_quiet_steps(tmp_path) -> None:
+    """``--interval 10`` checkpoints at every 10th step: the adaptation windows' quiet steps
+    belong to the policy (a merge made step 40, 80... quiet for fixed intervals too, and a
+    job resumed at 30 took no checkpoint until 50)."""
+    from cfrun.contract.jobdir import JobDir
+    from cfrun.rank.tuner import Tuner
+
+    jd = JobDir(tmp_path / "j")
+    jd.create()
+    t = Tuner(jd, rank=0, world_size=1, budget=0.035, fixed_interval=10, mtbf_s=None, key="k")
+    assert [s for s in range(1, 101) if t.due(s)] == list(range(10, 101, 10))
