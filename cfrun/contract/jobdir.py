@@ -147,34 +147,42 @@ def parse_step_dir_name(name: str) -> int | None:
 def check_ancestors(path: Path | str) -> None:
     """Refuse a job dir that another user could swap: every existing directory above ``path``
     (its real path: a link is judged by where it leads) must be owned by root or by this user,
-    and writable by no one else, unless sticky (``/tmp``: others may not rename what is
-    ours). OpenSSH's StrictModes applies the same rule to ``~/.ssh``. Whoever can write an
-    ancestor can rename the running job's dir away and put one of their own in its place; the
-    next restart would load their checkpoint (issue 24, item 3).
+    and not writable by others unless sticky (``/tmp``: others may not rename what is ours),
+    as OpenSSH's StrictModes asks of ``~/.ssh``. Whoever can write an ancestor can rename the
+    running job's dir away and put one of their own in its place; the next restart would load
+    their checkpoint (issue 24, item 3).
+
+    A directory writable by its group (a cluster's setgid project dir, a Kubernetes volume
+    mounted with ``fsGroup``, mode 2775) is said in one warning line instead of refused: the
+    job dir is also re-identified by device and inode before each attempt and commit
+    (:meth:`JobDir.check_same`), so a member of the group who swaps it stops the job (exit 5)
+    rather than feeding it a checkpoint.
 
     Raises:
-        BadInputError: an ancestor owned by another user, or writable by group or others
-            without the sticky bit; one line naming it and the fix.
+        BadInputError: an ancestor owned by another user, or writable by others without the
+            sticky bit; one line naming it and the fix.
     """
     me = os.getuid()
     here = Path(os.path.realpath(Path(path).absolute()))
-    for d in [here, *here.parents]:
+    for d in here.parents:
         try:
             st = os.stat(d)
         except FileNotFoundError:
             continue  # created by cfrun, private
-        if d == here:
-            continue  # the job dir itself: checked by its owner and made 0700
         if st.st_uid not in (0, me):
             raise BadInputError(
                 f"--job-dir {str(path)!r} lies under {str(d)!r}, owned by uid {st.st_uid}: that "
                 "user could swap the job dir; give a --job-dir under a directory of your own")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            who = "group and others" if st.st_mode & 0o020 and st.st_mode & 0o002 else \
-                "its group" if st.st_mode & 0o020 else "others"
+        if st.st_mode & stat.S_ISVTX:
+            continue
+        if st.st_mode & 0o002:
             raise BadInputError(
-                f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by {who}: they could "
-                f"swap the job dir; run `chmod go-w {d}` or give a --job-dir elsewhere")
+                f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by others: they could "
+                f"swap the job dir; run `chmod o-w {d}` or give a --job-dir elsewhere")
+        if st.st_mode & 0o020:
+            print(f"cfrun: warning: --job-dir {str(path)!r} lies under {str(d)!r}, writable by "
+                  f"its group: a member could swap the job dir (cfrun then stops the job, exit "
+                  f"5); `chmod g-w {d}` closes this", file=sys.stderr)
 
 
 class JobDir:
