@@ -86,7 +86,12 @@ def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path,
     _, ref_state = ddp_reference(tmp_path_factory)  # one node, two ranks, --interval 10
     ev = events(tmp_path / "job")
     commits = [e["step"] for e in ev if e["event"] == "commit"]
-    assert commits == sorted(set(commits)) and commits[:3] == [10, 20, 30]  # once per step
+    assert commits == sorted(set(commits)) and commits[0] == 10  # once per step
+    # every 10th step, or later when the one before was still persisting (deferred, issue 23)
+    deferred = {e["step"]: e.get("deferred_from") for e in ev if e["event"] == "checkpoint"}
+    assert all(s % 10 == 0 or (deferred.get(s) or 1) % 10 == 0 for s in commits), (commits,
+                                                                                   deferred)
+    assert len(commits) >= 3
     assert all(e.get("nodes") == 2 for e in ev if e["event"] == "commit")
     newest = max(commits)
     manifest = json.loads((tmp_path / "job" / "checkpoints" / f"step-{newest:06d}" /
