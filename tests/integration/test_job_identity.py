@@ -266,7 +266,7 @@ def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp
     (``foreign-step-*``, a foreign_checkpoint event) and resumes from its own."""
     script = _script(tmp_path)
     a = run_cfrun(["--interval", "5", "--job-dir", "ja", "--job-name", "a", str(script),
-                   "--steps", "12"], cwd=tmp_path)
+                   "--steps", "30"], cwd=tmp_path)  # newer than b's even with deferrals
     assert a.returncode == 0, a.stderr[-3000:]
     b_argv = ["--interval", "5", "--job-dir", "jb", "--job-name", "b", str(script), "--steps",
               "7"]
