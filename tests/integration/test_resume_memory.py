@@ -24,9 +24,9 @@ LIMIT = 1.2
 
 def test_resume_loads_at_most_one_full_state_per_rank(tmp_path: Path):
     log = tmp_path / "mem.log"
-    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--inject-crash", "4@0",
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--inject-crash", "5@0",
                      "--job-dir", "job", str(SCRIPTS / "train_big_ddp.py")],
-                    cwd=tmp_path, env={"MEM_LOG": str(log), "STEPS": "6"}, timeout=540)
+                    cwd=tmp_path, env={"MEM_LOG": str(log), "STEPS": "7"}, timeout=540)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("attempt_start")) == 2, run.stderr[-3000:]
     assert {e["step"] for e in run.events("resumed")} == {3}, run.events("resumed")
