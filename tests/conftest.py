@@ -55,6 +55,19 @@ def run_cfrun(args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
     return Run(p.returncode, p.stdout, p.stderr, job_dir)
 
 
+def plain_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` without cfrun (the transparency baseline), which must succeed.
+
+    torch 2.13 with gloo may abort a rank in C++ teardown after the script ended (README,
+    "Several ranks and nodes", Limits): the run is complete if it printed its last line."""
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(), capture_output=True,
+                       text=True, timeout=400)
+    torn_down = "terminate called without an active exception" in p.stderr \
+        and "FINAL" in p.stdout
+    assert p.returncode == 0 or torn_down, p.stderr[-3000:]
+    return p
+
+
 def assert_bit_identical(a: object, b: object, path: str = "") -> None:
     """Nested dicts/lists of tensors and scalars are equal bit for bit."""
     if isinstance(a, torch.Tensor):

@@ -11,9 +11,6 @@ holds (the shape of the Hugging Face Trainer's loop, written in a script) resume
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +18,12 @@ from conftest import (
     EXAMPLES,
     SCRIPTS,
     assert_bit_identical,
-    clean_env,
     final_line,
     over_recompute_bound,
     run_cfrun,
+)
+from conftest import (
+    plain_run as _plain,
 )
 
 from cfrun.rank.frameworks import FRAMEWORK_LOOPS
@@ -32,17 +31,6 @@ from cfrun.rank.frameworks import FRAMEWORK_LOOPS
 pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
 
 WARNING = "WARNING: resume may not be exact: "
-
-
-def _plain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(), capture_output=True,
-                       text=True, timeout=400)
-    # torch 2.13 with gloo may abort a rank in C++ teardown after the script ended (README,
-    # "Several ranks and nodes", Limits): the run is complete if it printed its last line
-    torn_down = "terminate called without an active exception" in p.stderr \
-        and "FINAL" in p.stdout
-    assert p.returncode == 0 or torn_down, p.stderr[-3000:]
-    return p
 
 
 def _lines(stdout: str, prefix: str) -> list[str]:

@@ -29,23 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
+from conftest import plain_run as _plain
 
 pytestmark = pytest.mark.timeout(900)
 
 K = 4
 KILLS = "10@0,27@1,43@2"  # steps 10, 27, 43: epochs 0, 1, 2 (16 steps each)
 EPOCHS = 3
-
-
-def _plain(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(), capture_output=True,
-                       text=True, timeout=400)
-    # torch with gloo may abort a rank in C++ teardown after the script ended (README,
-    # "Several ranks and nodes", Limits): the run is complete if it printed its last line
-    torn_down = "terminate called without an active exception" in p.stderr \
-        and "FINAL" in p.stdout
-    assert p.returncode == 0 or torn_down, p.stderr[-3000:]
-    return p
 
 
 def _cfrun(cwd: Path, name: str, ranks: int, script: list[str], *extra: str):
