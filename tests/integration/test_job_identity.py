@@ -239,10 +239,11 @@ def test_a_step_planted_at_level_2_without_the_job_key_is_not_installed(tmp_path
     script = _script(tmp_path)
     argv = ["--interval", "5", "--job-dir", "ja", "--job-name", "a", "--peer", p.address,
             "--peer-token-file", str(token), "--persist-to", str(tmp_path / "l2"),
-            "--max-restarts", "0", "--inject-crash", "12", str(script), "--steps", "30"]
+            "--max-restarts", "0", "--inject-crash", "17", str(script), "--steps", "30"]
     first = run_cfrun(argv, cwd=tmp_path)
     assert first.returncode == 4, first.stderr[-3000:]
-    durable = wait_event(tmp_path / "ja", "durable", lambda e: e["step"] >= 10)["step"]
+    # any durable step: a loaded machine may defer the one due at 10 or 15 past the crash
+    durable = wait_event(tmp_path / "ja", "durable", lambda e: e["step"] >= 5)["step"]
     p.stop()  # flushed what it held
     newest = committed_steps(tmp_path / "l2" / "a")[0]
     assert newest >= durable

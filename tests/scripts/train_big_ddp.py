@@ -31,15 +31,14 @@ model = nn.parallel.DistributedDataParallel(
     nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096)))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 steps = int(os.environ.get("STEPS", "8"))
-logged = False
 for step in range(steps):
     x = torch.randn(4, 4096)
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if not logged:
-        logged = True
+    if "TRAIN_BIG_LOGGED" not in os.environ:  # once per process: cfrun restores a script
+        os.environ["TRAIN_BIG_LOGGED"] = "1"  # variable such as `logged`, not the environment
         with open(os.environ["MEM_LOG"], "a") as log:
             log.write(f"{os.environ['RANK']} {peak_rss_kb()}\n")
 state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
