@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cfrun.codec.dtensor import LocalShard, check_meta, is_dtensor, local_of, placement_meta
 from cfrun.contract.manifest import FORMAT_VERSION, dumps_json
 from cfrun.contract.shard import (
     ALIGN_BYTES,
@@ -62,8 +63,8 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
 if any(DTYPE_ITEMSIZE.get(k) != d.itemsize for k, d in _DTYPES.items()):  # pragma: no cover
     raise ImportError("cfrun.contract.shard.DTYPE_ITEMSIZE disagrees with this torch")
 
-_RESERVED = ("__t__", "__tuple__", "__dict__", "__nd__", "__np__", "__enum__", "__nt__", "__dc__",
-             "__coll__", "__time__", "__path__")
+_RESERVED = ("__t__", "__dt__", "__tuple__", "__dict__", "__nd__", "__np__", "__enum__",
+             "__nt__", "__dc__", "__coll__", "__time__", "__path__")
 
 _FACTORIES: dict[str, type] = {t.__name__: t for t in (list, int, float, dict, str, tuple)}
 """``defaultdict`` factories stored by name (a lambda or a custom factory is not stored)."""
@@ -100,7 +101,10 @@ def encode(obj: Any, tensors: list[torch.Tensor], *, typed: bool = False) -> Any
     ``pathlib`` paths. With ``typed`` (script variables, put back through :func:`resolve`):
     ``OrderedDict`` too, and ``Enum`` members, namedtuples and dataclass instances by reference
     to their type (module, qualified name; see :class:`TypeRef`). Without it a module's
-    ``state_dict()`` stays a plain dict, an ``IntEnum`` its int, a namedtuple a tuple.
+    ``state_dict()`` stays a plain dict, an ``IntEnum`` its int, a namedtuple a tuple. A
+    DTensor (FSDP2, tensor parallelism) is its local shard (the tensor it wraps, appended to
+    ``tensors``) with its placement metadata (:mod:`cfrun.codec.dtensor`); :func:`decode`
+    gives it back as a :class:`~cfrun.codec.dtensor.LocalShard`.
 
     Raises:
         UnsupportedValueError: ``obj`` holds something else (functions, custom objects...).
@@ -111,6 +115,9 @@ def encode(obj: Any, tensors: list[torch.Tensor], *, typed: bool = False) -> Any
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, torch.Tensor):
+        if is_dtensor(obj):  # its local shard, with the metadata to place it again (issue 25)
+            tensors.append(local_of(obj))
+            return {"__dt__": len(tensors) - 1, "meta": placement_meta(obj)}
         tensors.append(obj)
         return {"__t__": len(tensors) - 1}
     if isinstance(obj, np.generic):
@@ -200,6 +207,9 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         if type(i) is not int or not 0 <= i < len(tensors):
             raise IndexError(f"tensor reference {str(i)[:20]} is not one of {len(tensors)}")
         return tensors[i]
+    if "__dt__" in tree and set(tree) == {"__dt__", "meta"}:
+        local = decode({"__t__": tree["__dt__"]}, tensors)
+        return LocalShard(local, check_meta(tree["meta"]))
     if "__tuple__" in tree and len(tree) == 1:
         return tuple(decode(v, tensors) for v in tree["__tuple__"])
     if "__dict__" in tree and len(tree) == 1:

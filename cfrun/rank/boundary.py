@@ -171,7 +171,7 @@ class Boundary:
         self._checked_bytes = False
         self._checked_layout = False
         self._uncheckpointable: str | None = None
-        """Why this process takes no checkpoints (FSDP / DTensor state, a CUDA graph step)."""
+        """Why this process takes no checkpoints (FSDP1 state, a CUDA graph step)."""
         self._cuda: bool | None = None
         """CUDA in use (decided at the first optimizer step)."""
         self._boundary = wrap("the checkpoint boundary", self._at_boundary)
@@ -220,7 +220,7 @@ class Boundary:
             self._checked_layout = True
             why = uncheckpointable(self._capture.found)
             if why is not None:
-                self._unprotect("FSDP / DTensor", why)
+                self._unprotect("FSDP1", why)
         count = opt.__dict__.get("_cfrun_steps", 0) + 1
         opt.__dict__["_cfrun_steps"] = count
         tuner = self._tuner

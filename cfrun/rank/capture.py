@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cfrun.codec.dtensor import is_dtensor, local_of
 from cfrun.codec.format import UnsupportedValueError, encode
 from cfrun.codec.sharding import shard_replicated
 from cfrun.contract import settings as E
@@ -45,15 +46,15 @@ class Capture:
         opts = self.found.optimizers()
         tensors: list[torch.Tensor] = []
         # only optimizer.step() changes these: they may be copied after the boundary
-        async_ids = {id(p) for m in roots for p in m.parameters()}
-        async_ids |= {id(v) for o in opts for st in o.state.values() for v in st.values()
-                      if isinstance(v, torch.Tensor)}
+        async_ids = {_stored_id(p) for m in roots for p in m.parameters()}
+        async_ids |= {_stored_id(v) for o in opts for st in o.state.values()
+                      for v in st.values() if isinstance(v, torch.Tensor)}
         tree: dict[str, Any] = {
             "modules": encode([m.state_dict(keep_vars=True) for m in roots], tensors),
             "optimizers": encode([o.state_dict() for o in opts], tensors),
         }
         free = free_params(opts, roots)  # fp32 master weights no module owns (issue 18)
-        async_ids |= {id(p) for per_opt in free for _, p in per_opt}
+        async_ids |= {_stored_id(p) for per_opt in free for _, p in per_opt}
         tree.update({
             "free_params": encode([[{"index": k, "value": p} for k, p in per_opt]
                                    for per_opt in free], tensors),
@@ -99,6 +100,7 @@ class Capture:
             tensors.extend(v for st in o.state.values() for v in st.values()
                            if isinstance(v, torch.Tensor))
         tensors.extend(p for per_opt in free_params(opts, roots) for _, p in per_opt)
+        tensors = [local_of(t) if is_dtensor(t) else t for t in tensors]
         self._shard(tensors, set())
         return tensors
 
@@ -120,6 +122,12 @@ class Capture:
                                          rank0_only=how == "rank0")
         async_ids |= {v for v, orig in views.items() if orig in async_ids}
         return layout
+
+
+def _stored_id(t: torch.Tensor) -> int:
+    """``id()`` of the tensor a checkpoint stores for ``t``: a DTensor's local shard
+    (:func:`cfrun.codec.dtensor.local_of`), else ``t`` itself."""
+    return id(local_of(t)) if is_dtensor(t) else id(t)
 
 
 def free_params(opts: list[torch.optim.Optimizer], roots: list[torch.nn.Module]

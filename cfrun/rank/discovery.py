@@ -10,7 +10,6 @@ own the optimizers' parameters (:meth:`Discovery.model_roots`).
 from __future__ import annotations
 
 import gc
-import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -128,27 +127,26 @@ def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
 def uncheckpointable(found: Discovery) -> str | None:
     """Why cfrun cannot checkpoint this rank's state, in one line, or None.
 
-    * **DTensor** parameters (FSDP2's ``fully_shard``, tensor parallelism): a checkpoint would
-      lay them out by their global element count and ``copy_`` a DTensor into a plain tensor;
-      both fail (issue 18, item 9).
     * **FSDP1** (``FullyShardedDataParallel``): its ``state_dict()`` all-gathers the whole
       model on the training process group at every boundary, and its flat parameters are not
-      the model's.
+      the model's; its sharded state dict needs collectives of its own (on the training
+      process group, from the snapshot) to be taken at all. cfrun refuses it and names FSDP2's
+      ``fully_shard``, whose DTensor state it checkpoints as it lies (issue 25, item 3;
+      :mod:`cfrun.codec.dtensor`).
+
+    DTensor parameters (FSDP2, tensor parallelism) are checkpointed (issue 25).
 
     Called once, at the first optimizer step (training thread); costs one scan of the live
     modules (:meth:`Discovery.model_roots`, cached for the first checkpoint).
     """
-    module = sys.modules.get("torch.distributed.tensor")  # a script with DTensors imported it
-    dtensor: Any = getattr(module, "DTensor", None)
     opts = found.optimizers()
     params = [p for o in opts for g in o.param_groups for p in g["params"]]
-    if dtensor is not None and any(isinstance(p, dtensor) for p in params):
-        return ("the optimizer's parameters are DTensors (FSDP2 fully_shard or tensor "
-                "parallelism), which cfrun cannot checkpoint yet")
     if any(type(p).__name__ == "FlatParameter" for p in params) or any(
             type(m).__name__ == "FullyShardedDataParallel" for m in _outer_modules(found)):
-        return ("the model is wrapped in FSDP (FullyShardedDataParallel), which cfrun cannot "
-                "checkpoint (its state_dict() all-gathers the model at every checkpoint)")
+        return ("the model is wrapped in FSDP1 (FullyShardedDataParallel), which cfrun cannot "
+                "checkpoint (its state_dict() all-gathers the model at every checkpoint); "
+                "shard it with FSDP2's torch.distributed.fsdp.fully_shard instead, whose "
+                "state cfrun checkpoints shard by shard")
     return None
 
 

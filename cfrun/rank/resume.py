@@ -72,6 +72,13 @@ from cfrun.codec.checkpoint import (
     quarantine,
     skip_checkpoint,
 )
+from cfrun.codec.dtensor import (
+    MeshMismatchError,
+    dtensor_class,
+    has_shards,
+    live_meshes,
+    to_dtensors,
+)
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
@@ -657,9 +664,10 @@ class Resume:
         opts = self.found.optimizers()
         schedulers, scalers = self.found.schedulers(), self.found.scalers()
         try:  # before anything is applied: a checksum cannot tell a changed layer width
+            _place_shards(st, roots, opts)
             check_fits(st, roots, opts, schedulers, scalers)
             check_free_params(st.get("free_params"), free_params(opts, roots))
-        except JobMismatchError as e:
+        except (JobMismatchError, MeshMismatchError) as e:
             self._fatal(f"checkpoint step {plan.step} does not fit this job: {e}; to go on, "
                         "start a new --job-dir (the checkpoints are kept), or restore the "
                         "script and model the checkpoint was written with and resume")
@@ -775,6 +783,22 @@ class Resume:
         if self.plan is not None and not self.resumed:
             say(f"WARNING: the script ended before reaching checkpoint step {self.plan.step}; "
                 "it was not restored")
+
+
+def _place_shards(st: dict[str, Any], roots: list[Any], opts: list[Any]) -> None:
+    """Make the checkpoint's DTensor local shards (:class:`cfrun.codec.dtensor.LocalShard`)
+    DTensors again on the live job's device meshes, in place in ``st``, before it is checked
+    and applied (issue 25). Nothing to do in a job without DTensors.
+
+    Raises:
+        MeshMismatchError: a shard's mesh is not the live job's.
+    """
+    if dtensor_class() is None:
+        return
+    meshes = live_meshes([*roots, *opts])
+    for key in ("modules", "optimizers", "free_params", "script"):
+        if key in st and has_shards(st[key]):
+            st[key] = to_dtensors(st[key], meshes)
 
 
 def _exit_rank() -> NoReturn:

@@ -1,0 +1,234 @@
+"""DTensor state (FSDP2's ``fully_shard``, tensor parallelism, 2-D meshes), checkpointed as it
+lies (issue 25, item 1; DESIGN.md §7).
+
+A DTensor is a rank's *local* tensor plus where it lies in the global one: the device mesh, one
+placement per mesh dimension (``Shard(d)``, ``Replicate()``, ...), the global shape and stride.
+Each rank of a sharded job already holds a distinct part of the state, so each rank snapshots and
+persists its own local shards whole: no all-gather, no full state dict, the host memory a
+checkpoint costs a rank is its local shards' bytes. (With DDP every rank holds the same state and
+persists 1/N of it, :mod:`cfrun.codec.sharding`.)
+
+* :func:`placement_meta` (each rank, at the checkpoint boundary, through
+  :func:`cfrun.codec.format.encode`): the JSON metadata stored beside the local tensor, under the
+  ``__dt__`` tag: ``mesh`` (the mesh's global ranks, nested as the mesh), ``dims`` (its
+  dimension names or None), ``placements``, ``shape`` and ``stride`` (global), ``offset`` (the
+  local shard's offset in the global tensor; for resharding and export).
+* :class:`LocalShard` (what :func:`cfrun.codec.format.decode` returns for that tag): the local
+  tensor and its checked metadata.
+* :func:`to_dtensors` (each rank, at the resume, before anything is applied): rebuilds the
+  DTensors on the live job's device meshes (``DTensor.from_local``, no communication); a mesh
+  the live job does not have (another world size, another layout) is a job mismatch.
+
+Idea: torch.distributed.checkpoint's sharded state dicts (each rank saves its local shards with
+their chunk metadata), without DCP's planning collectives on the training process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+_KINDS = ("shard", "replicate", "partial", "strided_shard")
+"""Placements cfrun stores, by name."""
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def dtensor_class() -> Any:
+    """``torch.distributed.tensor.DTensor`` if the process imported it (a script with DTensors
+    did), else None; never imports it (a plain job pays nothing)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(obj: Any) -> bool:
+    """``obj`` is a DTensor (a parameter made one by FSDP2 or TP counts)."""
+    cls = dtensor_class()
+    return cls is not None and isinstance(obj, cls)
+
+
+def local_of(t: Any) -> torch.Tensor:
+    """The rank's local tensor of the DTensor ``t``: the very tensor the DTensor wraps (the
+    same object at every call, so the snapshot copies the live shard and may do so after the
+    boundary, as for a plain parameter), never a copy or a gather."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    with torch.no_grad():
+        return t.to_local()
+
+
+def _placement_json(p: Any) -> list[Any]:
+    name = type(p).__name__
+    if name == "_StridedShard":
+        return ["strided_shard", int(p.dim), int(p.split_factor)]
+    if name == "Shard":
+        return ["shard", int(p.dim)]
+    if name == "Replicate":
+        return ["replicate"]
+    if name == "Partial":
+        return ["partial", str(p.reduce_op)]
+    raise ValueError(f"DTensor placement {p!r} is not one cfrun stores")
+
+
+def placement_meta(t: Any) -> dict[str, Any]:
+    """The JSON metadata that places the local shard of the DTensor ``t`` again (see the
+    module doc). Any rank, at the boundary; no communication.
+
+    Raises:
+        ValueError: a placement cfrun does not store (a custom one).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return {"mesh": mesh.mesh.tolist(),
+            "dims": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            "placements": [_placement_json(p) for p in placements],
+            "shape": [int(s) for s in t.shape], "stride": [int(s) for s in t.stride()],
+            "offset": [int(o) for o in offset]}
+
+
+@dataclasses.dataclass
+class LocalShard:
+    """A rank's stored local shard of a DTensor, as decoded from a checkpoint (before the live
+    mesh is known): :func:`to_dtensors` turns it back into a DTensor."""
+
+    local: torch.Tensor
+    """The rank's local tensor, as it was at the checkpoint."""
+    meta: dict[str, Any]
+    """:func:`placement_meta`'s fields, checked by :func:`check_meta`."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape (what the live DTensor's ``shape`` is compared with)."""
+        return torch.Size(self.meta["shape"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The local tensor's dtype (a DTensor's)."""
+        return self.local.dtype
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"DTensor {what} {str(value)[:60]} is not a list of ints >= 0")
+    return value
+
+
+def check_meta(meta: Any) -> dict[str, Any]:
+    """``meta`` is :func:`placement_meta`'s form (a checkpoint's data is checked beyond its
+    checksum, DESIGN.md §9); returns it.
+
+    Raises:
+        ValueError: the first field that is not.
+    """
+    if not isinstance(meta, dict):
+        raise ValueError("DTensor metadata is not an object")
+    mesh = torch.tensor(meta.get("mesh"))  # nested lists of ints, or this raises
+    if mesh.dtype != torch.int64 or mesh.dim() < 1 or mesh.numel() < 1:
+        raise ValueError(f"DTensor mesh {str(meta.get('mesh'))[:60]} is not ranks")
+    dims = meta.get("dims")
+    if dims is not None and (not isinstance(dims, list) or len(dims) != mesh.dim()
+                             or not all(isinstance(d, str) for d in dims)):
+        raise ValueError(f"DTensor mesh dimension names {str(dims)[:60]} do not fit the mesh")
+    placements = meta.get("placements")
+    if not isinstance(placements, list) or len(placements) != mesh.dim():
+        raise ValueError("DTensor placements do not fit the mesh")
+    for p in placements:
+        if not isinstance(p, list) or not p or p[0] not in _KINDS:
+            raise ValueError(f"DTensor placement {str(p)[:40]} is not one cfrun stores")
+    shape = _ints(meta.get("shape"), "shape")
+    for key in ("stride", "offset"):
+        if len(_ints(meta.get(key), key)) != len(shape):
+            raise ValueError(f"DTensor {key} does not fit its shape {shape}")
+    return meta
+
+
+def _placement(p: list[Any]) -> Any:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    kind = p[0]
+    if kind == "replicate":
+        return Replicate()
+    if kind == "partial":
+        if p[1] not in _REDUCE_OPS:
+            raise ValueError(f"DTensor partial reduce op {str(p[1])[:20]} is not one of "
+                             f"{_REDUCE_OPS}")
+        return Partial(p[1])
+    if type(p[1]) is not int:
+        raise ValueError(f"DTensor placement {str(p)[:40]} names no dimension")
+    if kind == "shard":
+        return Shard(p[1])
+    return _StridedShard(p[1], split_factor=int(p[2]))
+
+
+def live_meshes(objects: list[Any]) -> dict[tuple[Any, ...], Any]:
+    """The device meshes of the live DTensors among ``objects`` (modules: their parameters and
+    buffers; optimizers: their parameters), by :func:`mesh_key`. Training thread."""
+    out: dict[tuple[Any, ...], Any] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            tensors: list[Any] = [*obj.parameters(), *obj.buffers()]
+        else:
+            tensors = [p for g in getattr(obj, "param_groups", ()) for p in g["params"]]
+        for t in tensors:
+            if is_dtensor(t):
+                mesh = t.device_mesh
+                names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+                out.setdefault(mesh_key(mesh.mesh.tolist(), names), mesh)
+    return out
+
+
+def mesh_key(ranks: Any, names: list[str] | None) -> tuple[Any, ...]:
+    """A mesh's identity: its global ranks (nested as the mesh) and dimension names."""
+    return (repr(ranks), tuple(names) if names is not None else None)
+
+
+class MeshMismatchError(ValueError):
+    """A stored shard's mesh is not one of the live job's (another world size or layout)."""
+
+
+def to_dtensors(tree: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
+    """``tree`` with every :class:`LocalShard` made a DTensor again on the live mesh of the
+    same ranks and dimension names (``DTensor.from_local`` with the stored placements, global
+    shape and stride; no communication, the local tensor itself is wrapped). Each rank, at the
+    resume, before the state is checked against the live job and applied.
+
+    Raises:
+        MeshMismatchError: a shard's mesh is not among ``meshes`` (names the mesh).
+    """
+    if isinstance(tree, LocalShard):
+        meta = tree.meta
+        mesh = meshes.get(mesh_key(meta["mesh"], meta["dims"]))
+        if mesh is None:
+            raise MeshMismatchError(
+                f"a DTensor was saved on the device mesh {meta['mesh']} "
+                f"(dimensions {meta['dims']}), which the live job does not have")
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(tree.local, mesh, [_placement(p) for p in meta["placements"]],
+                                  run_check=False, shape=torch.Size(meta["shape"]),
+                                  stride=tuple(meta["stride"]))
+    if isinstance(tree, dict):
+        return {k: to_dtensors(v, meshes) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_dtensors(v, meshes) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(to_dtensors(v, meshes) for v in tree)
+    return tree
+
+
+def has_shards(tree: Any) -> bool:
+    """``tree`` holds a :class:`LocalShard` (a checkpoint of a sharded job)."""
+    if isinstance(tree, LocalShard):
+        return True
+    if isinstance(tree, dict):
+        return any(has_shards(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(has_shards(v) for v in tree)
+    return False
