@@ -128,7 +128,10 @@ def check_meta(meta: Any) -> dict[str, Any]:
     """
     if not isinstance(meta, dict):
         raise ValueError("DTensor metadata is not an object")
-    mesh = torch.tensor(meta.get("mesh"))  # nested lists of ints, or this raises
+    try:
+        mesh = torch.tensor(meta.get("mesh"))  # nested lists of ints, or this raises
+    except (TypeError, ValueError, RuntimeError):
+        mesh = torch.empty(0)
     if mesh.dtype != torch.int64 or mesh.dim() < 1 or mesh.numel() < 1:
         raise ValueError(f"DTensor mesh {str(meta.get('mesh'))[:60]} is not ranks")
     dims = meta.get("dims")

@@ -1,0 +1,69 @@
+"""DTensor state in the checkpoint format (issue 25, item 1; cfrun.codec.dtensor): a DTensor
+is stored as its local shard plus placement metadata, decoded as a LocalShard and rebuilt on
+the live mesh; crafted metadata is refused as a corrupt tree, a mesh the live job lacks as a
+mismatch. In-process, on a 1-rank gloo group over a HashStore."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cfrun.codec.dtensor import LocalShard, MeshMismatchError, live_meshes, to_dtensors
+from cfrun.codec.format import decode, encode
+
+
+@pytest.fixture
+def mesh() -> Iterator[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_its_local_shard_with_placement_and_comes_back(mesh):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    param = torch.nn.Parameter(distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh,
+                                                 [Shard(0)]))
+    tensors: list[torch.Tensor] = []
+    tree = encode({"w": param, "plain": torch.ones(2)}, tensors)
+    assert tensors[0] is param._local_tensor  # the live shard itself, not a copy
+    assert tree["w"]["meta"] == {"mesh": [0], "dims": ["dp"], "placements": [["shard", 0]],
+                                 "shape": [4, 3], "stride": [3, 1], "offset": [0, 0]}
+    got = decode(tree, [t.clone() for t in tensors])
+    assert isinstance(got["w"], LocalShard) and got["w"].shape == torch.Size([4, 3])
+    back = to_dtensors(got, live_meshes([torch.nn.Linear(1, 1), _Holder(param)]))
+    assert isinstance(back["w"], DTensor) and back["w"].placements == (Shard(0),)
+    assert torch.equal(back["w"].full_tensor(), param.full_tensor())
+    assert torch.equal(back["plain"], torch.ones(2))
+    with pytest.raises(MeshMismatchError, match=r"device mesh \[0\]"):
+        to_dtensors(got, {})  # the live job has no such mesh
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, p: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.p = p
+
+
+_GOOD = {"mesh": [0, 1], "dims": ["dp"], "placements": [["shard", 0]], "shape": [4, 3],
+         "stride": [3, 1], "offset": [2, 0]}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mesh", [[0, 1], [2]]), ("mesh", "0"), ("dims", ["a", "b"]), ("placements", [["bogus"]]),
+    ("placements", []), ("shape", [-1, 3]), ("stride", [1]), ("offset", "x")])
+def test_crafted_dtensor_metadata_does_not_decode(field, value):
+    """What check_usable turns into a corrupt checkpoint (a ValueError while decoding)."""
+    meta = dict(_GOOD, **{field: value})
+    with pytest.raises(ValueError):
+        decode({"__dt__": 0, "meta": meta}, [torch.zeros(2, 3)])
+    assert isinstance(decode({"__dt__": 0, "meta": dict(_GOOD)}, [torch.zeros(2, 3)]),
+                      LocalShard)
