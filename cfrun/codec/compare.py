@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from cfrun.codec.dtensor import LocalShard
+
 _RNG_NAMES = {"torch": "RNG torch", "random": "RNG python random", "numpy": "RNG numpy",
               "cuda": "RNG cuda"}
 _MAX_DETAIL = 160
@@ -94,7 +96,13 @@ def _leaf_detail(a: Any, b: Any) -> str | None:
 
 
 def _walk(a: Any, b: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """Every differing leaf below ``path``: ``(path, detail)``."""
+    """Every differing leaf below ``path``: ``(path, detail)``. A DTensor's stored shard
+    (:class:`cfrun.codec.dtensor.LocalShard`) is its placement and its local tensor."""
+    if isinstance(a, LocalShard) and isinstance(b, LocalShard):
+        if a.meta != b.meta:
+            yield path, f"placed {_short(a.meta)} vs {_short(b.meta)}"
+            return
+        a, b = a.local, b.local
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(a) + [k for k in b if k not in a]:
             if key not in b:

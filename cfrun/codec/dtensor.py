@@ -235,3 +235,36 @@ def has_shards(tree: Any) -> bool:
     if isinstance(tree, (list, tuple)):
         return any(has_shards(v) for v in tree)
     return False
+
+
+def gather_full(parts: list[Any]) -> Any:
+    """The full tensor of one DTensor from every rank's :class:`LocalShard` of it, placed by
+    each shard's global offset (``cfrun export``: one process, offline; the only place cfrun
+    builds a full tensor from shards). A replicated block held by several ranks is the same
+    bytes on each, written once per holder.
+
+    Raises:
+        ValueError: the shards disagree on the global shape or dtype, a placement is
+            ``strided_shard`` (a local shard that is not one block of the global tensor: FSDP2
+            over tensor parallelism) or ``partial`` (not yet reduced), or the shards do not
+            cover the tensor.
+    """
+    first = parts[0]
+    shape, dtype = first.meta["shape"], first.local.dtype
+    full = torch.empty(shape, dtype=dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for part in parts:
+        kinds = {p[0] for p in part.meta["placements"]}
+        if kinds & {"strided_shard", "partial"}:
+            raise ValueError(f"a DTensor placed {part.meta['placements']} cannot be exported "
+                             "from its shards alone (FSDP2 over tensor parallelism, or a "
+                             "partial sum)")
+        if part.meta["shape"] != shape or part.local.dtype != dtype:
+            raise ValueError(f"the ranks' shards of one DTensor disagree: {shape} "
+                             f"{dtype} and {part.meta['shape']} {part.local.dtype}")
+        index = tuple(slice(o, o + n) for o, n in zip(part.meta["offset"], part.local.shape))
+        full[index] = part.local
+        covered[index] = True
+    if not bool(covered.all()):
+        raise ValueError(f"the ranks' shards do not cover a DTensor of shape {shape}")
+    return full

@@ -3,12 +3,14 @@ a ``MixedPrecisionPolicy`` and tensor parallelism (``parallelize_module``) on 2 
 on CPU, and FSDP2 x TP on a 2 x 2 mesh. Each configuration is one cfrun run with two real
 SIGKILLs (``--inject-crash``) compared, bit for bit and loss by loss, with plain torchrun; the
 FSDP2 one also with the uninterrupted cfrun run, and it measures what a checkpoint holds per
-rank (its local shards only). Without issue 25 such a job took no checkpoint (an
-``unprotected`` event): a kill started it over, and no ``resumed`` event came."""
+rank (its local shards only) and exports it (full weights, DCP). Without issue 25 such a job
+took no checkpoint (an ``unprotected`` event): a kill started it over, and no ``resumed`` event
+came."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +90,8 @@ def test_fsdp2_resumes_bit_identical_after_two_kills_with_local_shards_only(tmp_
     shards (half of every parameter and Adam moment), never the full model."""
     _killed_run(tmp_path, "fsdp2", 2)
     ref = run_cfrun(["--nproc-per-node", "2", "--interval", str(INTERVAL), "--job-dir", "ref",
-                     SCRIPT, "fsdp2", "ref"], cwd=tmp_path)
+                     SCRIPT, "fsdp2", "ref"], cwd=tmp_path, env={"SAVE_STEPS": "1"})
     assert ref.returncode == 0 and len(ref.events("attempt_start")) == 1, ref.stderr[-3000:]
-    assert [e["step"] for e in ref.events("commit")] == [5, 10, 15, 20]
     for a, b in zip(_states(tmp_path, "ref", 2), _states(tmp_path, "got", 2)):
         assert_bit_identical(a, b)
     # memory: what a rank's checkpoint holds of the model and optimizer (what its snapshot
@@ -101,7 +102,8 @@ def test_fsdp2_resumes_bit_identical_after_two_kills_with_local_shards_only(tmp_
                        for t in part.values() if t.dim() > 0) for s in full]
     full_bytes = 3 * 4 * (32 * 64 + 64 + 64 * 32 + 32 + 32 * 2 + 2)  # params + 2 moments, fp32
     assert sum(local_bytes) == full_bytes
-    step_dir = ref.job_dir / "checkpoints" / "step-000020"
+    step = max(e["step"] for e in ref.events("commit"))
+    step_dir = ref.job_dir / "checkpoints" / f"step-{step:06d}"
     for r in (0, 1):
         doc = json.loads((step_dir / f"rank-{r:05d}.json").read_text())
         tree, table = doc["tree"], doc["tensors"]
@@ -109,9 +111,43 @@ def test_fsdp2_resumes_bit_identical_after_two_kills_with_local_shards_only(tmp_
         assert shard_bytes == local_bytes[r] <= full_bytes // 2, (r, shard_bytes)
         assert plain_bytes < 1024, plain_bytes  # the buffer, Adam's step counters
         assert [64, 32] not in [t["shape"] for t in table]  # w1.weight: its [32, 32] half
+    _check_export(tmp_path, ref, step)
+
+
+def _check_export(tmp_path: Path, ref: Run, step: int) -> None:
+    """Issue 25, item 5: ``cfrun export`` of the FSDP2 checkpoint writes the full weights (put
+    together from both ranks' shards) as of that step; ``--format dcp`` loads with DCP into the
+    same model unsharded, in one process (another world size)."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = [torch.load(tmp_path / f"ref-rank{r}-step{step}.pt", weights_only=True)
+              for r in (0, 1)]
+    want = {k: torch.cat([s[k] for s in shards]) if v.dim() else v
+            for k, v in shards[0].items()}  # fully_shard: Shard(0) on a 2-rank mesh
+    for fmt in ("torch", "dcp"):
+        done = run_cfrun(["export", "ref", f"out-{fmt}", "--step", str(step), "--format", fmt],
+                         cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_bit_identical(want, torch.load(tmp_path / "out-torch", weights_only=True))
+    loaded = {k: torch.zeros_like(v) for k, v in want.items()}
+    with warnings.catch_warnings():  # "torch.distributed is disabled...": one process, meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "out-dcp"), no_dist=True)
+    assert_bit_identical(want, loaded)
 
 
 @pytest.mark.parametrize("kind", ["fsdp2-mp", "tp"])
 def test_sharded_two_ranks_resume_bit_identical_after_two_kills(tmp_path, kind):
     """FSDP2 with bf16 parameters and fp32 reduce; tensor parallelism (colwise, rowwise)."""
     _killed_run(tmp_path, kind, 2)
+
+
+def test_fsdp2_over_tensor_parallel_on_a_2x2_mesh_resumes_bit_identical(tmp_path):
+    """4 ranks, a ``dp`` x ``tp`` mesh: TP's colwise/rowwise shards inside, FSDP2 across (its
+    parameters placed ``_StridedShard`` x ``Shard``)."""
+    run, _ = _killed_run(tmp_path, "fsdp2-tp", 4)
+    doc = json.loads(next((run.job_dir / "checkpoints").glob("step-*/rank-00000.json"))
+                     .read_text())
+    meta = doc["tree"]["modules"][0]["w1.weight"]["meta"]
+    assert meta["mesh"] == [[0, 1], [2, 3]] and meta["dims"] == ["dp", "tp"]
+    assert [p[0] for p in meta["placements"]] == ["strided_shard", "shard"]

@@ -2,8 +2,10 @@
 on each layer and the root), ``fsdp2-mp`` (the same with a ``MixedPrecisionPolicy``: bf16
 parameters, fp32 reduce), ``tp`` (``parallelize_module``, colwise then rowwise) or ``fsdp2-tp``
 (a 2-D mesh, ``dp`` x ``tp``: TP inside, FSDP2 across). Gloo on CPU, a DistributedSampler over
-the data-parallel ranks, Adam, gradient clipping (FSDP2 alone). Prints each step's loss (rank 0) and saves each
-rank's local shards (model and optimizer) to ``OUT-rank{R}.pt`` (argv[2])."""
+the data-parallel ranks, Adam, gradient clipping (FSDP2 alone). Prints each step's loss (rank 0)
+and saves each rank's local shards (model and optimizer) to ``OUT-rank{R}.pt`` (argv[2]); with
+``SAVE_STEPS`` set, also its model's after every step N to ``OUT-rank{R}-stepN.pt``."""
+import os
 import sys
 
 import torch
@@ -65,6 +67,13 @@ else:
 sampler = DistributedSampler(ds, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=2)
 loader = DataLoader(ds, batch_size=32 // dp_size, sampler=sampler, drop_last=True)  # 12 steps
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def local(v: object) -> object:
+    return v.to_local() if isinstance(v, DTensor) else v
+
+
+step = 0
 for epoch in range(epochs):
     sampler.set_epoch(epoch)
     for xb, yb in loader:
@@ -75,13 +84,12 @@ for epoch in range(epochs):
             # clip_grad_norm_ cannot mix its gradient with the TP ones
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        step += 1
         if rank == 0:
             print(f"loss {loss.item():.8f}", flush=True)
-
-
-def local(v: object) -> object:
-    return v.to_local() if isinstance(v, DTensor) else v
-
+        if os.environ.get("SAVE_STEPS"):  # each step's local model shards (cfrun export's test)
+            torch.save({k: local(v) for k, v in model.state_dict().items()},
+                       f"{out}-rank{rank}-step{step}.pt")
 
 state = {"model": {k: local(v) for k, v in model.state_dict().items()},
          "opt": {k: {n: local(t) for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}}

@@ -67,3 +67,18 @@ def test_crafted_dtensor_metadata_does_not_decode(field, value):
         decode({"__dt__": 0, "meta": meta}, [torch.zeros(2, 3)])
     assert isinstance(decode({"__dt__": 0, "meta": dict(_GOOD)}, [torch.zeros(2, 3)]),
                       LocalShard)
+
+
+def test_cfrun_verify_compares_stored_shards_by_placement_and_bits():
+    """cfrun verify's comparison (cfrun.codec.compare) of two checkpoints of a sharded job."""
+    from cfrun.codec.compare import differences
+
+    def state(value: float, offset: int) -> dict[str, Any]:
+        shard = LocalShard(torch.full((2, 3), value), dict(_GOOD, offset=[offset, 0]))
+        return {"modules": [{"w": shard}]}
+
+    assert list(differences(state(1.0, 2), state(1.0, 2))) == []
+    [bits] = differences(state(1.0, 2), state(0.5, 2))
+    assert "values differ" in bits.detail
+    [placed] = differences(state(1.0, 2), state(1.0, 0))
+    assert placed.detail.startswith("placed")
