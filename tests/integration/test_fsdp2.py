@@ -2,8 +2,8 @@
 a ``MixedPrecisionPolicy`` and tensor parallelism (``parallelize_module``) on 2 ranks with gloo
 on CPU, and FSDP2 x TP on a 2 x 2 mesh. Each configuration is one cfrun run with two real
 SIGKILLs (``--inject-crash``) compared, bit for bit and loss by loss, with plain torchrun; the
-FSDP2 one also with the uninterrupted cfrun run, and it measures what a checkpoint holds per
-rank (its local shards only) and exports it (full weights, DCP). Without issue 25 such a job
+FSDP2 one also measures what a checkpoint holds per rank (its local shards only) and exports
+it (full weights, DCP). Without issue 25 such a job
 took no checkpoint (an ``unprotected`` event): a kill started it over, and no ``resumed`` event
 came."""
 
@@ -42,16 +42,18 @@ def _states(cwd: Path, name: str, nproc: int) -> list[Any]:
     return [torch.load(cwd / f"{name}-rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
-def _killed_run(tmp_path: Path, kind: str, nproc: int) -> tuple[Run, Any]:
+def _killed_run(tmp_path: Path, kind: str, nproc: int,
+                env: dict[str, str] | None = None) -> tuple[Run, Any]:
     """Plain torchrun, then cfrun with two kills, of ``kind``; the kill-resume run must equal
     torchrun: every rank's final shards, and the loss at every step (a redone step prints its
-    loss again, the same)."""
+    loss again, the same). (No uninterrupted cfrun run: it is the killed run's stretch before
+    its first kill, and test_transparency.py compares cfrun with torchrun in general.)"""
     plain = plain_run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                        str(nproc), SCRIPT, kind, "plain"], tmp_path)
     kills = ",".join(f"{k}@{a}" for a, k in enumerate(KILLS))
     run = run_cfrun(["--nproc-per-node", str(nproc), "--interval", str(INTERVAL), "--job-dir",
                      "got", "--inject-crash", kills, SCRIPT, kind, "got"], cwd=tmp_path,
-                    timeout=840)
+                    env=env, timeout=840)
     assert run.returncode == 0, run.stderr[-3000:]
     assert not run.events("unprotected"), run.events("unprotected")
     resumed = sorted({(e["attempt"], e["step"]) for e in run.events("resumed")})
@@ -86,24 +88,19 @@ def _stored_bytes(tree: Any, table: list[dict[str, Any]]) -> tuple[int, int]:
 
 def test_fsdp2_resumes_bit_identical_after_two_kills_with_local_shards_only(tmp_path):
     """FSDP2 on every layer and the root, Adam, gradient clipping: the kill-resume run equals
-    torchrun and the uninterrupted cfrun run; each rank's checkpoint holds its own local
-    shards (half of every parameter and Adam moment), never the full model."""
-    _killed_run(tmp_path, "fsdp2", 2)
-    ref = run_cfrun(["--nproc-per-node", "2", "--interval", str(INTERVAL), "--job-dir", "ref",
-                     SCRIPT, "fsdp2", "ref"], cwd=tmp_path, env={"SAVE_STEPS": "1"})
-    assert ref.returncode == 0 and len(ref.events("attempt_start")) == 1, ref.stderr[-3000:]
-    for a, b in zip(_states(tmp_path, "ref", 2), _states(tmp_path, "got", 2)):
-        assert_bit_identical(a, b)
+    torchrun; each rank's checkpoint holds its own local shards (half of every parameter and
+    Adam moment), never the full model."""
+    run, _ = _killed_run(tmp_path, "fsdp2", 2, env={"SAVE_STEPS": "1"})
     # memory: what a rank's checkpoint holds of the model and optimizer (what its snapshot
     # copies into host memory) is its local shards' bytes, and the two ranks' shards are
     # distinct: together exactly the full model and its Adam moments, once
-    full = _states(tmp_path, "ref", 2)  # each rank's local shards, saved by the script
+    full = _states(tmp_path, "got", 2)  # each rank's local shards, saved by the script
     local_bytes = [sum(t.numel() * t.element_size() for part in (s["model"], *s["opt"].values())
                        for t in part.values() if t.dim() > 0) for s in full]
     full_bytes = 3 * 4 * (32 * 64 + 64 + 64 * 32 + 32 + 32 * 2 + 2)  # params + 2 moments, fp32
     assert sum(local_bytes) == full_bytes
-    step = max(e["step"] for e in ref.events("commit"))
-    step_dir = ref.job_dir / "checkpoints" / f"step-{step:06d}"
+    step = max(e["step"] for e in run.events("commit"))
+    step_dir = run.job_dir / "checkpoints" / f"step-{step:06d}"
     for r in (0, 1):
         doc = json.loads((step_dir / f"rank-{r:05d}.json").read_text())
         tree, table = doc["tree"], doc["tensors"]
@@ -111,21 +108,21 @@ def test_fsdp2_resumes_bit_identical_after_two_kills_with_local_shards_only(tmp_
         assert shard_bytes == local_bytes[r] <= full_bytes // 2, (r, shard_bytes)
         assert plain_bytes < 1024, plain_bytes  # the buffer, Adam's step counters
         assert [64, 32] not in [t["shape"] for t in table]  # w1.weight: its [32, 32] half
-    _check_export(tmp_path, ref, step)
+    _check_export(tmp_path, step)
 
 
-def _check_export(tmp_path: Path, ref: Run, step: int) -> None:
+def _check_export(tmp_path: Path, step: int) -> None:
     """Issue 25, item 5: ``cfrun export`` of the FSDP2 checkpoint writes the full weights (put
     together from both ranks' shards) as of that step; ``--format dcp`` loads with DCP into the
     same model unsharded, in one process (another world size)."""
     import torch.distributed.checkpoint as dcp
 
-    shards = [torch.load(tmp_path / f"ref-rank{r}-step{step}.pt", weights_only=True)
+    shards = [torch.load(tmp_path / f"got-rank{r}-step{step}.pt", weights_only=True)
               for r in (0, 1)]
     want = {k: torch.cat([s[k] for s in shards]) if v.dim() else v
             for k, v in shards[0].items()}  # fully_shard: Shard(0) on a 2-rank mesh
     for fmt in ("torch", "dcp"):
-        done = run_cfrun(["export", "ref", f"out-{fmt}", "--step", str(step), "--format", fmt],
+        done = run_cfrun(["export", "got", f"out-{fmt}", "--step", str(step), "--format", fmt],
                          cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
     assert_bit_identical(want, torch.load(tmp_path / "out-torch", weights_only=True))
