@@ -129,10 +129,10 @@ def uncheckpointable(found: Discovery) -> str | None:
 
     * **FSDP1** (``FullyShardedDataParallel``): its ``state_dict()`` all-gathers the whole
       model on the training process group at every boundary, and its flat parameters are not
-      the model's; its sharded state dict needs collectives of its own (on the training
-      process group, from the snapshot) to be taken at all. cfrun refuses it and names FSDP2's
-      ``fully_shard``, whose DTensor state it checkpoints as it lies (issue 25, item 3;
-      :mod:`cfrun.codec.dtensor`).
+      the model's; checkpointing its sharded state dict (per-parameter shards cut from the
+      flat parameters) exactly is not done. cfrun refuses it and names FSDP2's
+      ``fully_shard``, its successor, whose DTensor state it checkpoints as it lies (issue 25,
+      item 3; :mod:`cfrun.codec.dtensor`).
 
     DTensor parameters (FSDP2, tensor parallelism) are checkpointed (issue 25).
 
