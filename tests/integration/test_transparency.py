@@ -24,7 +24,7 @@ from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
 from cfrun.codec.checkpoint import MANIFEST
 from cfrun.contract.manifest import FileEntry, Manifest, read_manifest
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.torchrun]  # as users launch
 
 SCRIPT = str(SCRIPTS / "train_augment.py")
 EPOCHS = 3
