@@ -44,11 +44,54 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+ONE_RANK_LAUNCHER = {"launcher": "python"}
+"""The launcher :func:`run_cfrun` gives a one-process job: ``python`` (``CFRUN_LAUNCHER``),
+unless the test is marked ``torchrun`` (:func:`_one_rank_launcher`)."""
+
+_SEVERAL_RANK_FLAGS = ("--nproc", "--nnodes", "--launcher", "--standalone", "--rdzv", "--node",
+                       "--master")
+
+
+@pytest.fixture(autouse=True)
+def _one_rank_launcher(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Where torchrun is not the point, a one-process job runs as ``python SCRIPT``
+    (``--launcher python``, a supported mode that checkpoints, supervises and resumes the same
+    way): it saves each attempt a second interpreter importing torch (about 3 CPU-seconds and
+    torchrun's rendezvous), the largest fixed cost of the suite's ~1,000 launches (issue 27,
+    item 9). Tests and modules marked ``torchrun`` keep torchrun: the launch and supervision
+    paths, transparency against ``torchrun``, signals, the README's commands.
+    ``CFRUN_TESTS_LAUNCHER=torchrun`` runs every test under torchrun."""
+    marked = request.node.get_closest_marker("torchrun") is not None
+    everywhere = os.environ.get("CFRUN_TESTS_LAUNCHER") == "torchrun"
+    ONE_RANK_LAUNCHER["launcher"] = "torchrun" if marked or everywhere else "python"
+    yield
+    ONE_RANK_LAUNCHER["launcher"] = "python"
+
+
+def _launch_env(args: list[str], env: dict[str, str] | None) -> dict[str, str] | None:
+    """``env`` with ``CFRUN_LAUNCHER`` added for a one-process launch (see
+    :data:`ONE_RANK_LAUNCHER`); unchanged for subcommands other than ``verify`` and
+    ``profile``, for any rank or launcher flag, and where ``env`` chose already."""
+    if ONE_RANK_LAUNCHER["launcher"] != "python" or not args:
+        return env
+    if not args[0].startswith("-") and args[0] not in ("verify", "profile") \
+            and not args[0].endswith(".py"):
+        return env  # resume, status, export, ...: the job's own ranks decide
+    if any(a.startswith(_SEVERAL_RANK_FLAGS) for a in args):
+        return env
+    if env and any(k in env for k in ("CFRUN_LAUNCHER", "CFRUN_NPROC_PER_NODE", "CFRUN_NNODES")):
+        return env
+    return {**(env or {}), "CFRUN_LAUNCHER": "python"}
+
+
 def run_cfrun(args: list[str], *, cwd: Path, env: dict[str, str] | None = None,
               timeout: float = 240) -> Run:
-    """``python -m cfrun ARGS`` as a real process; returns its exit code and output."""
-    p = subprocess.run([sys.executable, "-m", "cfrun", *args], cwd=cwd, env=clean_env(env),
-                       capture_output=True, text=True, timeout=timeout)
+    """``python -m cfrun ARGS`` as a real process; returns its exit code and output. A
+    one-process job runs with ``--launcher python`` unless the test is marked ``torchrun``
+    (:func:`_one_rank_launcher`)."""
+    p = subprocess.run([sys.executable, "-m", "cfrun", *args], cwd=cwd,
+                       env=clean_env(_launch_env(args, env)), capture_output=True, text=True,
+                       timeout=timeout)
     job_dir = Path(cwd)
     if "--job-dir" in args:
         job_dir = Path(cwd) / args[args.index("--job-dir") + 1]

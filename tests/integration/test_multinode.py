@@ -29,7 +29,7 @@ from conftest import (
     run_cfrun,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
 DDP = str(SCRIPTS / "train_ddp.py")
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference
 from test_multinode import free_port, saved
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.torchrun]  # as users launch
 
 
 def _srun_node(tmp_path: Path, node: int, port: int, job_id: str) -> subprocess.Popen[str]:

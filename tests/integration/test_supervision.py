@@ -25,7 +25,7 @@ from conftest import (
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
 SLOW = str(SCRIPTS / "slow_steps.py")
 DDP_SLOW = str(SCRIPTS / "train_ddp_slow.py")
 DEFAULT_GRACE_S = 25.0

@@ -14,7 +14,7 @@ import shlex
 import pytest
 from conftest import SCRIPTS, cfrun_in_process, run_cfrun
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.torchrun]  # as users launch
 
 ACCEPTED = [
     # single node, multi worker
