@@ -131,6 +131,16 @@ def assert_bit_identical(a: object, b: object, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def resumable_steps(checkpoints: Path) -> list[int]:
+    """Committed steps a resume may start from, newest first: all but the final checkpoint
+    taken at the script's end (issue 27, item 2), which a resume never starts from."""
+    from cfrun.contract.checkpoints import committed_steps, is_final
+    from cfrun.contract.jobdir import step_dir_name
+
+    return [s for s in committed_steps(checkpoints)
+            if not is_final(checkpoints / step_dir_name(s))]
+
+
 def final_line(stdout: str) -> str:
     lines = [l for l in stdout.splitlines() if l.startswith("FINAL") or l.startswith("final")]
     assert lines, stdout

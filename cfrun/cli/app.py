@@ -1098,7 +1098,8 @@ def export_cmd(
         raise BadInputError(f"output {out!r}: directory {str(out_path.parent)!r} does not "
                             "exist; create it first, or give a file in an existing directory")
     got_step, n = report.export(jd, out_path, step=step_n, fmt=fmt)
-    print(f"exported step {got_step}: {n} tensors -> {out_path}")
+    note = report.export_note(jd, got_step, asked=step_n is not None)
+    print(f"exported step {got_step} ({note}): {n} tensors -> {out_path}")
 
 
 @app.command("peer", cls=CfrunCommand,

@@ -471,6 +471,37 @@ def _full_modules(step_dir: Path, modules: list[Any]) -> list[Any]:
                             f"exported ({e}); export another --step") from None
 
 
+def export_note(jd: JobDir, step: int, *, asked: bool) -> str:
+    """What ``cfrun export`` says about the step it exported (issue 27, item 2): that it is
+    the last step the script ran (the newest heartbeat, :func:`co.newest_heartbeat_step`),
+    or why not: asked for with ``--step``; the job still runs; the job finished but its
+    final checkpoint failed (the ``final_checkpoint`` event's reason) or was never taken (a
+    cfrun before final checkpoints); or the job did not finish (stopped, failed, preempted),
+    so the steps after its newest checkpoint were not saved. Reads only."""
+    from cfrun.supervisor.core import finished_at
+
+    last = co.newest_heartbeat_step(jd.root)
+    if last is None or step >= last:
+        return "the last step the script ran" if last is not None else "the newest checkpoint"
+    head = f"not the last step the script ran ({last}): "
+    if asked:
+        return head + "asked for with --step"
+    if jd.is_locked():
+        return head + "the job is still running; export again when it has finished"
+    if finished_at(jd, 0) is None:
+        return head + ("the job did not finish (it stopped, failed or was preempted): the "
+                       f"steps after {step} were not checkpointed; resume it to go on")
+    try:
+        events = _read_events(jd)
+    except BadInputError:  # unreadable: no reason to cite
+        events = []
+    finals = [e for e in events if e.get("event") == "final_checkpoint"
+              and e.get("step") == last]
+    if finals and finals[-1].get("error"):
+        return head + f"the final checkpoint at the script's end failed ({finals[-1]['error']})"
+    return head + "the job finished without a final checkpoint (written by a cfrun that took none)"
+
+
 def export(jd: JobDir, out: Path, *, step: int | None, fmt: str) -> tuple[int, int]:
     """Write the model weights of a checkpoint as a plain file. Returns (step, tensors).
 

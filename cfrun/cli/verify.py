@@ -13,11 +13,16 @@ by one optimizer step hook (:func:`cfrun.rank.verify.observe`), whose step diges
 with the uninterrupted run's.
 
 Verdict: ``exact`` (exit 0) when every entry is bit-identical and no kill recomputed more than
-K+1 steps (K: the checkpoint interval); ``not exact`` (exit 6, :data:`EXIT_NOT_EXACT`) with
-the first differing entry in the user's terms, the first differing step, and the causes cfrun
-reported at run time (``not_exact`` events). A run that fails exits with the usual codes.
-The job dirs live in one private temporary directory, removed at the end, also on an error or
-Ctrl-C.
+K+1 steps (K: the checkpoint interval), RNGs the script never seeds and script variables that
+differ between two uninterrupted runs set aside (each named on its own line): when the killed
+run differs from the uninterrupted one only in script variables, with the same parameters at
+every step, the script runs uninterrupted once more, and a variable that differs there too
+takes its value from outside the computation (a clock: ``step_times``), as long as the
+parameters still match at every step (:func:`varying_variables`); ``not exact`` (exit 6,
+:data:`EXIT_NOT_EXACT`) with the first differing entry in the user's terms, the first
+differing step, and the causes cfrun reported at run time (``not_exact`` events). A run that
+fails exits with the usual codes. The job dirs live in one private temporary directory, removed
+at the end, also on an error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -145,6 +150,21 @@ def first_divergence(ref: list[V.StepDigest], other: list[V.StepDigest],
         if what:
             found = (rec.step, what)
     return found
+
+
+def _is_script_variable(entry: str) -> bool:
+    return entry.split(": ", 1)[-1].startswith("script variable ")
+
+
+def varying_variables(relevant: list[dict[str, Any]], again: list[dict[str, Any]]
+                      ) -> list[dict[str, Any]]:
+    """Those of ``relevant`` (differences of the killed run from the uninterrupted one) that
+    are script variables and also differ between two uninterrupted runs (``again``): values
+    the script takes from outside its computation (the clock: ``step_times``, ``t_prev``),
+    which no resume can make equal, as for the unseeded RNGs. The caller sets them aside only
+    when every step's parameters match across the three runs."""
+    names = {d["entry"] for d in again}
+    return [d for d in relevant if _is_script_variable(d["entry"]) and d["entry"] in names]
 
 
 @dataclass
@@ -302,6 +322,34 @@ def _divergence(ref: list[list[V.StepDigest]], other: list[list[V.StepDigest]],
     return found
 
 
+def _varying(cfg1: RunConfig, root: Path, stop: int, run1: RunResult, runs: list[RunResult],
+             loader: str | None, seeded: list[dict[str, Any]], say: Any
+             ) -> list[dict[str, Any]]:
+    """The killed run differs from the uninterrupted one only in script variables, with the
+    same parameters at every step: run the script uninterrupted once more (appended to
+    ``runs``) and return the differences that two uninterrupted runs show too
+    (:func:`varying_variables`); none if the second uninterrupted run's parameters (or seeded
+    RNGs) differ from the first's at any step (then the script does not compute the same
+    twice, and nothing is set aside).
+
+    Raises:
+        CfrunError: the run failed (its exit code).
+    """
+    world = cfg1.nproc_per_node * cfg1.nnodes
+    say(f"cfrun verify: run {len(runs) + 1}: uninterrupted again, to tell the script variables "
+        "that differ between any two runs (a clock) from those a resume changed")
+    cfg = dataclasses.replace(cfg1, job_dir=str(root / "again"), verify_stop_step=stop)
+    again = _run_supervised(cfg, "uninterrupted again")
+    runs.append(again)
+    ref, got = _digests(run1.job_dir, world), _digests(again.job_dir, world)
+    if _divergence(ref, got, _unseeded(ref, got)) is not None:
+        return []
+    if not (again.job_dir / "checkpoints" / step_dir_name(stop)).is_dir():
+        return []
+    again_diffs, _ = _compare(run1.job_dir, again.job_dir, stop, world, loader)
+    return varying_variables(seeded, again_diffs)
+
+
 def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: bool,
            say: Any = print) -> dict[str, Any]:
     """Run the verify (module doc) and return its report (the ``--json`` object). ``say``
@@ -371,10 +419,15 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
         # left aside (listed apart)
         nondeterministic = _divergence(ref, [[r for r in g if r.attempt == 0] for g in got],
                                        unseeded) is not None
-        relevant = [d for d in diffs if d["rng"] is None or d["rng"] not in unseeded]
+        seeded = [d for d in diffs if d["rng"] is None or d["rng"] not in unseeded]
+        varying: list[dict[str, Any]] = []
+        if not over and loose is None and seeded \
+                and all(_is_script_variable(d["entry"]) for d in seeded):
+            varying = _varying(cfg1, root, stop, run1, runs, info.loader, seeded, say)
+        relevant = [d for d in seeded if d not in varying]
         exact = not over and loose is None and not relevant
         shown = diffs if nondeterministic else relevant
-        aside = [] if nondeterministic else [d for d in diffs if d not in relevant]
+        aside = [] if nondeterministic else [d for d in diffs if d not in seeded]
         divergence = _divergence(ref, got) if nondeterministic else loose
         for d in diffs:
             del d["rng"]
@@ -389,6 +442,7 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
             "first_difference": shown[0] if shown else None,
             "differences": shown,
             "unseeded_rng_differences": aside,
+            "varying_variables": varying,
             "differ_before_the_first_kill": nondeterministic,
             "first_differing_step": divergence,
             "unseeded_rngs": sorted(unseeded),
@@ -437,11 +491,17 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append("  not seeded by the script (they differ between two fresh runs; the "
                      "parameters do not follow them, so they are left aside): "
                      + ", ".join(names.get(k, k) for k in rep["unseeded_rngs"]))
+    for d in rep["varying_variables"]:
+        lines.append(f"  differs between two uninterrupted runs, left aside (the parameters "
+                     f"match at every step): {d['entry']} ({d['detail']})")
     if rep["exact"]:
         most = max((k["recomputed"] for k in rep["kills"] if k["recomputed"] is not None),
                    default=0)
+        aside = [what for what, shown in (("the unseeded RNGs", rep["unseeded_rng_differences"]),
+                                          ("the variables above", rep["varying_variables"]))
+                 if shown]
         lines.append(f"exact: every entry bit-identical at step {rep['steps']}"
-                     + (" (the unseeded RNGs aside)" if rep["unseeded_rng_differences"] else "")
+                     + (f" ({' and '.join(aside)} aside)" if aside else "")
                      + f", at most {most} steps recomputed per kill (bound "
                      f"{rep['recompute_bound']})")
         return "\n".join(lines)

@@ -59,6 +59,7 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
     commit,
     committed_steps,
     good_steps,
+    is_final,
     quarantine,
     read_manifest,
     remove_staging,
@@ -560,6 +561,8 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         if below is not None and step >= below:
             continue
         step_dir = checkpoints / step_dir_name(step)
+        if is_final(step_dir):  # the script's end: no position to resume at (issue 27, item 2)
+            continue
         try:
             check_usable(step_dir, world_size=world_size, check_state=check_state,
                          loading_rank=rank)

@@ -29,7 +29,7 @@ from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest
 from cfrun.contract.shard import check_docs
 
 __all__ = ["CORRUPT", "INCOMPATIBLE", "MANIFEST", "FileEntry", "Manifest", "apply_retention",
-           "check_complete", "check_good", "commit", "committed_steps", "good_steps",
+           "check_complete", "check_good", "commit", "committed_steps", "good_steps", "is_final",
            "quarantine", "read_manifest", "remove_staging", "shard_names", "staging_dir",
            "verify", "write_file"]
 
@@ -111,6 +111,18 @@ def verify(step_dir: Path) -> Manifest:
     manifest.verify_dir(step_dir)
     check_docs(step_dir, manifest)
     return manifest
+
+
+def is_final(step_dir: Path) -> bool:
+    """Whether the committed checkpoint in ``step_dir`` is the one taken at the script's end
+    (its manifest's ``meta.final``; :meth:`cfrun.rank.boundary.Boundary.final_checkpoint`):
+    its models, optimizers and RNGs are the script's last step, but no script variable nor
+    data position, so a resume never starts from it. False when the manifest cannot be read
+    (that verdict is the resume's own)."""
+    try:
+        return read_manifest(step_dir).meta.get("final") is True
+    except (CheckpointCorruptError, IncompatibleFormatError, OSError):
+        return False
 
 
 def check_good(step_dir: Path) -> Manifest:

@@ -92,6 +92,7 @@ EVENTS: dict[str, EventKind] = {
                           _CKPT_FIGURES, open=True),
     "checkpoint_deferred": _k("rank 0", ["due_step", "in_flight_step"], ["attempt"]),
     "checkpoint_failed": _k("a rank", ["step", "error"], ["rank"]),
+    "final_checkpoint": _k("rank 0", ["step", "outcome"], ["attempt", "error"]),
     "persist_lost": _k("a rank", ["step", "error"], ["rank"]),
     "checkpoint_corrupt": _k("a rank", ["step", "error"]),
     "resumed": _k("each rank", ["step", "attempt", "rank"],

@@ -198,9 +198,13 @@ class PersistRequest:
                    o.get("t_trigger_unix_s"))
 
     def commit_meta(self) -> dict[str, Any]:
-        """The manifest's ``meta``: :data:`COMMIT_META_KEYS` of ``doc.meta`` (None if absent)."""
+        """The manifest's ``meta``: :data:`COMMIT_META_KEYS` of ``doc.meta`` (None if absent),
+        and ``final: true`` for the checkpoint taken at the script's end (issue 27, item 2)."""
         meta = self.doc.get("meta", {})
-        return {k: meta.get(k) for k in COMMIT_META_KEYS}
+        out = {k: meta.get(k) for k in COMMIT_META_KEYS}
+        if meta.get("final") is True:
+            out["final"] = True
+        return out
 
     def trigger_or(self, default_unix_s: float) -> float:
         """``t_trigger_unix_s``, or ``default_unix_s`` if the sender did not say."""

@@ -61,6 +61,10 @@ AGREE_LEAD_STEPS = 2
 as over this many steps ahead of the step it saw it end at (:class:`Boundary`), so every
 rank has read it before that step comes (``strategy.json`` uses the same lead)."""
 
+FINAL_WAIT_S = 60.0
+"""The longest the script's end waits for the final checkpoint's commit
+(:meth:`Boundary.final_checkpoint`)."""
+
 HANDOFF_WAIT_S = 2.0
 """The longest an optimizer step waits for the previous checkpoint's hand-off to the persist
 agent (a message on a local socket: microseconds, unless the agent is being reconnected)."""
@@ -147,6 +151,12 @@ class Boundary:
         self._stopping = False
         self._last_taken: int | None = None
         """Step of the last checkpoint this process took (the same on every rank)."""
+        self._restored_step: int | None = None
+        """Step of the checkpoint this process resumed from (committed already)."""
+        self._final_step: int | None = None
+        """Step of the final checkpoint (:meth:`final_checkpoint`), once started."""
+        self._off = False
+        """cfrun turned itself off in this process (:meth:`cancel`)."""
         self._idle_from: int | None = None
         """The agreed step from which :attr:`_last_taken` no longer counts as in flight
         (several ranks: rank 0's :class:`~cfrun.contract.coordination.CheckpointGate`)."""
@@ -314,10 +324,13 @@ class Boundary:
         """Resume: the checkpoint of ``step``, taken in ``mode``, was restored; count on."""
         self.step = step
         self.mode = mode
+        self._restored_step = step
 
     def cancel(self) -> None:
-        """Forget a trigger waiting for its boundary (cfrun turned itself off)."""
+        """Forget a trigger waiting for its boundary (cfrun turned itself off): no checkpoint
+        from now on, the final one included."""
         self._pending = None
+        self._off = True
 
     # ---------------------------------------------------------------- the loader boundary
 
@@ -487,8 +500,60 @@ class Boundary:
         if kill:
             kill_self(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
 
-    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None
-                   ) -> SnapshotHandle:
+    def final_checkpoint(self) -> None:
+        """At the script's normal end (the rank's atexit, every rank): a checkpoint of the last
+        step, committed like any other before the process ends, so that the job's newest
+        checkpoint is where the script ended (``cfrun export`` of a finished job gives its
+        final weights; issue 27, item 2). No collective: each rank hands its shard to its
+        node's agent, which commits the step once it has every rank's (the ranks end at the
+        same step), so it works after ``dist.destroy_process_group()`` too.
+
+        Not taken when the last step's checkpoint was already committed or resumed from (no
+        duplicate), before any step, without checkpoints (FSDP, a CUDA graph), in ``cfrun
+        profile`` or ``cfrun verify`` runs (they stop at a chosen step, checkpointed there),
+        or when no optimizer is alive any more. It holds no script variable (their frames
+        have ended) nor data position: it is marked ``final`` in its manifest, and a resume
+        (``--rerun``) never starts from it (:func:`cfrun.codec.checkpoint.open_newest`).
+        Rank 0 records the outcome in a ``final_checkpoint`` event, which ``cfrun export``
+        cites (no ``checkpoint`` event: its wait at exit is no training stall; the agent's
+        ``commit`` event is there). Waits at most :data:`FINAL_WAIT_S` for the commit; never
+        raises.
+        """
+        step = self.step
+        if (step <= 0 or self._off or self._uncheckpointable is not None or self.s.profile_only
+                or self._verify is not None or self._resume.fast_forwarding):
+            return
+        outcome, error = "committed", None
+        if step == self._last_taken:  # taken at the loop's end: let it commit first
+            self._snap.wait_idle(FINAL_WAIT_S)
+        if step in (self._restored_step, self._snap.last_committed):
+            outcome = "already"
+        elif not self._capture.found.optimizers():
+            outcome, error = "none", "no optimizer was alive at the script's end"
+        else:
+            self._pending = None
+            self._final_step = step
+            try:
+                handle = self.checkpoint(step, sys._getframe(), None, final=True)
+                if not handle.wait(FINAL_WAIT_S):
+                    outcome = "failed"
+                    error = self._snap.last_error or f"not committed within {FINAL_WAIT_S:.0f} s"
+            except Exception as e:
+                outcome, error = "failed", repr(e)
+            if outcome == "failed":
+                say(f"WARNING: the final checkpoint of step {step} failed: {error}")
+        self._note_final(step, outcome, error)
+
+    def _note_final(self, step: int, outcome: str, error: str | None) -> None:
+        """Rank 0: the ``final_checkpoint`` event (``outcome``: committed, already, none,
+        failed, with ``error``)."""
+        if self.s.rank == 0:
+            extra = {"error": error} if error is not None else {}
+            self.jobdir.emit_event("final_checkpoint", step=step, outcome=outcome,
+                                   attempt=self.s.attempt, **extra)
+
+    def checkpoint(self, step: int, frame: types.FrameType, data: dict[str, Any] | None,
+                   *, final: bool = False) -> SnapshotHandle:
         """Take a checkpoint of step ``step``. Every rank calls it at the same boundary.
 
         Capture, snapshot into shared memory, hand off to the node's persist agent (two-phase;
@@ -503,7 +568,7 @@ class Boundary:
         if self._snap.busy():
             self._snap.wait_idle()
         t_trigger = time.time()
-        tree, tensors, async_ids = self._capture.capture(frame, data)
+        tree, tensors, async_ids = self._capture.capture(frame, data, final=final)
         meta = {
             "step": step,
             "mode": self.mode,
@@ -514,6 +579,8 @@ class Boundary:
             "not_exact": list(self._not_exact.reasons),
             "world_size": self.s.world_size,
         }
+        if final:
+            meta["final"] = True
         if not self._checked_bytes:
             self._checked_bytes = True
             self._tuner.check_state_bytes(int(tree["model_bytes"]))
@@ -633,6 +700,7 @@ class Boundary:
         page-lock it on the training thread (issue 23). A failure only leaves that to the
         first checkpoint."""
         self._prepared = True
+        self._capture.found.hold()  # for the final checkpoint (Discovery.hold)
         try:
             self._snap.prepare(self._capture.model_tensors())
         except Exception as e:
@@ -643,7 +711,10 @@ class Boundary:
 
     def on_persisted(self, fields: dict[str, Any]) -> None:
         """A checkpoint committed: its figures go to the tuner (at the next step, on the
-        training thread) and, from rank 0, to a ``checkpoint`` event."""
+        training thread) and, from rank 0, to a ``checkpoint`` event; the final checkpoint's
+        go to neither (training is over: its ``final_checkpoint`` event says how it went)."""
+        if fields.get("step") == self._final_step:
+            return
         self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
             progress = {"progress": self._progress} if self._progress else {}

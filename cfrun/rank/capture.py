@@ -36,14 +36,20 @@ class Capture:
         self.found = found
         self._flag = flag
 
-    def capture(self, frame: types.FrameType, data: dict[str, Any] | None
-                ) -> tuple[dict[str, Any], list[torch.Tensor], set[int]]:
+    def capture(self, frame: types.FrameType, data: dict[str, Any] | None, *,
+                final: bool = False) -> tuple[dict[str, Any], list[torch.Tensor], set[int]]:
         """The rank's state right after the current step: a JSON tree, its tensors (live, not
         copied), and the ids of those only ``optimizer.step()`` mutates (parameters, optimizer
         state). ``frame`` is the innermost frame at the boundary (the script's frames are found
-        from it outwards); ``data`` the training loader's position, or None in a step loop."""
+        from it outwards); ``data`` the training loader's position, or None in a step loop.
+        ``final``: the checkpoint at the script's end, of the objects held since the last one
+        (:meth:`Discovery.hold`; else they are let go first, so that what the script dropped
+        since is not counted)."""
+        if not final:
+            self.found.release()
         roots = self.found.model_roots()
         opts = self.found.optimizers()
+        self.found.hold()
         tensors: list[torch.Tensor] = []
         # only optimizer.step() changes these: they may be copied after the boundary
         async_ids = {_stored_id(p) for m in roots for p in m.parameters()}

@@ -36,6 +36,10 @@ class Discovery:
         self.replicated_params: set[int] = set()
         """ids of the parameters of DistributedDataParallel models (every rank holds them
         identically: DeepFreeze 1/N sharding applies). Set by :meth:`model_roots`."""
+        self._held: list[Any] = []
+        """The optimizers, schedulers and scalers alive at the last checkpoint (or the first
+        step), strongly held so that the final checkpoint at the script's end finds them
+        (:meth:`hold`)."""
         self.wrappers: set[int] = set()
         """ids of the outermost modules, DDP and ``torch.compile`` wrappers included (a script's
         ``model = DDP(net)`` counts as saved). Set by :meth:`model_roots`."""
@@ -69,6 +73,20 @@ class Discovery:
     def scalers(self) -> list[Any]:
         """The live AMP GradScalers, in creation order."""
         return _alive(self._scalers)
+
+    def hold(self) -> None:
+        """Hold the live optimizers, schedulers and scalers strongly until the next
+        :meth:`hold` or :meth:`release`: a script whose training objects are locals of its
+        ``main()`` drops them before the process's end, where the final checkpoint is taken
+        (:meth:`cfrun.rank.boundary.Boundary.final_checkpoint`; the models stay held as
+        :meth:`model_roots`). Called at the first step and at every checkpoint, each time
+        after :meth:`release` and the capture, so an object the script dropped since is never
+        kept into the next checkpoint."""
+        self._held = [*self.optimizers(), *self.schedulers(), *self.scalers()]
+
+    def release(self) -> None:
+        """Drop what :meth:`hold` held (before a capture counts the live objects)."""
+        self._held = []
 
     def model_roots(self) -> list[torch.nn.Module]:
         """Modules that own the optimizers' parameters, outermost only, unwrapped from DDP.

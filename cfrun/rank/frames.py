@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from cfrun.codec.format import UnsupportedValueError, encode, resolve
+from cfrun.rank import liveness
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,7 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
             value is s for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__,
                                  sys.__stdout__, sys.__stderr__)):
         raise UnsupportedValueError("an open file: its position is not restored")
-    cls = type(value)
-    if (cls.__module__ == "__main__" and hasattr(value, "__dict__")
-            and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler,
-                                       enum.Enum))):
+    if _is_script_object(value):
         local = []
         attrs = {k: v for k, v in vars(value).items()  # a loader wrapper keeps its loader
                  if not isinstance(v, _SKIP_TYPES + (torch.nn.Module, torch.utils.data.DataLoader,
@@ -131,6 +129,27 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
     return _helper_attrs(value)
+
+
+def _is_script_object(value: Any) -> bool:
+    """An object of a class the script defines, stored as its ``__dict__`` and restored in
+    place (kind ``object``)."""
+    return (type(value).__module__ == "__main__" and hasattr(value, "__dict__")
+            and not isinstance(value, (torch.utils.data.Dataset, torch.utils.data.Sampler,
+                                       enum.Enum)))
+
+
+def _rebinds(value: Any) -> bool:
+    """Whether restoring ``value`` only binds the variable's name again (kind ``value``: a
+    tensor, a scalar, a container of them), with no effect on any object the script may hold
+    elsewhere: then a dead variable (:mod:`cfrun.rank.liveness`) may go unstored, exactly.
+    Modules, generators and objects restored in place are stored whatever their liveness."""
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, torch.nn.Parameter)
+    if isinstance(value, (torch.nn.Module, torch.Generator, np.random.Generator, io.IOBase)) \
+            or _is_script_object(value):
+        return False
+    return _is_plain(value)
 
 
 _TRAINING_OBJECTS = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)
@@ -228,15 +247,21 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
 
     Called on the training thread at a checkpoint boundary. Tensors are cloned (the script may
     reuse them in place) and appended to ``tensors``; modules already saved as models
-    (``saved_modules``, by ``id``) are skipped.
+    (``saved_modules``, by ``id``) are skipped, and so is a variable the script writes before
+    reading it from every point where the resume puts the values back (dead there:
+    :mod:`cfrun.rank.liveness`), when restoring it would only bind its name (a tensor, a
+    number, a container of them): not stored, never reported as not storable.
     """
     cap = FrameCapture()
     budget = [MAX_FRAME_TENSOR_BYTES]
     for frame in frames:
         values: dict[str, Any] = {}
+        live = _live_names(frame)
         for name, value in list(frame.f_locals.items()):
             if name.startswith("__") or (exclude and name in exclude):
                 continue
+            if live is not None and name not in live and _rebinds(value):
+                continue  # written before read from every resume point: nothing to store
             try:
                 got = _encode_value(value, tensors, budget, saved_modules)
             except (UnsupportedValueError, RuntimeError, ValueError, TypeError) as e:
@@ -246,6 +271,15 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
                 values[name] = {"kind": got[0], "v": got[1]}
         cap.records.append({"code": code_key(frame.f_code), "values": values})
     return cap
+
+
+def _live_names(frame: types.FrameType) -> frozenset[str] | None:
+    """:func:`cfrun.rank.liveness.live_names`, None (all live) if the analysis fails."""
+    try:
+        return liveness.live_names(frame)
+    except Exception as e:  # never lose a checkpoint to the analysis: store everything
+        logger.debug("cfrun: liveness of %s failed: %r", frame.f_code.co_name, e)
+        return None
 
 
 def _locals_to_fast(frame: types.FrameType) -> None:

@@ -122,13 +122,18 @@ class Marks:
         in teardown: torch 2.13 with gloo aborts in C++ destructors at exit now and then
         ("terminate called without an active exception", SIGABRT), and restarting a finished
         job would only run its tail again."""
-        clean = not self._uncaught and self._exit_code == 0 and not preempted
+        clean = self.ended_clean(preempted)
         try:
             _write_mark(co.ended_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
                                       self.s.rank),
                         co.EndedMark(clean=clean, step=max(step, 0), preempted=preempted))
         except ValueError:
             pass
+
+    def ended_clean(self, preempted: bool) -> bool:
+        """The script returned (or called ``sys.exit(0)``) with no uncaught exception, and
+        did not stop for a preemption (``preempted``)."""
+        return not self._uncaught and self._exit_code == 0 and not preempted
 
     def mark_preempted(self, step: int, committed: int | None) -> None:
         """``preempted/node-N-attempt-A-rank-R.json``: this rank stopped for a preemption

@@ -102,9 +102,12 @@ class Runtime:
         self.resume.on_script_failed()
 
     def at_exit(self) -> None:
-        """atexit: the end mark, the script's stdout back, the last hand-off and persist."""
-        self.marks.mark_end(self.boundary.step,
-                            self.preemption.preempted and not self.preemption.for_verify)
+        """atexit: the end mark, the script's stdout back, the final checkpoint of a script that
+        ended normally (:meth:`Boundary.final_checkpoint`), the last hand-off and persist."""
+        preempted = self.preemption.preempted and not self.preemption.for_verify
+        self.marks.mark_end(self.boundary.step, preempted)
+        if self.marks.ended_clean(preempted) and not self.preemption.preempted:
+            self.boundary.final_checkpoint()
         self.resume.exit_fast_forward()
         timeout_s = 60.0
         deadline = self.preemption.deadline_unix_s

@@ -45,7 +45,7 @@ from typing import Any
 from cfrun import __version__
 from cfrun.contract import coordination, early_signals, faults, ipc, slots
 from cfrun.contract import settings as E
-from cfrun.contract.checkpoints import committed_steps
+from cfrun.contract.checkpoints import committed_steps, is_final
 from cfrun.contract.config import (
     ACCEPTED,
     Command,
@@ -160,8 +160,9 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
         return f"finished {finished}: nothing to do (exit 0; --rerun runs it again)"
     if _lock_held(jd.lock_path):
         return "locked (exit 3): another cfrun runs this job"
-    if steps:
-        return f"resume from the checkpoint of step {steps[0]}" + \
+    resumable = [s for s in steps if not is_final(jd.checkpoints / step_dir_name(s))]
+    if resumable:  # a resume never starts from the final checkpoint (issue 27, item 2)
+        return f"resume from the checkpoint of step {resumable[0]}" + \
             (" (changed command accepted)" if changes else "")
     return "start at step 0: the job dir holds no checkpoint"
 

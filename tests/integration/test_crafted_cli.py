@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import run_cfrun
+from conftest import resumable_steps, run_cfrun
 
 from cfrun.codec.checkpoint import MANIFEST, commit, staging_dir, write_shard
 from cfrun.codec.format import encode
@@ -211,7 +211,7 @@ def test_resume_refuses_a_dtype_lie_the_checksum_cannot_see(tmp_path: Path) -> N
                      "--out", "first.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     ckpts = tmp_path / "j" / "checkpoints"
-    newest = max(p for p in ckpts.iterdir() if p.name.startswith("step-"))
+    newest = ckpts / step_dir_name(resumable_steps(ckpts)[0])  # not the final one
     doc = json.loads((newest / "rank-00000.json").read_bytes())
     lied = next(e for e in doc["tensors"] if e["dtype"] == "float32")
     lied["dtype"] = "int32"

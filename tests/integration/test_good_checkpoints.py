@@ -33,6 +33,7 @@ from conftest import (
     clean_env,
     ddp_reference,
     final_line,
+    resumable_steps,
     run_cfrun,
     tiny_reference,
 )
@@ -284,7 +285,7 @@ def test_a_checksum_failure_in_one_ranks_shard_moves_both_ranks_back(tmp_path, t
     shared, first = ddp_reference(tmp_path_factory)
     _copy_job(shared.job_dir, tmp_path, "ref")
     ckpts = tmp_path / "ref" / "checkpoints"
-    newest, previous = committed_steps(ckpts)[:2]
+    newest, previous = resumable_steps(ckpts)[:2]  # not the final one, never resumed from
     shard = ckpts / step_dir_name(newest) / "rank-00001.bin"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import SCRIPTS, clean_env, run_cfrun
+from conftest import SCRIPTS, clean_env, resumable_steps, run_cfrun
 from test_peer import Peer, wait_event, write_token
 
 from cfrun.codec.checkpoint import committed_steps
@@ -115,7 +115,7 @@ def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(
                       cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     job = tmp_path / "j"
-    newest = committed_steps(job / "checkpoints")[0]
+    newest = resumable_steps(job / "checkpoints")[0]
     script.write_text(TRAIN.replace("lr=a.lr", "lr=a.lr * 2"))
     before = _listing(job)
     edited = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
@@ -274,7 +274,7 @@ def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp
     b = run_cfrun(b_argv, cwd=tmp_path)
     assert b.returncode == 0, b.stderr[-3000:]
     theirs = committed_steps(tmp_path / "ja" / "checkpoints")[0]
-    ours = committed_steps(tmp_path / "jb" / "checkpoints")[0]
+    ours = resumable_steps(tmp_path / "jb" / "checkpoints")[0]
     assert theirs > ours
     shutil.copytree(tmp_path / "ja" / "checkpoints" / step_dir_name(theirs),
                     tmp_path / "jb" / "checkpoints" / step_dir_name(theirs))

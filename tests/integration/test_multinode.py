@@ -26,6 +26,7 @@ from conftest import (
     cfrun_in_process,
     clean_env,
     ddp_reference,
+    resumable_steps,
     run_cfrun,
 )
 
@@ -156,7 +157,7 @@ def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path, tmp_path_fact
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     (tmp_path / "ref" / "config.json").write_text(json.dumps({**config, "cwd": str(tmp_path)}))
     ckpts = tmp_path / "ref" / "checkpoints"
-    newest, previous = sorted((int(p.name[5:]) for p in ckpts.glob("step-*")), reverse=True)[:2]
+    newest, previous = resumable_steps(ckpts)[:2]  # not the final one, never resumed from
     (ckpts / f"step-{newest:06d}" / "rank-00001.bin").unlink()
     again = run_cfrun(["resume", "--rerun", "ref"], cwd=tmp_path)  # a finished job
     assert again.returncode == 0, again.stderr[-3000:]

@@ -46,7 +46,8 @@ def test_status_lists_the_jobs(jobs, args):
     assert len(lines) == 2, run.stdout
     dirs = _job_dirs(jobs)
     train = next(line for line in lines if line.startswith(f"cfrun-jobs/{dirs['train'].name}"))
-    assert "succeeded" in train and "step 23" in train and "newest checkpoint 20" in train
+    # the newest checkpoint is the final one, at the script's end (issue 27, item 2)
+    assert "succeeded" in train and "step 23" in train and "newest checkpoint 23" in train
     fail = next(line for line in lines if line.startswith(f"cfrun-jobs/{dirs['fail'].name}"))
     assert "failed" in fail and "newest checkpoint none yet" in fail
     listed = json.loads(cfrun_in_process(["status", *args, "--json"], cwd=jobs).stdout)

@@ -128,3 +128,28 @@ def test_ctrl_c_stops_verify_and_leaves_no_job_dir(tmp_path: Path, tmp: Path) ->
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]
     assert not list(tmp.glob("cfrun-verify-*"))
+
+
+@pytest.mark.parametrize("clock", [False, True])
+def test_verify_sets_aside_variables_that_record_times(tmp_path: Path, tmp: Path,
+                                                       clock: bool) -> None:
+    """Issue 27, item 6: ``step_times`` and ``t_prev`` from ``time.perf_counter()`` differ
+    between any two runs while the parameters match at every step: exact (exit 0), each named
+    on its own line. When the loss reads the clock the parameters differ: not exact (exit 6)."""
+    run = run_cfrun(["verify", "--launcher", "python", "--steps", "12", "--interval", "5",
+                     "--kills", "1", str(SCRIPTS / "verify_step_times.py")]
+                    + (["clock"] if clock else []),
+                    cwd=tmp_path, env={"TMPDIR": str(tmp)}, timeout=540)
+    assert not list(tmp.glob("cfrun-verify-*"))
+    lines = run.stdout.splitlines()
+    if clock:
+        assert run.returncode == 6, run.stdout + run.stderr[-3000:]
+        assert "not exact:" in lines and "model parameters" in run.stdout
+        assert "left aside" not in run.stdout
+        return
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert lines[-1].startswith("exact: every entry bit-identical at step 12 ("), run.stdout
+    assert "the variables above aside)" in lines[-1], run.stdout
+    aside = [line for line in lines if "differs between two uninterrupted runs" in line]
+    assert sorted(line.split(": ", 1)[1].split(" (")[0] for line in aside) == [
+        "script variable step_times", "script variable t_prev"], run.stdout

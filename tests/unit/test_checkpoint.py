@@ -42,14 +42,15 @@ def _state(step: int) -> dict[str, Any]:
 
 
 def _save(checkpoints: Path, step: int, *, keep: int = 10, ranks: int = 1,
-          state: dict[str, Any] | None = None) -> Path:
+          state: dict[str, Any] | None = None, final: bool = False) -> Path:
     files = []
     for rank in range(ranks):
         tensors: list[torch.Tensor] = []
         tree = encode(state if state is not None else _state(step + rank), tensors)
         files += write_shard(staging_dir(checkpoints, step), rank, tree, tensors,
                              {"step": step, "rank": rank})
-    return commit(checkpoints, step, files, world_size=ranks, meta={"step": step}, keep=keep)
+    meta: dict[str, Any] = {"step": step, **({"final": True} if final else {})}
+    return commit(checkpoints, step, files, world_size=ranks, meta=meta, keep=keep)
 
 
 def _assert_state_equal(a: Any, b: Any) -> None:
@@ -210,6 +211,18 @@ def test_corrupt_json_shard_detected(ckpts: Path) -> None:
     _flip_byte(final / "rank-00000.json", 0)
     with pytest.raises(CheckpointCorruptError):
         load_shard(final, 0)
+
+
+def test_a_resume_never_starts_from_the_final_checkpoint(ckpts: Path) -> None:
+    """Issue 27, item 2: the checkpoint taken at the script's end (``meta.final``) holds no
+    loop position; a resume (``--rerun``) takes the newest one before it. It stays committed
+    and newest for ``cfrun export``."""
+    _save(ckpts, 10)
+    _save(ckpts, 13, final=True)
+    assert committed_steps(ckpts)[0] == 13 and read_manifest(ckpts / "step-000013").meta["final"]
+    got = load_newest(ckpts, 0)
+    assert got is not None and got[0] == 10
+    assert committed_steps(ckpts)[0] == 13  # not moved aside
 
 
 def test_load_newest_none_when_all_corrupt(ckpts: Path) -> None:

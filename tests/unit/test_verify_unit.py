@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cfrun.cli.verify import AFTER_STEP, DURING_PERSIST, first_divergence, plan_kills, unseeded_rngs
+from cfrun.cli.verify import (
+    AFTER_STEP,
+    DURING_PERSIST,
+    first_divergence,
+    plan_kills,
+    unseeded_rngs,
+    varying_variables,
+)
 from cfrun.codec.compare import differences, entry_names
 from cfrun.contract.errors import BadInputError
 from cfrun.contract.verify import StepDigest
@@ -102,3 +109,18 @@ def test_rank_settings_carry_a_verify_run_and_refuse_a_bad_kill() -> None:
         RankSettings(job_dir=s.job_dir, script="/s.py", verify_kills=((15, 0, 0, 7),))
     with pytest.raises(BadInputError, match="verify_stop_step"):
         RankSettings(job_dir=s.job_dir, script="/s.py", verify_stop_step=0)
+
+
+def test_only_script_variables_that_differ_between_uninterrupted_runs_are_set_aside() -> None:
+    """Issue 27, item 6: a clock-recording variable differs in the second uninterrupted run
+    too; a variable the resume changed (``lr``) and a model entry do not count."""
+    killed = [{"entry": "script variable step_times", "detail": "a"},
+              {"entry": "rank 1: script variable t_prev (in main())", "detail": "b"},
+              {"entry": "script variable lr", "detail": "c"},
+              {"entry": "model0.weight", "detail": "d"}]
+    again = [{"entry": "script variable step_times", "detail": "x"},
+             {"entry": "rank 1: script variable t_prev (in main())", "detail": "y"},
+             {"entry": "model0.weight", "detail": "z"}]
+    assert [d["entry"] for d in varying_variables(killed, again)] == [
+        "script variable step_times", "rank 1: script variable t_prev (in main())"]
+    assert varying_variables(killed, []) == []
