@@ -31,6 +31,7 @@ from cfrun.contract.jobdir import JobDir
 from cfrun.rank import cuda
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
+from cfrun.rank.adapters import accelerate as ACC
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
@@ -340,9 +341,12 @@ class Boundary:
                 and self._train_iter() is it):
             loader = it._cfrun_loader
             framework = FW.framework_loop(caller, self.s.script)
+            ahead, untested = ACC.read_ahead(caller)  # accelerate's DataLoaderShard
+            if untested is not None:
+                self._flag(untested)
             if framework is not None:  # a loop the script does not hold (cfrun.rank.frameworks)
                 self._flag(framework.reason)
-            elif not _is_for_header(caller):
+            elif not (_is_for_header(caller) or ACC.is_shard_iter(caller)):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
@@ -351,7 +355,7 @@ class Boundary:
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),
                 "iter_index": it._cfrun_iter_index,
-                "batches": it._cfrun_consumed,
+                "batches": it._cfrun_consumed - ahead,  # the script's position
                 "epoch_rng": loader._cfrun_epoch_rng,
                 "worker_rng": worker_rng_of(it),
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,

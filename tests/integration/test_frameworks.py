@@ -26,6 +26,7 @@ from conftest import (
     plain_run as _plain,
 )
 
+from cfrun.contract import faults
 from cfrun.rank.frameworks import FRAMEWORK_LOOPS
 
 pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
@@ -86,24 +87,29 @@ def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
     assert final_line(run.stdout) != final_line(plain.stdout)
 
 
-def test_accelerate_loop_resumes_bit_identical(tmp_path):
-    """``accelerator.prepare`` + ``accelerator.backward``: the loop is the script's, the loader
-    a ``DataLoaderShard`` that reads one batch ahead."""
+def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
+    """An ``accelerate`` loop with ``gradient_accumulation_steps=2``, 7 batches per epoch (the
+    epoch's last batch steps alone), a per-step scheduler and dropout, SIGKILLed during the
+    persist of step 3, inside epoch 1 (step 7) and right after epoch 2's last step (12): every
+    printed loss and the final weights equal the plain ``python`` run's, with no ``not_exact``
+    reason (:mod:`cfrun.rank.adapters.accelerate`). Before, the resume skipped the batch that
+    ``DataLoaderShard`` had read ahead: the resumed epoch lost a batch and its losses differed."""
     pytest.importorskip("accelerate")
-    script = str(EXAMPLES / "accelerate_train.py")
-    plain = _plain([script, "--out", "plain.pt"], tmp_path)
-    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
-                     "25@0,60@1,100@2", script, "--out", "cf.pt"], cwd=tmp_path)
+    script = str(SCRIPTS / "train_accelerate.py")
+    plain = _plain([script, "plain.pt", "4"], tmp_path)
+    kills = [3, 7, 12]
+    run = run_cfrun(["--interval", "3", "--job-dir", "j", "--inject-crash", "7@1,12@2",
+                     script, "cf.pt", "4"], cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": kills[0]}))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("resumed")) == 3, run.stderr[-3000:]
-    if any("next() outside a for statement" in e["reason"] for e in run.events("not_exact")):
-        pytest.xfail("accelerate's DataLoaderShard, a generator around the DataLoader, calls "
-                     "next() one batch ahead of the script's loop: the loader-wrapper resume "
-                     "of issue 14, item 2")
+    resumed = [e["step"] for e in run.events("resumed")]
+    assert len(resumed) == 3 and resumed[0] == kills[0], run.stderr[-3000:]
     assert not run.events("not_exact"), _warned(run.stderr)
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
     assert _lines(run.stdout, "epoch ") == _lines(plain.stdout, "epoch ")
+    assert len(_lines(plain.stdout, "epoch ")) == 28
     assert final_line(run.stdout) == final_line(plain.stdout)
+    assert not over_recompute_bound(run, kills, resumed, 3), resumed
 
 
 def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
