@@ -32,6 +32,7 @@ from cfrun.rank import cuda
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import accelerate as ACC
+from cfrun.rank.adapters import hf as HF
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
@@ -344,8 +345,11 @@ class Boundary:
             ahead, untested = ACC.read_ahead(caller)  # accelerate's DataLoaderShard
             if untested is not None:
                 self._flag(untested)
-            if framework is not None:  # a loop the script does not hold (cfrun.rank.frameworks)
-                self._flag(framework.reason)
+            hf_loop = HF.capture(caller) if framework is FW.HF_TRAINER else None
+            if framework is not None and hf_loop is None:  # a loop the script does not hold
+                untested = HF.untested_reason() if framework is FW.HF_TRAINER else None
+                self._flag(framework.reason if untested is None  # (cfrun.rank.frameworks)
+                           else f"{untested}: {framework.reason}")
             elif not (_is_for_header(caller) or ACC.is_shard_iter(caller)):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
@@ -367,6 +371,8 @@ class Boundary:
                 "wrappers": F.wrapper_state(caller, self.s.script),
                 "sampler": sampler_state(loader),
             }
+            if hf_loop is not None:  # transformers.Trainer's loop (cfrun.rank.adapters.hf)
+                data["hf"] = hf_loop
             self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
                                        self._epoch_frame)
             for reason in inexact_reasons(loader):
