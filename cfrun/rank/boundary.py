@@ -372,7 +372,8 @@ class Boundary:
                 "sampler": sampler_state(loader),
             }
             if hf_loop is not None:  # transformers.Trainer's loop (cfrun.rank.adapters.hf)
-                data["hf"] = hf_loop
+                data["hf"] = hf_loop  # its position: a resumed epoch iterates another loader
+                data["iter_index"], data["batches"] = hf_loop["epoch"], hf_loop["batches"]
             self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
                                        self._epoch_frame)
             for reason in inexact_reasons(loader):

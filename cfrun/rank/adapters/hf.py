@@ -57,11 +57,11 @@ def untested_reason() -> str | None:
             f"against ({', '.join(TESTED_VERSIONS)})")
 
 
-def _trainer_of(caller: types.FrameType | None) -> Any:
+def _run_epoch_frame(caller: types.FrameType | None) -> types.FrameType | None:
     f = caller
     while f is not None:
         if f.f_code.co_name == "_run_epoch" and f.f_globals.get("__name__") == _MODULE:
-            return f.f_locals.get("self")
+            return f
         f = f.f_back
     return None
 
@@ -77,12 +77,16 @@ def capture(caller: types.FrameType) -> dict[str, Any] | None:
     """The Trainer's loop state at a checkpoint boundary, or None when ``caller`` (the frame
     calling the training DataLoader's ``next()``, training thread) is not under a tested
     Trainer's ``_run_epoch``. JSON-ready; the loss sum is kept exactly (a float32 value is
-    a Python float exactly)."""
-    trainer = _trainer_of(caller)
-    if trainer is None or untested_reason() is not None:
+    a Python float exactly). ``epoch`` and ``batches`` are the Trainer's position, counted
+    from the epoch's start also in a resumed epoch (whose loader skipped the batches before)."""
+    frame = _run_epoch_frame(caller)
+    if frame is None or untested_reason() is not None:
         return None
+    trainer, local = frame.f_locals["self"], frame.f_locals
     tr_loss = trainer._tr_loss
     return {
+        "epoch": int(local["epoch"]),
+        "batches": int(local["step"]) + 1,  # the epoch's batches the Trainer consumed
         "state": json.dumps(dataclasses.asdict(trainer.state), sort_keys=True),
         "tr_loss": float(tr_loss.item()),
         "tr_loss_dtype": str(tr_loss.dtype).removeprefix("torch."),
