@@ -31,6 +31,8 @@ from cfrun.contract.jobdir import JobDir
 from cfrun.rank import cuda
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
+from cfrun.rank.adapters import accelerate as ACC
+from cfrun.rank.adapters import hf as HF
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
@@ -353,9 +355,15 @@ class Boundary:
                 and self._train_iter() is it):
             loader = it._cfrun_loader
             framework = FW.framework_loop(caller, self.s.script)
-            if framework is not None:  # a loop the script does not hold (cfrun.rank.frameworks)
-                self._flag(framework.reason)
-            elif not _is_for_header(caller):
+            ahead, untested = ACC.read_ahead(caller)  # accelerate's DataLoaderShard
+            if untested is not None:
+                self._flag(untested)
+            hf_loop = HF.capture(caller) if framework is FW.HF_TRAINER else None
+            if framework is not None and hf_loop is None:  # a loop the script does not hold
+                untested = HF.untested_reason() if framework is FW.HF_TRAINER else None
+                self._flag(framework.reason if untested is None  # (cfrun.rank.frameworks)
+                           else f"{untested}: {framework.reason}")
+            elif not (_is_for_header(caller) or ACC.is_shard_iter(caller)):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
@@ -364,7 +372,7 @@ class Boundary:
                 "loader": loader._cfrun_ordinal,
                 "fingerprint": loader_fingerprint(loader),
                 "iter_index": it._cfrun_iter_index,
-                "batches": it._cfrun_consumed,
+                "batches": it._cfrun_consumed - ahead,  # the script's position
                 "epoch_rng": loader._cfrun_epoch_rng,
                 "worker_rng": worker_rng_of(it),
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
@@ -376,6 +384,9 @@ class Boundary:
                 "wrappers": F.wrapper_state(caller, self.s.script),
                 "sampler": sampler_state(loader),
             }
+            if hf_loop is not None:  # transformers.Trainer's loop (cfrun.rank.adapters.hf)
+                data["hf"] = hf_loop  # its position: a resumed epoch iterates another loader
+                data["iter_index"], data["batches"] = hf_loop["epoch"], hf_loop["batches"]
             self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
                                        self._epoch_frame)
             for reason in inexact_reasons(loader):

@@ -12,7 +12,9 @@ first epoch with its counters at zero, so the computation after a resume differs
 
 :func:`framework_loop` recognises such a loop from the frames that call the training loader's
 ``next()`` at a checkpoint boundary (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`), and
-names the framework and what it keeps, for the ``not_exact`` warning. Frameworks whose loop is
+names the framework and what it keeps, for the ``not_exact`` warning. ``transformers.Trainer``
+on a version :mod:`cfrun.rank.adapters.hf` was tested with is the exception: that adapter
+carries its loop state in the checkpoint and resumes it exactly. Frameworks whose loop is
 written in the script (``accelerate.Accelerator``, Lightning ``Fabric``) are not listed: their
 loader and optimizer wrappers are ordinary wrappers, resumed like any other.
 
@@ -53,10 +55,13 @@ class FrameworkLoop:
                 "optimizer, scheduler, RNG and the loader's position in the epoch are restored")
 
 
+HF_TRAINER = FrameworkLoop(
+    "transformers.Trainer", ("transformers.trainer",),
+    "its epoch loop, TrainerState (global_step, epoch, log_history) and loss sums")
+"""Resumed exactly by :mod:`cfrun.rank.adapters.hf` on a tested transformers version."""
+
 FRAMEWORK_LOOPS: tuple[FrameworkLoop, ...] = (
-    FrameworkLoop(
-        "transformers.Trainer", ("transformers.trainer",),
-        "its epoch loop, TrainerState (global_step, epoch, log_history) and loss sums"),
+    HF_TRAINER,
     FrameworkLoop(
         "Lightning Trainer", ("lightning.pytorch.loops", "pytorch_lightning.loops"),
         "its fit loop's progress (current_epoch, global_step, batch_idx)"),

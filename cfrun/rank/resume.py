@@ -83,6 +83,7 @@ from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatErro
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
+from cfrun.rank.adapters import hf as HF
 from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng, set_sampler_state
 from cfrun.rank.discovery import Discovery
@@ -339,6 +340,11 @@ class Resume:
             self._arm_chain(outer + [loop])
             return
         data = state["data"]
+        if isinstance(data.get("hf"), dict):  # transformers.Trainer's own loop resumes itself
+            self._kind = "hf"
+            HF.arm(data["hf"], lambda frame: self._apply(plan, frame, in_tracer=False),
+                   lambda: set_global_rng(plan.state["rng"]))
+            return
         epoch_loop = F.LoopInfo.from_json(data["epoch_loop"]) if data.get("epoch_loop") else None
         if epoch_loop is not None and epoch_loop.kind in ("for_range", "for_iter", "while") \
                 and sys.gettrace() is None:
@@ -375,6 +381,10 @@ class Resume:
     def on_loader_iter(self, loader: Any, n: int, start: Callable[[], Any]) -> Any:
         """Called for ``iter(loader)``; ``n`` counts earlier ``iter()`` calls on this loader;
         ``start()`` starts the epoch as without cfrun (:mod:`cfrun.rank.data`)."""
+        if self._kind == "hf":  # the Trainer skips to its position itself
+            it = start()
+            it._cfrun_iter_index = n
+            return it
         if self._reading is not None and self.plan is not None and self.plan.mode == "loader" \
                 and self._kind == "replay":
             self._await_read()  # before any epoch is skipped

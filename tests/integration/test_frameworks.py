@@ -26,6 +26,7 @@ from conftest import (
     plain_run as _plain,
 )
 
+from cfrun.contract import faults
 from cfrun.rank.frameworks import FRAMEWORK_LOOPS
 
 pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
@@ -39,6 +40,15 @@ def _lines(stdout: str, prefix: str) -> list[str]:
     return list(dict.fromkeys(l for l in stdout.splitlines() if l.startswith(prefix)))
 
 
+def _landed(run, persist_kill: int) -> list[int]:
+    """The steps the kills landed after: the kill during the persist of checkpoint
+    ``persist_kill``, then each ``--inject-crash`` kill. An injected kill after an epoch's last
+    step lands at the next boundary: accelerate's ``DataLoaderShard`` (under the Trainer too)
+    calls no ``next()`` between an epoch's last step and the next epoch's first step."""
+    return [persist_kill] + [int(m) for m in re.findall(
+        r"injected crash: SIGKILL after step (\d+)", run.stderr)]
+
+
 def _warned(stderr: str) -> list[str]:
     return [l.split(WARNING, 1)[1] for l in stderr.splitlines() if WARNING in l]
 
@@ -48,23 +58,67 @@ def _reason(name: str) -> str:
     return fw.reason
 
 
-def test_hf_trainer_says_exactly_why_it_is_not_exact(tmp_path):
-    """``transformers.Trainer`` runs its own loop (epoch, global_step, TrainerState): the resume
-    cannot be exact, and cfrun says so with that reason, not the generic next() one."""
+def _saved_checkpoints(out_dir):
+    """The user's own ``save_steps`` checkpoints: name -> (TrainerState JSON, weights bytes)."""
+    return {d.name: ((d / "trainer_state.json").read_text(),
+                     (d / "model.safetensors").read_bytes())
+            for d in sorted(out_dir.glob("checkpoint-*"))}
+
+
+def test_hf_trainer_resumes_bit_identical(tmp_path):
+    """``transformers.Trainer.train()`` without arguments (gradient_accumulation_steps=2, 7
+    batches per epoch, linear warmup, dropout, a log line per step, the user's ``save_steps=5``),
+    SIGKILLed during the persist of step 3, inside epoch 1 (step 7) and right after epoch 1's
+    last step (8): every logged loss, learning rate and grad norm, the train loss, the final
+    weights and the user's checkpoints (TrainerState and weights) equal the plain ``python``
+    run's, with no ``not_exact`` reason (:mod:`cfrun.rank.adapters.hf`). Before, the Trainer's
+    loop started over at epoch 0 and step 0 and the run differed."""
     pytest.importorskip("transformers")
-    script = str(EXAMPLES / "hf_trainer_train.py")
-    plain = _plain([script, "--out", "plain.pt"], tmp_path)
-    assert "FINAL loss" in plain.stdout
-    run = run_cfrun(["--interval", "5", "--job-dir", "j", "--inject-crash", "9@0",
-                     script, "--out", "cf.pt"], cwd=tmp_path)
+    script = str(SCRIPTS / "train_hf_trainer.py")
+    plain = _plain([script, "plain.pt", "plain_out"], tmp_path)
+    kills = [3, 7, 8]
+    run = run_cfrun(["--interval", "3", "--job-dir", "j", "--inject-crash", "7@1,8@2",
+                     script, "cf.pt", "cf_out"], cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": kills[0]}))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("attempt_start")) == 2  # the kill lands in epoch 0
-    reason = _reason("transformers.Trainer")
-    assert "TrainerState (global_step, epoch, log_history)" in reason
-    first = run.stderr.split("injected crash: SIGKILL after step 9")[0]
-    assert _warned(first) == [reason], first[-3000:]  # said once, before the first kill
-    assert {e["reason"] for e in run.events("not_exact")} == {reason}
-    assert not any("next() outside a for statement" in w for w in _warned(run.stderr))
+    resumed = [e["step"] for e in run.events("resumed")]
+    assert len(resumed) == 3 and resumed[0] == kills[0], run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "log step") == _lines(plain.stdout, "log step")
+    assert len(_lines(plain.stdout, "log step")) == 13  # 12 steps and the epoch's end
+    assert final_line(run.stdout) == final_line(plain.stdout)
+    saved = _saved_checkpoints(tmp_path / "plain_out")
+    assert list(saved) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]
+    assert _saved_checkpoints(tmp_path / "cf_out") == saved
+    assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
+
+
+def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
+    """The same Trainer script under DDP on 2 ranks (gloo; 4 batches per rank and epoch, 2
+    optimizer steps), 5 epochs, SIGKILLed during the persist of step 3, inside epoch 2 (step
+    5) and right after epoch 3's last step (8): logs, train loss, final weights and the user's
+    checkpoints equal ``torchrun``'s."""
+    pytest.importorskip("transformers")
+    script = str(SCRIPTS / "train_hf_trainer.py")
+    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    script, "plain.pt", "plain_out", "5"], tmp_path)
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
+                     "--inject-crash", "5@1,8@2", script, "cf.pt", "cf_out", "5"],
+                    cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": 3}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
+    assert len(resumed) == 3 and resumed[0] == 3, run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "log step") == _lines(plain.stdout, "log step")
+    assert final_line(run.stdout) == final_line(plain.stdout) and "step 10" in final_line(
+        plain.stdout)
+    saved = _saved_checkpoints(tmp_path / "plain_out")
+    assert list(saved) == ["checkpoint-10", "checkpoint-5"]
+    assert _saved_checkpoints(tmp_path / "cf_out") == saved
+    assert not over_recompute_bound(run, _landed(run, 3), resumed, 3), resumed
 
 
 def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
@@ -86,24 +140,29 @@ def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
     assert final_line(run.stdout) != final_line(plain.stdout)
 
 
-def test_accelerate_loop_resumes_bit_identical(tmp_path):
-    """``accelerator.prepare`` + ``accelerator.backward``: the loop is the script's, the loader
-    a ``DataLoaderShard`` that reads one batch ahead."""
+def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
+    """An ``accelerate`` loop with ``gradient_accumulation_steps=2``, 7 batches per epoch (the
+    epoch's last batch steps alone), a per-step scheduler and dropout, SIGKILLed during the
+    persist of step 3, inside epoch 1 (step 7) and right after epoch 2's last step (12): every
+    printed loss and the final weights equal the plain ``python`` run's, with no ``not_exact``
+    reason (:mod:`cfrun.rank.adapters.accelerate`). Before, the resume skipped the batch that
+    ``DataLoaderShard`` had read ahead: the resumed epoch lost a batch and its losses differed."""
     pytest.importorskip("accelerate")
-    script = str(EXAMPLES / "accelerate_train.py")
-    plain = _plain([script, "--out", "plain.pt"], tmp_path)
-    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
-                     "25@0,60@1,100@2", script, "--out", "cf.pt"], cwd=tmp_path)
+    script = str(SCRIPTS / "train_accelerate.py")
+    plain = _plain([script, "plain.pt", "4"], tmp_path)
+    kills = [3, 7, 12]
+    run = run_cfrun(["--interval", "3", "--job-dir", "j", "--inject-crash", "7@1,12@2",
+                     script, "cf.pt", "4"], cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": kills[0]}))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("resumed")) == 3, run.stderr[-3000:]
-    if any("next() outside a for statement" in e["reason"] for e in run.events("not_exact")):
-        pytest.xfail("accelerate's DataLoaderShard, a generator around the DataLoader, calls "
-                     "next() one batch ahead of the script's loop: the loader-wrapper resume "
-                     "of issue 14, item 2")
+    resumed = [e["step"] for e in run.events("resumed")]
+    assert len(resumed) == 3 and resumed[0] == kills[0], run.stderr[-3000:]
     assert not run.events("not_exact"), _warned(run.stderr)
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
     assert _lines(run.stdout, "epoch ") == _lines(plain.stdout, "epoch ")
+    assert len(_lines(plain.stdout, "epoch ")) == 28
     assert final_line(run.stdout) == final_line(plain.stdout)
+    assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
 def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
