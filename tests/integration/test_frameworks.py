@@ -167,16 +167,18 @@ def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
 
 def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
     """Lightning Fabric, DDP on 2 ranks (gloo), ``fabric.setup_dataloaders`` and
-    ``for batch_idx, (data, target) in enumerate(train_loader)``: rank 0 killed 3 times."""
+    ``for batch_idx, (data, target) in enumerate(train_loader)`` (the README's example):
+    rank 0 killed once, in its second epoch. (Kills in every epoch of a Fabric DDP loop, and
+    its epoch ends run once: test_no_replay.py; one slow Fabric job per concern.)"""
     pytest.importorskip("lightning")
     script = str(EXAMPLES / "fabric_digits.py")
     plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     script, "--out", "plain.pt"], tmp_path)
     run = run_cfrun(["--nproc-per-node", "2", "--interval", "5", "--job-dir", "j",
-                     "--inject-crash", "9@0,24@1,37@2", script, "--out", "cf.pt"], cwd=tmp_path,
-                    timeout=540)  # four 2-rank attempts: ~4 min on a loaded 2-core machine
+                     "--inject-crash", "24@0", script, "--out", "cf.pt"], cwd=tmp_path,
+                    timeout=540)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len({(e["attempt"]) for e in run.events("resumed")}) == 3, run.stderr[-3000:]
+    assert len({(e["attempt"]) for e in run.events("resumed")}) == 1, run.stderr[-3000:]
     assert not run.events("not_exact"), _warned(run.stderr)
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
     assert _lines(run.stdout, "Test set") == _lines(plain.stdout, "Test set")
