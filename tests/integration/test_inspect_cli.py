@@ -30,7 +30,8 @@ def _piped_job(tmp_path_factory):
     def make(cwd):
         return run_cfrun(["--interval", "10", "--keep", "3", "--job-dir", "j", "--inject-crash",
                           "35", str(SCRIPTS / "train_tiny.py"), "--epochs", "2", "--out",
-                          "final.pt"], cwd=cwd, env={"CFRUN_PROGRESS_S": "0.5"})
+                          "final.pt"], cwd=cwd,  # under torchrun, as users launch it (one job)
+                         env={"CFRUN_PROGRESS_S": "0.5", "CFRUN_LAUNCHER": "torchrun"})
 
     run = shared_run(tmp_path_factory, "inspect-job", make)
     assert run.returncode == 0, run.stderr[-2000:]

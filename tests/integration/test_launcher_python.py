@@ -29,6 +29,7 @@ def reference(tmp_path_factory) -> dict:
     return torch.load(cwd / "ref.pt", weights_only=True)
 
 
+@pytest.mark.torchrun  # the default launcher is the point
 def test_under_torchrun_the_script_refuses_to_run(tmp_path):
     """Why the option exists: the default launcher sets RANK, and this script fails on it."""
     run = run_cfrun(["--crash-loop", "1", "--max-restarts", "0", "--job-dir", "j", PLAIN,
