@@ -36,6 +36,14 @@ class Run:
         out = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
         return [e for e in out if kind is None or e["event"] == kind]
 
+    def final_steps(self) -> set[int]:
+        """Steps of the final checkpoints committed at the script's end (issue 27, item 2):
+        committed like any other (``commit``, ``protected``, ``durable`` events) but with a
+        ``final_checkpoint`` event instead of a ``checkpoint`` one, at whatever step the
+        script ended (not a multiple of the interval)."""
+        return {e["step"] for e in self.events("final_checkpoint")
+                if e.get("outcome") == "committed"}
+
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CFRUN_")}

@@ -90,8 +90,10 @@ def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path,
     assert commits == sorted(set(commits)) and commits[0] == 10  # once per step
     # every 10th step, or later when the one before was still persisting (deferred, issue 23)
     deferred = {e["step"]: e.get("deferred_from") for e in ev if e["event"] == "checkpoint"}
-    assert all(s % 10 == 0 or (deferred.get(s) or 1) % 10 == 0 for s in commits), (commits,
-                                                                                   deferred)
+    final = {e["step"] for e in ev if e["event"] == "final_checkpoint"
+             and e.get("outcome") == "committed"}  # at the script's end (issue 27, item 2)
+    assert all(s % 10 == 0 or (deferred.get(s) or 1) % 10 == 0 or s in final
+               for s in commits), (commits, deferred, final)
     assert len(commits) >= 3
     assert all(e.get("nodes") == 2 for e in ev if e["event"] == "commit")
     newest = max(commits)
