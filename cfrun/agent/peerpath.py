@@ -200,7 +200,9 @@ class PeerPath:
 
         A checkpoint of another job (another job id in its manifest, none, or a command this
         job never ran) is skipped with a warning and a ``fetch_failed`` event naming the
-        reason; the next older one is tried."""
+        reason; the next older one is tried. A final checkpoint (taken at the script's end,
+        ``meta.final``: no position to resume at, issue 27 item 2) is installed and the next
+        older one too, the newest a resume can start from."""
         from cfrun.agent.peertier import fetch_verified
 
         local = committed_steps(self.jobdir.checkpoints)
@@ -220,7 +222,10 @@ class PeerPath:
                                if s > newest_local]
             except Exception as e:
                 logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
+        installed: int | None = None
         for step, _, source in sorted(candidates, reverse=True):
+            if step == installed:
+                continue  # the final one, installed from the other source
             t0 = time.monotonic()
             staging = staging_dir(self.jobdir.checkpoints, step)
             shutil.rmtree(staging, ignore_errors=True)
@@ -255,4 +260,6 @@ class PeerPath:
                            "than the job dir's step %d)", step, source, nbytes, newest_local)
             self.jobdir.emit_event("fetched", step=step, source=source, bytes=nbytes,
                                    fetch_s=round(time.monotonic() - t0, 6))
-            return
+            if (manifest.get("meta") or {}).get("final") is not True:
+                return
+            installed = step

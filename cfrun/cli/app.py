@@ -1062,8 +1062,8 @@ def ls_cmd(
     for r in rows:
         size = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f} MB"
         age = "-" if r["age_s"] is None else f"{r['age_s']:.0f} s"
-        table.add_row(str(r["step"]), str(r["epoch"]), str(r["batches"]), size, age,
-                      r["verified"])
+        step = f"{r['step']} (final)" if r.get("final") else str(r["step"])
+        table.add_row(step, str(r["epoch"]), str(r["batches"]), size, age, r["verified"])
     Console().print(table)
     report.check_listing(rows)
 

@@ -359,7 +359,9 @@ def last_resume(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
-    """Committed checkpoints, newest first: step, epoch, batches, bytes, age_s, verified.
+    """Committed checkpoints, newest first: step, epoch, batches, bytes, age_s, verified,
+    final (the checkpoint taken at the script's end, which holds no data position: its epoch
+    and batches are None; issue 27, item 2).
 
     ``verified`` is ``ok``, ``corrupt: <why>`` or ``unchecked`` (``check=False``). Verifying
     (:func:`cfrun.contract.checkpoints.verify`) streams each file through its checksum after
@@ -374,7 +376,7 @@ def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
             manifest = read_manifest(d)
         except (CheckpointCorruptError, IncompatibleFormatError) as e:
             out.append({"step": step, "epoch": None, "batches": None, "bytes": None,
-                        "age_s": None, "verified": f"corrupt: {e}"})
+                        "age_s": None, "verified": f"corrupt: {e}", "final": None})
             continue
         verified = "unchecked"
         if check:
@@ -387,7 +389,7 @@ def checkpoints(jd: JobDir, *, check: bool = True) -> list[dict[str, Any]]:
         out.append({"step": step, "epoch": meta.get("epoch"), "batches": meta.get("batches"),
                     "bytes": manifest.nbytes,
                     "age_s": round(now - manifest.committed_unix_s, 1),
-                    "verified": verified})
+                    "verified": verified, "final": meta.get("final") is True})
     return out
 
 

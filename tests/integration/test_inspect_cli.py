@@ -68,8 +68,11 @@ def test_status_table_and_ls(job):
     rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=job).stdout)
     assert [r["step"] for r in rows] == sorted((r["step"] for r in rows), reverse=True)
     assert len(rows) == 3 and all(r["verified"] == "ok" for r in rows)
-    assert rows[0]["epoch"] == 1 and rows[0]["bytes"] > 0
-    assert set(rows[0]) == {"step", "epoch", "batches", "bytes", "age_s", "verified"}
+    # the newest is the final checkpoint at the script's end: no data position
+    assert rows[0]["final"] is True and rows[0]["epoch"] is None and rows[0]["bytes"] > 0
+    assert rows[1]["final"] is False and rows[1]["epoch"] == 1
+    assert set(rows[0]) == {"step", "epoch", "batches", "bytes", "age_s", "verified", "final"}
+    assert f"{rows[0]['step']} (final)" in cfrun_in_process(["ls", "j"], cwd=job).stdout
 
 
 def test_ls_reports_a_corrupt_checkpoint(job, tmp_path):

@@ -200,7 +200,9 @@ def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
     again = run_cfrun(["--job-key-file", str(key), *b_argv], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _identity(tmp_path / "y" / "j")["job_id"] == idb["job_id"]
-    [fetched] = _events(tmp_path / "y" / "j", "fetched")
+    # B's final checkpoint (its script's end) and the newest one a resume can start from
+    *final, fetched = _events(tmp_path / "y" / "j", "fetched")
+    assert len(final) <= 1 and all(f["step"] > fetched["step"] for f in final), final
     assert [e["step"] for e in _events(tmp_path / "y" / "j", "resumed")] == [fetched["step"]]
 
 
