@@ -114,10 +114,21 @@ def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, 3), resumed, 3), resumed
 
 
-def _lightning_checkpoints(ckpt_dir):
-    """The user's own ``ModelCheckpoint`` files: name -> their content (weights, loops,
-    callbacks, optimizer and scheduler states, epoch, global step)."""
-    return {p.name: torch.load(p, weights_only=False) for p in sorted(ckpt_dir.glob("*.ckpt"))}
+def _assert_same_checkpoints(plain_dir, cf_dir) -> list[str]:
+    """The user's own ``ModelCheckpoint`` files in ``cf_dir`` are those in ``plain_dir``, with
+    the same weights, loops, optimizer and scheduler states, epoch and global step, and the
+    same callbacks; returns their names."""
+    def load(d):
+        return {p.name: torch.load(p, weights_only=False) for p in sorted(d.glob("*.ckpt"))}
+
+    saved, got = load(plain_dir), load(cf_dir)
+    assert list(got) == list(saved)
+    for name, ckpt in saved.items():
+        assert got[name]["callbacks"].keys() == ckpt["callbacks"].keys()
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "epoch",
+                    "global_step"):
+            assert_bit_identical(ckpt[key], got[name][key], f"{name}:{key}")
+    return list(saved)
 
 
 def test_lightning_trainer_resumes_bit_identical(tmp_path):
@@ -145,18 +156,37 @@ def test_lightning_trainer_resumes_bit_identical(tmp_path):
     assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
     assert len(_lines(plain.stdout, "log ")) == 24  # 18 steps, 6 validations
     assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck")
-    saved = _lightning_checkpoints(tmp_path / "plain_ck")
-    assert list(saved) == ["best-step=12.ckpt", "best-step=15.ckpt", "every-step=10.ckpt",
-                           "every-step=15.ckpt", "every-step=5.ckpt"]
-    got = _lightning_checkpoints(tmp_path / "cf_ck")
-    assert list(got) == list(saved)
-    for name, ckpt in saved.items():
-        mine = got[name]
-        assert mine["callbacks"].keys() == ckpt["callbacks"].keys()
-        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "epoch",
-                    "global_step"):
-            assert_bit_identical(ckpt[key], mine[key], f"{name}:{key}")
+    assert _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck") == [
+        "best-step=12.ckpt", "best-step=15.ckpt", "every-step=10.ckpt", "every-step=15.ckpt",
+        "every-step=5.ckpt"]
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
+
+
+def test_lightning_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
+    """The same Lightning script under DDP on 2 ranks (gloo; 3 batches per rank and epoch,
+    validation after every batch, synced ``val_loss``), 5 epochs, SIGKILLed during the persist
+    of step 4 (the checkpoint due at epoch 0's last step, taken after the next epoch's first
+    step), inside epoch 2 (step 8) and right after epoch 3's last step (12): printed
+    losses, final weights, the best checkpoint and the user's checkpoint files equal
+    ``torchrun``'s."""
+    pytest.importorskip("lightning")
+    script = str(SCRIPTS / "train_lightning.py")
+    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    script, "plain.pt", "plain_ck", "5"], tmp_path)
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
+                     "--inject-crash", "8@1,12@2", script, "cf.pt", "cf_ck", "5"],
+                    cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": 4}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
+    assert len(resumed) == 3 and resumed[0] == 4, run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
+    assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck") \
+        and "step 15" in final_line(plain.stdout)
+    _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck")
+    assert not over_recompute_bound(run, _landed(run, 4), resumed, 3), resumed
 
 
 def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):

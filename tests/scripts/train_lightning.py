@@ -7,8 +7,10 @@ after batches 3 and 6), and the user's own ``ModelCheckpoint`` callbacks in ``CK
 validation's loss; saves the final weights:
 
     python train_lightning.py OUT.pt CKPT_DIR [EPOCHS]
+    torchrun --nproc-per-node 2 train_lightning.py OUT.pt CKPT_DIR [EPOCHS]  # DDP, gloo
 """
 
+import os
 import sys
 
 import lightning as L
@@ -16,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -29,8 +32,9 @@ class Net(L.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.body(x), y)
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        print(f"log step {self.global_step} epoch {self.current_epoch} batch {batch_idx} "
-              f"loss {loss.item()!r} lr {lr!r}")
+        if self.trainer.is_global_zero:
+            print(f"log step {self.global_step} epoch {self.current_epoch} batch {batch_idx} "
+                  f"loss {loss.item()!r} lr {lr!r}")
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -42,8 +46,8 @@ class Net(L.LightningModule):
     def on_validation_epoch_end(self):
         val = torch.stack(self.val_losses).mean()
         self.val_losses.clear()
-        self.log("val_loss", val)
-        if not self.trainer.sanity_checking:
+        self.log("val_loss", val, sync_dist=True)
+        if not self.trainer.sanity_checking and self.trainer.is_global_zero:
             print(f"log val step {self.global_step} loss {val.item()!r}")
 
     def configure_optimizers(self):
@@ -63,10 +67,15 @@ def main():
                                  save_top_k=-1),
                  ModelCheckpoint(dirpath=ckpt_dir, filename="best-{step}", monitor="val_loss",
                                  save_top_k=2)]
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = {"devices": world, "strategy": DDPStrategy(process_group_backend="gloo")} \
+        if world > 1 else {"devices": 1}
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, **ddp,
                         enable_progress_bar=False, enable_model_summary=False,
                         deterministic=True, val_check_interval=0.5, callbacks=callbacks)
     trainer.fit(Net(), train, val)
+    if not trainer.is_global_zero:
+        return
     torch.save(trainer.lightning_module.state_dict(), out)
     print(f"FINAL step {trainer.global_step} best {callbacks[1].best_model_path} "
           f"{callbacks[1].best_model_score.item()!r}")

@@ -94,3 +94,29 @@ def test_capture_at_the_loaders_next_records_the_fit_loop_between_two_batches(tm
         # a validation batch too (batch_idx -1): one lower there
         after_val = batch in (0, 2)
         assert state["epoch_loop.state_dict"]["_batches_that_stepped"] == k - after_val
+
+
+def test_a_checkpoint_file_the_killed_process_wrote_is_written_again_under_its_name(tmp_path):
+    """After a resume, a ``ModelCheckpoint`` file written after cfrun's checkpoint (by a step
+    computed again now) does not make Lightning's version counter name the new one ``-v1``;
+    one that was there at cfrun's checkpoint still does, and so does one this process wrote."""
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    PL._patch_model_checkpoint()
+    cb = ModelCheckpoint(dirpath=str(tmp_path), filename="{step}")
+    (tmp_path / "old.ckpt").write_text("")
+    files = json.dumps({cb.state_key: ["old.ckpt"]})
+    (tmp_path / "redone.ckpt").write_text("")  # written after the checkpoint, before the kill
+    trainer = SimpleNamespace(
+        callbacks=[cb], is_global_zero=True, global_step=5, loggers=[],
+        strategy=SimpleNamespace(reduce_boolean_decision=lambda local, all: local),
+        fit_loop=SimpleNamespace(load_state_dict=lambda state: None),
+        save_checkpoint=lambda path, weights_only: open(path, "w").close())
+    PL._restore(trainer, {"fit_loop": "{}", "callbacks": "{}", "files": files})
+    redone, old = str(tmp_path / "redone.ckpt"), str(tmp_path / "old.ckpt")
+    assert not cb.file_exists(redone, trainer) and cb.file_exists(old, trainer)
+    cb._save_checkpoint(trainer, redone)
+    assert cb.file_exists(redone, trainer)

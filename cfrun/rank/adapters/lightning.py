@@ -20,7 +20,10 @@ and callback states; the training DataLoader's first ``iter()`` (in ``FitLoop.se
 starts the checkpoint's epoch after its consumed batches (skipped at the sampler level, cfrun's
 loader resume), where cfrun loads model, optimizer, scheduler, RNG and the script's variables.
 Lightning's own resume restarts a plain DataLoader at the epoch's first batch and warns so;
-cfrun resumes it at the checkpoint's batch, and that warning is silenced.
+cfrun resumes it at the checkpoint's batch, and that warning is silenced. The user's
+``ModelCheckpoint`` files written after cfrun's checkpoint, by the steps a kill makes cfrun
+compute again, are written again under the same names, not versioned ``-v1``
+(:func:`_patch_model_checkpoint`; the checkpoint records the names in each directory).
 
 One difference from Lightning's checkpoints: those are written at ``on_train_batch_end`` or
 ``on_validation_end``; cfrun's boundary comes after the batch's ``on_advance_end``, where every
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import types
 import warnings
@@ -55,6 +59,7 @@ TESTED_VERSIONS: tuple[str, ...] = ("2.6.6",)
 """lightning versions whose fit loop internals this adapter was tested against."""
 
 _EPOCH_LOOP = "lightning.pytorch.loops.training_epoch_loop"
+_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.model_checkpoint"
 _CONNECTOR = "lightning.pytorch.trainer.connectors.checkpoint_connector"
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 """Lightning's warning on a mid-epoch resume of a DataLoader without ``state_dict``: cfrun
@@ -132,9 +137,18 @@ def capture(caller: types.FrameType) -> dict[str, Any] | None:
         callbacks = {cb.state_key: _encode(state) for cb in trainer.callbacks
                      if (state := cb.state_dict())}
         return {"fit_loop": json.dumps(_encode(loops), sort_keys=True),
-                "callbacks": json.dumps(callbacks, sort_keys=True)}
+                "callbacks": json.dumps(callbacks, sort_keys=True),
+                "files": json.dumps(_checkpoint_files(trainer), sort_keys=True)}
     except TypeError:
         return None
+
+
+def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
+    """The files in each ``ModelCheckpoint``'s directory (names), by callback state key."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return {cb.state_key: sorted(os.listdir(cb.dirpath)) for cb in trainer.callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and os.path.isdir(cb.dirpath)}
 
 
 @dataclasses.dataclass
@@ -172,6 +186,28 @@ def _patch() -> None:
         _restore(self.trainer, p.saved)
 
     connector_cls.restore_training_state = restore_training_state
+    when_imported(_MODEL_CHECKPOINT, _patch_model_checkpoint)
+
+
+def _patch_model_checkpoint() -> None:
+    """A step computed again after a kill writes its ``ModelCheckpoint`` file again under the
+    same name, as in the uninterrupted run: a file written after cfrun's checkpoint, by the
+    killed process, does not count as existing for the version counter (which would name the
+    new one ``-v1``) until this process wrote it (rank 0 decides, as Lightning does)."""
+    cls = sys.modules[_MODEL_CHECKPOINT].ModelCheckpoint
+    save = cls._save_checkpoint
+
+    def file_exists(self: Any, filepath: Any, trainer: Any) -> bool:
+        local = trainer.is_global_zero and self._fs.exists(filepath) \
+            and os.fspath(filepath) not in self.__dict__.get("_cfrun_stale", ())
+        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+
+    def _save_checkpoint(self: Any, trainer: Any, filepath: str) -> None:
+        save(self, trainer, filepath)
+        self.__dict__.get("_cfrun_stale", set()).discard(os.fspath(filepath))
+
+    cls.file_exists = file_exists
+    cls._save_checkpoint = _save_checkpoint
 
 
 def _restore(trainer: Any, saved: dict[str, Any]) -> None:
@@ -184,3 +220,8 @@ def _restore(trainer: Any, saved: dict[str, Any]) -> None:
         state = states.get(cb.state_key)
         if state:
             cb.load_state_dict(state)
+    then = json.loads(saved.get("files", "{}"))
+    for key, now in _checkpoint_files(trainer).items():
+        cb = next(c for c in trainer.callbacks if c.state_key == key)
+        cb.__dict__["_cfrun_stale"] = {os.path.join(cb.dirpath, name)
+                                       for name in set(now) - set(then.get(key, now))}
