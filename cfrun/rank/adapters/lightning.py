@@ -167,7 +167,8 @@ def arm(saved: dict[str, Any]) -> None:
     optimizers are made and before the sanity check, which a restarting loop skips). Model,
     optimizer, scheduler, RNG and the data position are cfrun's, restored at the training
     DataLoader's first ``iter()``. Patches ``restore_training_state`` once
-    ``lightning.pytorch.trainer.connectors.checkpoint_connector`` is imported."""
+    ``lightning.pytorch.trainer.connectors.checkpoint_connector`` is imported, and
+    ``ModelCheckpoint``'s version counter (:func:`_patch_model_checkpoint`)."""
     global _pending
     _pending = _Pending(saved)
     when_imported(_CONNECTOR, _patch)
