@@ -33,6 +33,7 @@ from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import accelerate as ACC
 from cfrun.rank.adapters import hf as HF
+from cfrun.rank.adapters import lightning as PL
 from cfrun.rank.capture import Capture
 from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
 from cfrun.rank.discovery import uncheckpointable
@@ -359,11 +360,13 @@ class Boundary:
             if untested is not None:
                 self._flag(untested)
             hf_loop = HF.capture(caller) if framework is FW.HF_TRAINER else None
-            if framework is not None and hf_loop is None:  # a loop the script does not hold
-                untested = HF.untested_reason() if framework is FW.HF_TRAINER else None
+            pl_loop = PL.capture(caller) if framework is FW.LIGHTNING_TRAINER else None
+            if framework is not None and hf_loop is None and pl_loop is None:  # not the script's
+                untested = HF.untested_reason() if framework is FW.HF_TRAINER else \
+                    PL.untested_reason() if framework is FW.LIGHTNING_TRAINER else None
                 self._flag(framework.reason if untested is None  # (cfrun.rank.frameworks)
                            else f"{untested}: {framework.reason}")
-            elif not (_is_for_header(caller) or ACC.is_shard_iter(caller)):
+            elif pl_loop is None and not (_is_for_header(caller) or ACC.is_shard_iter(caller)):
                 self._flag("the training DataLoader is advanced with next() outside a for "
                            "statement; its position resumes, the loop around it may not")
             consumer = F.consumer_frame(caller)
@@ -387,6 +390,8 @@ class Boundary:
             if hf_loop is not None:  # transformers.Trainer's loop (cfrun.rank.adapters.hf)
                 data["hf"] = hf_loop  # its position: a resumed epoch iterates another loader
                 data["iter_index"], data["batches"] = hf_loop["epoch"], hf_loop["batches"]
+            if pl_loop is not None:  # Lightning's fit loop (cfrun.rank.adapters.lightning)
+                data["lightning"] = pl_loop
             self._progress = _progress(loader, it._cfrun_consumed, epoch_loop, epoch_value,
                                        self._epoch_frame)
             for reason in inexact_reasons(loader):

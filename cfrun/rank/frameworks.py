@@ -13,8 +13,9 @@ first epoch with its counters at zero, so the computation after a resume differs
 :func:`framework_loop` recognises such a loop from the frames that call the training loader's
 ``next()`` at a checkpoint boundary (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`), and
 names the framework and what it keeps, for the ``not_exact`` warning. ``transformers.Trainer``
-on a version :mod:`cfrun.rank.adapters.hf` was tested with is the exception: that adapter
-carries its loop state in the checkpoint and resumes it exactly. Frameworks whose loop is
+and Lightning's ``Trainer`` on a version :mod:`cfrun.rank.adapters.hf` /
+:mod:`cfrun.rank.adapters.lightning` was tested with are the exceptions: those adapters carry
+the loop state in the checkpoint and resume it exactly. Frameworks whose loop is
 written in the script (``accelerate.Accelerator``, Lightning ``Fabric``) are not listed: their
 loader and optimizer wrappers are ordinary wrappers, resumed like any other.
 
@@ -60,12 +61,12 @@ HF_TRAINER = FrameworkLoop(
     "its epoch loop, TrainerState (global_step, epoch, log_history) and loss sums")
 """Resumed exactly by :mod:`cfrun.rank.adapters.hf` on a tested transformers version."""
 
-FRAMEWORK_LOOPS: tuple[FrameworkLoop, ...] = (
-    HF_TRAINER,
-    FrameworkLoop(
-        "Lightning Trainer", ("lightning.pytorch.loops", "pytorch_lightning.loops"),
-        "its fit loop's progress (current_epoch, global_step, batch_idx)"),
-)
+LIGHTNING_TRAINER = FrameworkLoop(
+    "Lightning Trainer", ("lightning.pytorch.loops", "pytorch_lightning.loops"),
+    "its fit loop's progress (current_epoch, global_step, batch_idx)")
+"""Resumed exactly by :mod:`cfrun.rank.adapters.lightning` on a tested lightning version."""
+
+FRAMEWORK_LOOPS: tuple[FrameworkLoop, ...] = (HF_TRAINER, LIGHTNING_TRAINER)
 """The frameworks recognised, in the order they are looked for."""
 
 

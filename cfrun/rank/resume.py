@@ -84,6 +84,7 @@ from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import hf as HF
+from cfrun.rank.adapters import lightning as PL
 from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import loader_fingerprint, set_epoch_rng, set_sampler_state
 from cfrun.rank.discovery import Discovery
@@ -344,6 +345,10 @@ class Resume:
             self._kind = "hf"
             HF.arm(data["hf"], lambda frame: self._apply(plan, frame, in_tracer=False),
                    lambda: set_global_rng(plan.state["rng"]))
+            return
+        if isinstance(data.get("lightning"), dict):  # Lightning's fit loop: its own resume path
+            PL.arm(data["lightning"])  # restores the loops; the training loader's iter() the rest
+            self._kind, self._jumped = "jump", True
             return
         epoch_loop = F.LoopInfo.from_json(data["epoch_loop"]) if data.get("epoch_loop") else None
         if epoch_loop is not None and epoch_loop.kind in ("for_range", "for_iter", "while") \

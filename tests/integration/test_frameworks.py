@@ -2,8 +2,7 @@
 
 Each test runs an example under ``examples/`` plainly (``python``, or ``torchrun`` for the DDP
 one) and under cfrun with three injected SIGKILLs, then asserts bit-identical final weights and
-the same printed lines, or, where cfrun cannot resume the framework exactly, the exact reason it
-gives at run time. Each framework is skipped when it is not installed (``pip install -e
+the same printed lines. Each framework is skipped when it is not installed (``pip install -e
 '.[test]'`` installs them). A step loop drawing batches with ``next()`` from an iterator it
 holds (the shape of the Hugging Face Trainer's loop, written in a script) resumes exactly.
 """
@@ -27,7 +26,6 @@ from conftest import (
 )
 
 from cfrun.contract import faults
-from cfrun.rank.frameworks import FRAMEWORK_LOOPS
 
 pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
 
@@ -51,11 +49,6 @@ def _landed(run, persist_kill: int) -> list[int]:
 
 def _warned(stderr: str) -> list[str]:
     return [l.split(WARNING, 1)[1] for l in stderr.splitlines() if WARNING in l]
-
-
-def _reason(name: str) -> str:
-    [fw] = [f for f in FRAMEWORK_LOOPS if f.name == name]
-    return fw.reason
 
 
 def _saved_checkpoints(out_dir):
@@ -121,23 +114,79 @@ def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, 3), resumed, 3), resumed
 
 
-def test_lightning_trainer_says_exactly_why_it_is_not_exact(tmp_path):
-    """Lightning's ``Trainer.fit`` keeps current_epoch, global_step and batch_idx in its fit
-    loop: restored state, restarted counters, and the reason said in every attempt."""
+def _assert_same_checkpoints(plain_dir, cf_dir) -> list[str]:
+    """The user's own ``ModelCheckpoint`` files in ``cf_dir`` are those in ``plain_dir``, with
+    the same weights, loops, optimizer and scheduler states, epoch and global step, and the
+    same callbacks; returns their names."""
+    def load(d):
+        return {p.name: torch.load(p, weights_only=False) for p in sorted(d.glob("*.ckpt"))}
+
+    saved, got = load(plain_dir), load(cf_dir)
+    assert list(got) == list(saved)
+    for name, ckpt in saved.items():
+        assert got[name]["callbacks"].keys() == ckpt["callbacks"].keys()
+        for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "epoch",
+                    "global_step"):
+            assert_bit_identical(ckpt[key], got[name][key], f"{name}:{key}")
+    return list(saved)
+
+
+def test_lightning_trainer_resumes_bit_identical(tmp_path):
+    """``lightning.Trainer.fit(model, loader, val_loader)`` without ``ckpt_path`` (6 batches per
+    epoch, a per-step ``StepLR``, dropout, validation after batches 3 and 6, the user's two
+    ``ModelCheckpoint`` callbacks), SIGKILLed during the persist of step 3 (a validation step),
+    inside epoch 1 (step 8) and right after epoch 1's last step (12, landing after the next
+    epoch's first step, at the first boundary of its loader iterator): every printed loss,
+    learning rate and validation loss, the final weights, the best checkpoint and the user's
+    checkpoint files equal the plain ``python`` run's, with no ``not_exact`` reason
+    (:mod:`cfrun.rank.adapters.lightning`). Before, the fit loop started over at epoch 0 and
+    step 0 and the run differed."""
     pytest.importorskip("lightning")
-    script = str(EXAMPLES / "lightning_train.py")
-    plain = _plain([script, "--epochs", "2", "--out", "plain.pt"], tmp_path)
-    assert final_line(plain.stdout) == "FINAL step 86"
-    run = run_cfrun(["--interval", "10", "--job-dir", "j", "--inject-crash",
-                     "45@0", script, "--epochs", "2", "--out", "cf.pt"], cwd=tmp_path)
+    script = str(SCRIPTS / "train_lightning.py")
+    plain = _plain([script, "plain.pt", "plain_ck"], tmp_path)
+    kills = [3, 8, 12]
+    run = run_cfrun(["--interval", "3", "--job-dir", "j", "--inject-crash", "8@1,12@2",
+                     script, "cf.pt", "cf_ck"], cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": kills[0]}))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.events("resumed")) == 1, run.stderr[-3000:]  # the kill landed and resumed
-    reason = _reason("Lightning Trainer")
-    assert set(_warned(run.stderr)) == {reason}
-    assert len(_warned(run.stderr)) == 2  # once per attempt
-    assert {e["reason"] for e in run.events("not_exact")} == {reason}
-    # what the reason says: the counters start over (the plain run ends at global step 86)
-    assert final_line(run.stdout) != final_line(plain.stdout)
+    resumed = [e["step"] for e in run.events("resumed")]
+    assert len(resumed) == 3 and resumed[0] == kills[0], run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
+    assert len(_lines(plain.stdout, "log ")) == 24  # 18 steps, 6 validations
+    assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck")
+    assert _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck") == [
+        "best-step=12.ckpt", "best-step=15.ckpt", "every-step=10.ckpt", "every-step=15.ckpt",
+        "every-step=5.ckpt"]
+    assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
+
+
+def test_lightning_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
+    """The same Lightning script under DDP on 2 ranks (gloo; 3 batches per rank and epoch,
+    validation after every batch, synced ``val_loss``), 5 epochs, SIGKILLed during the persist
+    of step 4 (the checkpoint due at epoch 0's last step, taken after the next epoch's first
+    step), inside epoch 2 (step 8) and right after epoch 3's last step (12): printed
+    losses, final weights, the best checkpoint and the user's checkpoint files equal
+    ``torchrun``'s."""
+    pytest.importorskip("lightning")
+    script = str(SCRIPTS / "train_lightning.py")
+    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    script, "plain.pt", "plain_ck", "5"], tmp_path)
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
+                     "--inject-crash", "8@1,12@2", script, "cf.pt", "cf_ck", "5"],
+                    cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": 4}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
+    assert len(resumed) == 3 and resumed[0] == 4, run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
+    assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck") \
+        and "step 15" in final_line(plain.stdout)
+    _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck")
+    assert not over_recompute_bound(run, _landed(run, 4), resumed, 3), resumed
 
 
 def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
