@@ -79,8 +79,10 @@ def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path,
 
 
 @pytest.mark.parametrize("script, first, cause, before_kill", [
-    ("verify_file_position.py", "script variable scale", "numbers", False),
-    ("verify_unstorable.py", "script variable lr", "meter", False),
+    # scale and lr are loop temporaries (assigned before any read: not stored, issue 27
+    # item 7): the difference shows in what they feed
+    ("verify_file_position.py", "model0.weight", "numbers", False),
+    ("verify_unstorable.py", "optimizer0.param_groups[0].lr", "meter", False),
     ("verify_unseeded.py", "RNG python random", None, True),
     ("verify_wall_clock.py", "script variable lr", None, False),
 ])
