@@ -2,7 +2,7 @@
 ``--duplicate-stdout-filters``/``--duplicate-stderr-filters``, ``--st`` of ``--standalone``/
 ``--start-method``, ``--ma`` of ``--master-addr``/``--master-port``/``--max-restarts``,
 ``--nproc`` of ``--nproc-per-node``): prints ``ARGV`` and its arguments as JSON, then trains a
-linear model for ``--steps`` steps (default 80: enough for cfrun profile) and prints ``FINAL`` with its weights' sum.
+linear model for ``--steps`` steps (default 200: enough for cfrun profile, whose profiling checkpoints a loaded machine defers) and prints ``FINAL`` with its weights' sum.
 """
 
 import argparse
@@ -14,7 +14,7 @@ import torch
 print("ARGV " + json.dumps(sys.argv[1:]), flush=True)
 parser = argparse.ArgumentParser()
 for name in ("--d", "--st", "--ma", "--nproc", "--steps"):
-    parser.add_argument(name, type=int, default=80 if name == "--steps" else 0)
+    parser.add_argument(name, type=int, default=200 if name == "--steps" else 0)
 args = parser.parse_args()
 torch.manual_seed(args.d)
 model = torch.nn.Linear(8, 8)
