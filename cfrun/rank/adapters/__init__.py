@@ -12,6 +12,7 @@ import importlib.abc
 import importlib.metadata
 import importlib.util
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,26 @@ def installed_version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def untested(dist: str, tested: tuple[str, ...], adapter: str) -> str | None:
+    """Why ``adapter`` stays off for the installed ``dist`` (None: a version in ``tested``)."""
+    version = installed_version(dist)
+    if version in tested:
+        return None
+    return (f"{dist} {version} is not a version cfrun's {adapter} was tested against "
+            f"({', '.join(tested)})")
+
+
+def frame_of(caller: types.FrameType | None, function: str, module: str
+             ) -> types.FrameType | None:
+    """The nearest frame of ``module``'s ``function`` at or above ``caller``, or None."""
+    f = caller
+    while f is not None:
+        if f.f_code.co_name == function and f.f_globals.get("__name__") == module:
+            return f
+        f = f.f_back
+    return None
 
 
 def when_imported(module: str, fn: Callable[[], None]) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cfrun.rank.adapters import installed_version, when_imported
+from cfrun.rank.adapters import frame_of, untested, when_imported
 
 TESTED_VERSIONS: tuple[str, ...] = ("5.24.0",)
 """transformers versions whose Trainer internals this adapter was tested against."""
@@ -50,20 +50,11 @@ consumed batches; no RNG file exists there (cfrun restores the RNG itself)."""
 
 def untested_reason() -> str | None:
     """Why the adapter stays off for the installed transformers (None: a tested version)."""
-    version = installed_version("transformers")
-    if version in TESTED_VERSIONS:
-        return None
-    return (f"transformers {version} is not a version cfrun's Trainer adapter was tested "
-            f"against ({', '.join(TESTED_VERSIONS)})")
+    return untested("transformers", TESTED_VERSIONS, "Trainer adapter")
 
 
 def _run_epoch_frame(caller: types.FrameType | None) -> types.FrameType | None:
-    f = caller
-    while f is not None:
-        if f.f_code.co_name == "_run_epoch" and f.f_globals.get("__name__") == _MODULE:
-            return f
-        f = f.f_back
-    return None
+    return frame_of(caller, "_run_epoch", _MODULE)
 
 
 def _stateful(trainer: Any) -> list[Any]:

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from cfrun.rank.adapters import installed_version, when_imported
+from cfrun.rank.adapters import frame_of, untested, when_imported
 
 TESTED_VERSIONS: tuple[str, ...] = ("2.6.6",)
 """lightning versions whose fit loop internals this adapter was tested against."""
@@ -68,20 +68,11 @@ resumes it at the checkpoint's batch."""
 
 def untested_reason() -> str | None:
     """Why the adapter stays off for the installed lightning (None: a tested version)."""
-    version = installed_version("lightning")
-    if version in TESTED_VERSIONS:
-        return None
-    return (f"lightning {version} is not a version cfrun's Lightning Trainer adapter was tested "
-            f"against ({', '.join(TESTED_VERSIONS)})")
+    return untested("lightning", TESTED_VERSIONS, "Lightning Trainer adapter")
 
 
 def _advance_frame(caller: types.FrameType | None) -> types.FrameType | None:
-    f = caller
-    while f is not None:
-        if f.f_code.co_name == "advance" and f.f_globals.get("__name__") == _EPOCH_LOOP:
-            return f
-        f = f.f_back
-    return None
+    return frame_of(caller, "advance", _EPOCH_LOOP)
 
 
 def _encode(obj: Any) -> Any:
