@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
+from cfrun.rank import adapters
 from cfrun.rank.adapters import lightning as PL
 
 
 def test_the_lightning_adapter_stays_off_on_an_untested_version(monkeypatch):
-    monkeypatch.setattr(PL, "installed_version", lambda dist: "2.0.0")
+    monkeypatch.setattr(adapters, "installed_version", lambda dist: "2.0.0")
     why = PL.untested_reason()
     assert why is not None and why.startswith("lightning 2.0.0 is not a version") \
         and "2.6.6" in why

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from cfrun.rank import adapters
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import when_imported
 
@@ -23,7 +24,7 @@ def test_when_imported_runs_after_the_module_is_imported(tmp_path, monkeypatch):
 
 
 def test_the_trainer_adapter_stays_off_on_an_untested_version(monkeypatch):
-    monkeypatch.setattr(HF, "installed_version", lambda dist: "4.0.0")
+    monkeypatch.setattr(adapters, "installed_version", lambda dist: "4.0.0")
     why = HF.untested_reason()
     assert why is not None and why.startswith("transformers 4.0.0 is not a version") \
         and "5.24.0" in why
