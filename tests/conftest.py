@@ -68,9 +68,9 @@ def _one_rank_launcher(request: pytest.FixtureRequest) -> Iterator[None]:
     torchrun's rendezvous), the largest fixed cost of the suite's ~1,000 launches (issue 27,
     item 9). Tests and modules marked ``torchrun`` keep torchrun: the launch and supervision
     paths, transparency against ``torchrun``, signals, the README's commands.
-    ``CFRUN_TESTS_LAUNCHER=torchrun`` runs every test under torchrun."""
+    ``TESTS_LAUNCHER=torchrun`` runs every test under torchrun."""
     marked = request.node.get_closest_marker("torchrun") is not None
-    everywhere = os.environ.get("CFRUN_TESTS_LAUNCHER") == "torchrun"
+    everywhere = os.environ.get("TESTS_LAUNCHER") == "torchrun"
     ONE_RANK_LAUNCHER["launcher"] = "torchrun" if marked or everywhere else "python"
     yield
     ONE_RANK_LAUNCHER["launcher"] = "python"
