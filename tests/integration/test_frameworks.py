@@ -10,6 +10,7 @@ holds (the shape of the Hugging Face Trainer's loop, written in a script) resume
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,24 +88,33 @@ def test_hf_trainer_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
+def _two_ranks_killed(tmp_path: Path, script: str, out: str, kills: str, persist_kill: int):
+    """Plain ``torchrun`` and cfrun on 2 ranks (``--interval 3``) of ``script OUT.pt OUT_DIR
+    5``, cfrun's rank 0 SIGKILLed during the persist of step ``persist_kill`` and at
+    ``kills``: both runs, rank 0's resumed steps (the first at ``persist_kill``), no
+    ``not_exact`` reason and bit-identical final weights checked."""
+    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    script, "plain.pt", f"plain_{out}", "5"], tmp_path)
+    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
+                     "--inject-crash", kills, script, "cf.pt", f"cf_{out}", "5"],
+                    cwd=tmp_path, timeout=540,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": persist_kill}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
+    assert len(resumed) == 3 and resumed[0] == persist_kill, run.stderr[-3000:]
+    assert not run.events("not_exact"), _warned(run.stderr)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    return plain, run, resumed
+
+
 def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     """The same Trainer script under DDP on 2 ranks (gloo; 4 batches per rank and epoch, 2
     optimizer steps), 5 epochs, SIGKILLed during the persist of step 3, inside epoch 2 (step
     5) and right after epoch 3's last step (8): logs, train loss, final weights and the user's
     checkpoints equal ``torchrun``'s."""
     pytest.importorskip("transformers")
-    script = str(SCRIPTS / "train_hf_trainer.py")
-    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    script, "plain.pt", "plain_out", "5"], tmp_path)
-    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
-                     "--inject-crash", "5@1,8@2", script, "cf.pt", "cf_out", "5"],
-                    cwd=tmp_path, timeout=540,
-                    env=faults.arm({}, **{"rank.kill_after_snapshot": 3}))
-    assert run.returncode == 0, run.stderr[-3000:]
-    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
-    assert len(resumed) == 3 and resumed[0] == 3, run.stderr[-3000:]
-    assert not run.events("not_exact"), _warned(run.stderr)
-    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    plain, run, resumed = _two_ranks_killed(tmp_path, str(SCRIPTS / "train_hf_trainer.py"),
+                                            "out", "5@1,8@2", 3)
     assert _lines(run.stdout, "log step") == _lines(plain.stdout, "log step")
     assert final_line(run.stdout) == final_line(plain.stdout) and "step 10" in final_line(
         plain.stdout)
@@ -170,18 +180,8 @@ def test_lightning_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     losses, final weights, the best checkpoint and the user's checkpoint files equal
     ``torchrun``'s."""
     pytest.importorskip("lightning")
-    script = str(SCRIPTS / "train_lightning.py")
-    plain = _plain(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    script, "plain.pt", "plain_ck", "5"], tmp_path)
-    run = run_cfrun(["--nproc-per-node", "2", "--interval", "3", "--job-dir", "j",
-                     "--inject-crash", "8@1,12@2", script, "cf.pt", "cf_ck", "5"],
-                    cwd=tmp_path, timeout=540,
-                    env=faults.arm({}, **{"rank.kill_after_snapshot": 4}))
-    assert run.returncode == 0, run.stderr[-3000:]
-    resumed = [e["step"] for e in run.events("resumed") if e["rank"] == 0]
-    assert len(resumed) == 3 and resumed[0] == 4, run.stderr[-3000:]
-    assert not run.events("not_exact"), _warned(run.stderr)
-    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "cf.pt"))
+    plain, run, resumed = _two_ranks_killed(tmp_path, str(SCRIPTS / "train_lightning.py"),
+                                            "ck", "8@1,12@2", 4)
     assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
     assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck") \
         and "step 15" in final_line(plain.stdout)
