@@ -113,9 +113,11 @@ def cfrun_row(name: str, k: int, args: list[str], model: str, size: str, steps: 
     evs = events(job)
     ckpts = sorted((e for e in evs if e["event"] == "checkpoint"), key=lambda e: e["step"])
     deferred = sum(e["event"] == "checkpoint_deferred" for e in evs)
-    return row(name, "cfrun", k, results[0] if results else None, error,
-               [e["stall_s"] for e in ckpts], [e["snapshot_s"] for e in ckpts],
-               [e["persist_s"] for e in ckpts], deferred, plain_mean_ms, floors)
+    out = row(name, "cfrun", k, results[0] if results else None, error,
+              [e["stall_s"] for e in ckpts], [e["snapshot_s"] for e in ckpts],
+              [e["persist_s"] for e in ckpts], deferred, plain_mean_ms, floors)
+    out["events"] = evs  # the job's events.jsonl, raw: the policy's plans, the deferrals
+    return out
 
 
 def copy_floor_s(state_bytes: int) -> float:
@@ -138,9 +140,19 @@ def copy_floor_s(state_bytes: int) -> float:
 
 
 def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
-             policy_steps: int = POLICY_STEPS, multiples: tuple[int, ...] = (1, 2, 5)) -> dict:
-    """Every contender on one workload; returns its rows, k*, the floors and the state size."""
+             policy_steps: int = POLICY_STEPS, multiples: tuple[int, ...] = (1, 2, 5),
+             baselines: tuple[str, ...] = ("dcp_thread", "torch_save"),
+             partial: Path | None = None) -> dict:
+    """Every contender on one workload; returns its rows, k*, the floors and the state size.
+    ``partial``: a file rewritten with the rows so far after each one (a run cut off by a time
+    limit keeps what finished)."""
     work.mkdir(parents=True)
+
+    def keep(rows: list[dict], **more) -> None:
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"model": model, "size": size, "rows": rows, **more}))
+
     base = [sys.executable, str(TRAIN), "--model", model, "--size", size, "--steps", str(steps),
             "--ckpt-dir", str(work / "ckpt")]
     plain_res, plain_err = run([*base, "--contenders", "plain:none:0"], work, timeout_s)
@@ -151,8 +163,10 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
     plain_row = row("plain", "none", 0, plain, plain_err, [], [], [], None, None, floors)
     plain_ms = plain_row["mean_ms"]
     rows = [plain_row]
+    keep(rows, floors=floors, state_bytes=state_bytes)
     rows.append(cfrun_row("cfrun_policy", 0, ["--overhead", "3.5%"], model, size,
                           steps + policy_steps, work, timeout_s, plain_ms, floors))
+    keep(rows, floors=floors, state_bytes=state_bytes)
     persist_s = rows[-1]["persist_s"] or floors["disk_s"]
     step_s = statistics.median(plain["iter_ms"]) / 1e3 if plain else 1.0
     k_star = max(1, math.ceil(persist_s / step_s))
@@ -160,9 +174,11 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
     for tag, k in ks.items():
         rows.append(cfrun_row(f"cfrun_{tag}", k, ["--interval", str(k)], model, size,
                               max(steps, 3 * k + 6), work, timeout_s, plain_ms, floors))
+        keep(rows, floors=floors, state_bytes=state_bytes, k_star=k_star)
     specs = [f"{kind}_{tag}:{kind}:{k}:{max(steps, 3 * k + 6)}"
-             for kind in ("dcp_thread", "torch_save") for tag, k in ks.items()]
-    in_script, err = run([*base, "--contenders", ",".join(specs)], work, 2 * timeout_s)
+             for kind in baselines for tag, k in ks.items()]
+    in_script, err = run([*base, "--contenders", ",".join(specs)], work, 2 * timeout_s) \
+        if specs else ([], "")
     by_name = {r["name"]: r for r in in_script}
     for spec in specs:
         name, kind, k, _ = spec.split(":")
@@ -207,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--multiples", default="1,2,5",
                     help="the fixed intervals, as multiples of k*")
+    ap.add_argument("--baselines", default="dcp_thread,torch_save",
+                    help="in-script contenders at the same intervals (empty: none)")
     ap.add_argument("--policy-steps", type=int, default=POLICY_STEPS,
                     help="extra iterations of the --overhead run (its profile takes ~50)")
     args = ap.parse_args(argv)
@@ -215,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
            else "cpu", "torch": torch.__version__, "workloads": []}
     with tempfile.TemporaryDirectory(dir=args.tmp_root, prefix="gpu-overhead-") as tmp:
         for name in args.workloads.split(","):
+            partial = args.out.with_name(f"{args.out.stem}.{name}.partial.json")
             result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
-                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",")))
+                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",")),
+                              tuple(b for b in args.baselines.split(",") if b), partial)
             out["workloads"].append(result)
+            partial.unlink(missing_ok=True)
             report(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -24,7 +24,12 @@ from cfrun.contract.jobdir import step_dir_name
 from cfrun.rank import snapshot as S
 
 pytestmark = pytest.mark.timeout(120)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def needs_cuda(test):
+    """Marks a CUDA test: selected by ``pytest -m gpu`` (issue 23, item 6), skipped without one."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.gpu(skip(test))
 
 
 # ---------------------------------------------------------------- staging layout (pure)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU session's checks for issue 23, in priority order, each under its own time limit, so
+# that a cut-off run still returns what finished (everything lands in $OUT as it is written):
+#   1. env.txt: the GPU, torch, the disks;
+#   2. pytest_gpu.txt: `pytest -m gpu` (item 6: the CUDA tests, one command);
+#   3. bench_<workload>.txt/.json: bench/gpu_overhead.py --size full for each of $WORKLOADS.
+# Run from the repository root on a machine with one GPU and torch, cfrun's dependencies
+# installed (cfrun itself is taken from this tree through PYTHONPATH):
+#   OUT=/tmp/gpu-out bash bench/gpu_session.sh
+# Knobs (environment): T_TESTS (seconds), WORKLOADS ("NAME:SECONDS ..."), MULTIPLES,
+# BASELINES, STEPS, SIZE (small: a CPU dry run of this script).
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+T_TESTS=${T_TESTS:-110}
+WORKLOADS=${WORKLOADS:-gpt:230 resnet:120}
+SIZE=${SIZE:-full}
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/timeline.txt"; }
+
+stamp env
+{ nvidia-smi 2>&1 | head -15
+  "$PY" -c "import torch, cfrun; print('torch', torch.__version__, torch.version.cuda, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
+  df -hT / /tmp /dev/shm "$PWD"; nproc; free -g; } > "$OUT/env.txt" 2>&1
+
+stamp pytest-gpu
+timeout "$T_TESTS" "$PY" -m pytest -m gpu -n 6 -p no:cacheprovider -q -rA --durations=15 \
+  tests/unit/test_snapshot.py tests/integration/test_cuda_resume.py \
+  tests/integration/test_unsupported_layouts.py > "$OUT/pytest_gpu.txt" 2>&1
+stamp "pytest-gpu exit $?"
+
+for spec in $WORKLOADS; do
+  w=${spec%%:*}
+  stamp "bench $w"
+  timeout "${spec##*:}" "$PY" bench/gpu_overhead.py --size "$SIZE" --workloads "$w" \
+    --multiples "${MULTIPLES:-1,2}" --baselines "${BASELINES:-dcp_thread}" \
+    ${STEPS:+--steps "$STEPS"} --timeout 120 --tmp-root "${TMP_ROOT:-/tmp}" \
+    --out "$OUT/bench_$w.json" > "$OUT/bench_$w.txt" 2>&1
+  stamp "bench $w exit $?"
+done
+stamp done
