@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ def runtime_library() -> ctypes.CDLL | None:
         lib.cudaStreamCreateWithFlags.restype = ctypes.c_int
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p),
                                                   ctypes.c_uint]
+        lib.cudaHostRegister.restype = ctypes.c_int
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.restype = ctypes.c_int
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         _lib = lib
         break
     return _lib
@@ -77,31 +82,92 @@ def clear_error(device: torch.device) -> None:
         pass
 
 
-def host_register(buf: torch.Tensor, device: torch.device) -> str | None:
-    """Page-lock the host memory of the CPU tensor ``buf`` (``cudaHostRegister``, portable
-    flag, with ``device`` current) so that device-to-host copies into it run asynchronously.
+PIN_CHUNK_BYTES = 128 << 20
+"""Bytes page-locked by one ``cudaHostRegister`` call (issue 23). One call for a 4.4 GB slot
+held the training thread for 1.5-2 s on an H200: the registration pins every page inside the
+driver, and the training thread's own CUDA calls wait meanwhile. In pieces of this size, with
+a pause between them (:func:`host_register`'s ``pause_s``), a step waits for one piece at
+most. A copy never spans two pieces (:func:`split_at`)."""
 
-    Returns None when it worked, else the CUDA error's name (the runtime's pending error is
-    cleared first, :func:`clear_error`). Never raises for a CUDA error.
-    """
-    cudart = torch.cuda.cudart()
-    with torch.cuda.device(device):
-        rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(),
-                                     CUDA_HOST_REGISTER_PORTABLE)
-        if int(rc) == 0:
-            return None
-        clear_error(device)
+
+def _register(ptr: int, nbytes: int) -> int:
+    """``cudaHostRegister`` (portable flag) of ``nbytes`` at ``ptr``; its return code. Through
+    ctypes where the runtime library is found (the GIL is released for the call), else
+    through ``torch.cuda.cudart()``."""
+    lib = runtime_library()
+    if lib is not None:
+        return int(lib.cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+
+
+def _unregister(ptr: int) -> int:
+    lib = runtime_library()
+    if lib is not None:
+        return int(lib.cudaHostUnregister(ptr))
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def _error_name(rc: int) -> str:
     try:
-        return str(cudart.cudaGetErrorString(rc))
+        return str(torch.cuda.cudart().cudaGetErrorString(rc))
     except Exception:
-        return f"CUDA error {int(rc)}"
+        return f"CUDA error {rc}"
 
 
-def host_unregister(buf: torch.Tensor) -> None:
+def host_register(buf: torch.Tensor, device: torch.device, *,
+                  chunk_bytes: int | None = None, pause_s: float = 0.0) -> str | None:
+    """Page-lock the host memory of the CPU tensor ``buf`` (``cudaHostRegister``, portable
+    flag, with ``device`` current) so that device-to-host copies into it run asynchronously:
+    in pieces of ``chunk_bytes`` from its start (:data:`PIN_CHUNK_BYTES`), sleeping
+    ``pause_s`` seconds between pieces (the slot's preparing thread: the training thread's
+    CUDA calls get through in between).
+
+    Returns None when every piece worked, else the CUDA error's name; then the pieces done are
+    unregistered again and the runtime's pending error is cleared (:func:`clear_error`), so
+    nothing is left half page-locked and no later CUDA call picks the error up. Never raises
+    for a CUDA error. Undo with :func:`host_unregister` and the same ``chunk_bytes``.
+    """
+    chunk_bytes = chunk_bytes or PIN_CHUNK_BYTES
+    nbytes = buf.numel() * buf.element_size()
+    base = buf.data_ptr()
+    done: list[int] = []
+    with torch.cuda.device(device):
+        for lo in range(0, nbytes, chunk_bytes):
+            if done and pause_s:
+                time.sleep(pause_s)
+            rc = _register(base + lo, min(chunk_bytes, nbytes - lo))
+            if rc != 0:
+                clear_error(device)
+                for ptr in done:
+                    _unregister(ptr)
+                clear_error(device)
+                return _error_name(rc)
+            done.append(base + lo)
+    return None
+
+
+def host_unregister(buf: torch.Tensor, *, chunk_bytes: int | None = None) -> None:
     """Undo :func:`host_register` (an error is cleared, never raised: the slot goes anyway)."""
-    rc = torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-    if int(rc) != 0:
+    chunk_bytes = chunk_bytes or PIN_CHUNK_BYTES
+    nbytes = buf.numel() * buf.element_size()
+    failed = False
+    for lo in range(0, nbytes, chunk_bytes):
+        failed |= _unregister(buf.data_ptr() + lo) != 0
+    if failed:
         clear_error(torch.device("cuda", torch.cuda.current_device()))
+
+
+def split_at(lo: int, hi: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+    """The byte range ``[lo, hi)`` of a slot cut at multiples of ``chunk_bytes``: one copy per
+    piece keeps every copy inside one ``cudaHostRegister`` range (:func:`host_register`), as
+    the driver needs to treat the destination as page-locked."""
+    chunk_bytes = chunk_bytes or PIN_CHUNK_BYTES
+    pieces = []
+    while lo < hi:
+        end = min(hi, (lo // chunk_bytes + 1) * chunk_bytes)
+        pieces.append((lo, end))
+        lo = end
+    return pieces
 
 
 def dedicated_stream(device: torch.device) -> Any:

@@ -89,6 +89,10 @@ PREPARE_HEADROOM = 1 / 64
 larger than the models' and optimizers' tensors (for the script's own tensors)..."""
 PREPARE_HEADROOM_MIN_BYTES = 1 << 20
 """... and at least this many bytes larger."""
+PIN_PAUSE_S = 0.005
+"""Seconds the preparing thread sleeps between two pieces it page-locks
+(:data:`cfrun.rank.cuda.PIN_CHUNK_BYTES`): the training thread's CUDA calls, waiting on the
+driver meanwhile, get through (issue 23)."""
 ENV_SHM_DIR = slots.ENV_SHM_DIR
 ENV_SNAPSHOT_MODE = SNAPSHOT_MODE
 """``thread`` (default on CPU): background copy; ``inline``: copy on the training thread;
@@ -187,10 +191,13 @@ class SnapshotSlot:
                 torch.cuda.set_device(device)  # no context on device 0 (issue 18, item 4)
                 cuda.relax_capture_mode()  # the script may be capturing a CUDA graph meanwhile
             fresh = self.buf is None or self.buf.numel() < nbytes
-            buf = self._ensure(nbytes, pin, device)
+            buf = self._ensure(nbytes, False, device)
             if fresh:
                 with torch.no_grad():
-                    buf.fill_(0)  # the pages are allocated now, not in the first copy
+                    buf.fill_(0)  # the pages exist now: neither the page-locking nor the
+                    # first copy allocates them (inside cudaHostRegister it held the step)
+            if pin:  # in pieces, pausing between them: a step waits for one piece at most
+                self._ensure(nbytes, True, device, pause_s=PIN_PAUSE_S)
             self.prepare_error = None
         except Exception as e:  # the first checkpoint allocates instead
             self.prepare_error = repr(e)
@@ -222,7 +229,8 @@ class SnapshotSlot:
         self.wait_prepared()
         return self._ensure(nbytes, pin, device)
 
-    def _ensure(self, nbytes: int, pin: bool, device: torch.device | None) -> torch.Tensor:
+    def _ensure(self, nbytes: int, pin: bool, device: torch.device | None, *,
+                pause_s: float = 0.0) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
             self.release()
             directory = shm_dir(self.job_dir, nbytes)
@@ -235,12 +243,14 @@ class SnapshotSlot:
                 and torch.cuda.is_available():
             self._pin_tried = self.generation
             self.pin_error = self._pin(device or torch.device("cuda",
-                                                              torch.cuda.current_device()))
+                                                              torch.cuda.current_device()),
+                                       pause_s)
             self.pinned = self.pin_error is None
         return self.buf[:nbytes]
 
-    def _pin(self, device: torch.device) -> str | None:
-        """Page-lock the slot; None when it worked, else why not. A slot that is not on a
+    def _pin(self, device: torch.device, pause_s: float = 0.0) -> str | None:
+        """Page-lock the slot, in pieces of :data:`cfrun.rank.cuda.PIN_CHUNK_BYTES` with
+        ``pause_s`` between them; None when it worked, else why not. A slot that is not on a
         memory file system is not tried: ``cudaHostRegister`` of such a file mapping fails
         (issue 23)."""
         assert self.buf is not None and self.path is not None
@@ -249,7 +259,7 @@ class SnapshotSlot:
             return (f"the slot {self.path} is on {kind or 'an unknown file system'}, not "
                     "tmpfs/hugetlbfs (give /dev/shm room, e.g. docker --shm-size, or set "
                     "CFRUN_SHM_DIR)")
-        return cuda.host_register(self.buf, device)
+        return cuda.host_register(self.buf, device, pause_s=pause_s)
 
     def release(self) -> None:
         """Unpin, unmap and delete the slot file (the agent must not be reading it)."""
@@ -366,6 +376,10 @@ class CopyPlan:
         self._like = [(t.dtype, t.shape) for t in tensors]
         self._views: list[torch.Tensor] = []
         self._generation = -1
+        self.crossing = {i for i, e in enumerate(self.entries)
+                         if len(cuda.split_at(e.offset, e.offset + e.nbytes)) > 1}
+        """Positions of the tensors whose slot range spans two page-locked pieces of the slot
+        (:func:`cfrun.rank.cuda.split_at`): their CUDA copies are cut there (:meth:`pairs`)."""
 
     def bind(self, buf: torch.Tensor, generation: int) -> None:
         """Make the slot views over ``buf``, the slot's mapping of ``generation`` (kept until
@@ -379,6 +393,39 @@ class CopyPlan:
         """The slot views of the tensors at positions ``idx`` (after :meth:`bind`)."""
         views = self._views
         return [views[i] for i in idx]
+
+    def pairs(self, buf: torch.Tensor, idx: list[int], tensors: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(slot views, sources) of the tensors at positions ``idx`` of ``tensors``, for the
+        copies from CUDA into the page-locked slot ``buf``: a contiguous CUDA tensor whose
+        range spans two page-locked pieces is copied as one byte slice per piece (a copy
+        across two ``cudaHostRegister`` ranges may not count as page-locked)."""
+        dsts = self.dsts(idx)
+        srcs = [tensors[i] for i in idx]
+        if not self.crossing.intersection(idx):
+            return dsts, srcs
+        return split_pairs(buf, dsts, srcs, [self.entries[i] for i in idx])
+
+
+def split_pairs(buf: torch.Tensor, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+                entries: list[TensorEntry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(dsts, srcs)`` with every contiguous CUDA source whose slot range (its entry in
+    ``entries``) spans two page-locked pieces of the slot ``buf`` replaced by one byte-slice
+    pair per piece (:func:`cfrun.rank.cuda.split_at`): a copy across two ``cudaHostRegister``
+    ranges may not count as page-locked, and would then block the host."""
+    out_d: list[torch.Tensor] = []
+    out_s: list[torch.Tensor] = []
+    for d, t, e in zip(dsts, srcs, entries):
+        pieces = cuda.split_at(e.offset, e.offset + e.nbytes)
+        if len(pieces) == 1 or not t.is_cuda or not t.is_contiguous():
+            out_d.append(d)
+            out_s.append(t)
+            continue
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        for lo, hi in pieces:
+            out_d.append(buf[lo:hi])
+            out_s.append(flat[lo - e.offset:hi - e.offset])
+    return out_d, out_s
 
 
 def plan_key(tensors: list[torch.Tensor], async_flags: list[bool]) -> tuple[Any, ...]:
@@ -583,7 +630,7 @@ class Snapshotter:
                             "thread, and the next optimizer step waits for that copy")
         inline = self.mode == "inline"
         with torch.no_grad():  # a copy from a parameter must not record autograd history
-            copy_all(plan.dsts(plan.now), [tensors[i] for i in plan.now])
+            copy_all(*plan.pairs(buf, plan.now, tensors))
         later_cpu = list(zip(plan.dsts(plan.later_cpu), [tensors[i] for i in plan.later_cpu]))
         later_cuda = list(zip(plan.dsts(plan.later_cuda),
                               [tensors[i] for i in plan.later_cuda]))
@@ -719,15 +766,17 @@ class Snapshotter:
                         copy_all(staged, sources)
                         gate = torch.cuda.Event()
                         gate.record(side)  # the next step waits only for the device-side copy
-                        for slot_lo, slot_hi, stage_lo in runs:
-                            buf[slot_lo:slot_hi].copy_(
-                                staging[stage_lo:stage_lo + slot_hi - slot_lo], non_blocking=True)
+                        for slot_lo, slot_hi, stage_lo in runs:  # one copy per pinned piece
+                            for lo, hi in cuda.split_at(slot_lo, slot_hi):
+                                buf[lo:hi].copy_(staging[stage_lo + lo - slot_lo:
+                                                         stage_lo + hi - slot_lo],
+                                                 non_blocking=True)
                         done = torch.cuda.Event()
                         done.record(side)
                     del staged, staging
                 else:
                     with torch.cuda.stream(side):
-                        copy_all(dsts, sources)
+                        copy_all(*split_pairs(buf, dsts, sources, [entries[i] for i in idx]))
                         done = torch.cuda.Event()
                         done.record(side)
                     gate = done

@@ -3,6 +3,7 @@ background thread's error handling, and (GPU only) the CUDA path's overlap and e
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,29 @@ def needs_cuda(test):
 
 # ---------------------------------------------------------------- staging layout (pure)
 
+def test_slot_ranges_are_cut_at_the_page_locked_pieces(monkeypatch):
+    """Issue 23: the slot is page-locked in pieces; a copy into it never spans two. A CPU
+    source is never cut (no CUDA copy), nor one inside a single piece."""
+    from cfrun.rank import cuda as C
+
+    assert C.split_at(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert C.split_at(5, 7, 4) == [(5, 7)]
+    assert C.split_at(4, 8, 4) == [(4, 8)]
+    assert C.split_at(3, 3, 4) == []
+    assert C.split_at(0, 3 * C.PIN_CHUNK_BYTES + 1) == [
+        (0, C.PIN_CHUNK_BYTES), (C.PIN_CHUNK_BYTES, 2 * C.PIN_CHUNK_BYTES),
+        (2 * C.PIN_CHUNK_BYTES, 3 * C.PIN_CHUNK_BYTES),
+        (3 * C.PIN_CHUNK_BYTES, 3 * C.PIN_CHUNK_BYTES + 1)]
+    monkeypatch.setattr(C, "PIN_CHUNK_BYTES", 1 << 20)
+    big = torch.arange(3 * (1 << 20) // 8, dtype=torch.float64)  # spans 3 or 4 pieces
+    plan = S.CopyPlan([torch.ones(10), big], [True, True], False, 0)
+    assert plan.crossing == {1}
+    buf = torch.zeros(plan.total, dtype=torch.uint8)
+    plan.bind(buf, 1)
+    dsts, srcs = plan.pairs(buf, [0, 1], [torch.ones(10), big])
+    assert len(dsts) == 2 and srcs[1] is big  # on the CPU: not cut
+
+
 def test_staging_offsets_are_aligned_after_an_odd_bf16_tensor():
     """A bf16 tensor of odd element count over 64 KiB, then a float32 one: every staged view
     has its dtype (a running sum of byte counts would put the float32 at an offset 2 mod 4)."""
@@ -59,7 +83,11 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A job dir served by a real ``python -m cfrun.agent.server`` process."""
     job_dir = tmp_path / "job"
     (job_dir / "checkpoints").mkdir(parents=True)
-    monkeypatch.setenv(S.ENV_SHM_DIR, str(tmp_path / "shm"))
+    # the slots on a tmpfs where there is one: a slot on a disk file system (ext4 under /tmp on
+    # the GPU machines) cannot be page-locked, and the CUDA tests below need it page-locked
+    shm = Path(tempfile.mkdtemp(prefix="cfrun-test-", dir="/dev/shm")) \
+        if os.access("/dev/shm", os.W_OK) else tmp_path / "shm"
+    monkeypatch.setenv(S.ENV_SHM_DIR, str(shm))
     for name in (S.ENV_SNAPSHOT_MODE, faults.ENV):
         monkeypatch.delenv(name, raising=False)
     faults.reset()
@@ -76,6 +104,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield job_dir
     agent.terminate()
     agent.wait(30)
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 class Rank:
@@ -191,12 +220,20 @@ def _long_kernel() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("piece_bytes", [None, 1 << 20], ids=["pieces-128MiB", "pieces-1MiB"])
 @pytest.mark.parametrize("mode", ["gpu", "host"])
-def test_cuda_start_does_not_wait_for_the_queued_step_and_snapshot_is_exact(job, mode):
+def test_cuda_start_does_not_wait_for_the_queued_step_and_snapshot_is_exact(
+        job, mode, piece_bytes, monkeypatch):
     """start() returns while a long kernel is still queued before the step's last update; the
     committed bytes equal the state right after that step, although the next forward (here an
     in-place change of a buffer) and the next step change it while the copy runs. Includes a
-    bf16 tensor of odd element count followed by float32 (staging alignment in gpu mode)."""
+    bf16 tensor of odd element count followed by float32 (staging alignment in gpu mode).
+    With the slot page-locked in 1 MiB pieces, the 4 MiB tensor and the runs span several:
+    each copy stays inside one piece, asynchronous, and the bytes are the same."""
+    from cfrun.rank import cuda as C
+
+    if piece_bytes:
+        monkeypatch.setattr(C, "PIN_CHUNK_BYTES", piece_bytes)
     rank = Rank(job)
     rank.snap.mode = mode
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -255,7 +292,9 @@ def test_failed_host_register_leaves_no_pending_cuda_error(job):
     slot = S.SnapshotSlot(job, 0)
     buf = slot.ensure(1 << 20, pin=False)
     rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-    assert int(rc) == 0
+    if int(rc) != 0:
+        torch.cuda.cudart().cudaGetLastError()  # leave no error for the next test's CUDA call
+    assert int(rc) == 0, f"the test's own cudaHostRegister of {slot.path} failed ({int(rc)})"
     try:
         slot.ensure(1 << 20, pin=True, device=dev)
         assert not slot.pinned and slot.pin_error
@@ -377,7 +416,7 @@ def test_unpinned_slot_copies_in_the_snapshot_thread(job, monkeypatch):
     next step's gate waits for the copy."""
     from cfrun.rank import cuda as C
 
-    monkeypatch.setattr(C, "host_register", lambda buf, device: "injected failure")
+    monkeypatch.setattr(C, "host_register", lambda buf, device, **kw: "injected failure")
     rank = Rank(job)
     rank.snap.mode = "host"
     w = torch.randn(1 << 22, device="cuda")
@@ -485,7 +524,7 @@ def test_a_slot_off_tmpfs_is_not_page_locked_and_not_tried_again(tmp_path, monke
 
     calls: list[int] = []
 
-    def register(buf, device):
+    def register(buf, device, **kw):
         calls.append(buf.numel())
         return "injected failure"
 
