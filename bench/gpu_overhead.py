@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.workloads.split(","):
             partial = args.out.with_name(f"{args.out.stem}.{name}.partial.json")
             result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
-                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",")),
+                              args.policy_steps, tuple(int(m) for m in args.multiples.split(",") if m),
                               tuple(b for b in args.baselines.split(",") if b), partial)
             out["workloads"].append(result)
             partial.unlink(missing_ok=True)

@@ -2,13 +2,14 @@
 # One GPU session's checks for issue 23, in priority order, each under its own time limit, so
 # that a cut-off run still returns what finished (everything lands in $OUT as it is written):
 #   1. env.txt: the GPU, torch, the disks;
-#   2. pytest_gpu.txt: `pytest -m gpu` (item 6: the CUDA tests, one command);
+#   2. pin_stall.txt: bench/pin_stall.py (what preparing the slot costs the training thread);
+#      pytest_gpu.txt: `pytest -m gpu` (item 6: the CUDA tests, one command);
 #   3. bench_<workload>.txt/.json: bench/gpu_overhead.py --size full for each of $WORKLOADS.
 # Run from the repository root on a machine with one GPU and torch, cfrun's dependencies
 # installed (cfrun itself is taken from this tree through PYTHONPATH):
 #   OUT=/tmp/gpu-out bash bench/gpu_session.sh
 # Knobs (environment): T_TESTS (seconds), WORKLOADS ("NAME:SECONDS ..."), MULTIPLES,
-# BASELINES, STEPS, SIZE (small: a CPU dry run of this script).
+# BASELINES, STEPS, POLICY_STEPS, SIZE (small: a CPU dry run of this script).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -26,6 +27,12 @@ stamp env
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
   df -hT / /tmp /dev/shm "$PWD"; nproc; free -g; } > "$OUT/env.txt" 2>&1
 
+if [ "$SIZE" = full ]; then
+  stamp pin-stall
+  timeout 90 "$PY" bench/pin_stall.py --gb 4 > "$OUT/pin_stall.txt" 2>&1
+  stamp "pin-stall exit $?"
+fi
+
 stamp pytest-gpu
 timeout "$T_TESTS" "$PY" -m pytest -m gpu -n 6 -p no:cacheprovider -q -rA --durations=15 \
   tests/unit/test_snapshot.py tests/integration/test_cuda_resume.py \
@@ -36,8 +43,8 @@ for spec in $WORKLOADS; do
   w=${spec%%:*}
   stamp "bench $w"
   timeout "${spec##*:}" "$PY" bench/gpu_overhead.py --size "$SIZE" --workloads "$w" \
-    --multiples "${MULTIPLES:-1,2}" --baselines "${BASELINES:-dcp_thread}" \
-    ${STEPS:+--steps "$STEPS"} --timeout 120 --tmp-root "${TMP_ROOT:-/tmp}" \
+    --multiples "${MULTIPLES-1,2}" --baselines "${BASELINES-dcp_thread}" \
+    ${STEPS:+--steps "$STEPS"} ${POLICY_STEPS:+--policy-steps "$POLICY_STEPS"} --timeout 150 --tmp-root "${TMP_ROOT:-/tmp}" \
     --out "$OUT/bench_$w.json" > "$OUT/bench_$w.txt" 2>&1
   stamp "bench $w exit $?"
 done

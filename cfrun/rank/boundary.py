@@ -626,8 +626,14 @@ class Boundary:
         before that step and as over from it. Ranks of a data-parallel job run within a step
         of each other (each step's gradient all-reduce), so all have read it by then; a rank
         whose own reply is not in yet at that step waits for it (:meth:`checkpoint`). With one
-        rank there is nothing to agree on: in flight while its persist runs.
+        rank there is nothing to agree on: in flight while its persist runs, and while the
+        snapshot slot is still being page-locked ahead of the first checkpoint (CUDA state:
+        :meth:`cfrun.rank.snapshot.SnapshotSlot.prepare`, 1-2 s for a 4.4 GB state on an H200,
+        which the first checkpoint, the policy's warm-up probe at step 4, waited for).
         """
+        if self.s.world_size == 1 and self._snap.slot.preparing_pin \
+                and self._snap.slot.preparing():
+            return True  # the slot is being page-locked: a checkpoint now would wait for it
         if self._last_taken is None:
             return False
         if self.s.world_size == 1:
@@ -670,8 +676,11 @@ class Boundary:
             previous = self._last_taken if self._last_taken is not None else -1
             self._deferred = (step, previous)
             if self.s.rank == 0:
-                self.jobdir.emit_event("checkpoint_deferred", due_step=step,
-                                       in_flight_step=previous, attempt=self.s.attempt)
+                slot = self._snap.slot
+                self.jobdir.emit_event(
+                    "checkpoint_deferred", due_step=step, in_flight_step=previous,
+                    attempt=self.s.attempt,
+                    waits_for="slot" if slot.preparing_pin and slot.preparing() else "persist")
         self._pending = (step, True, False)
 
     def _taken(self, step: int) -> None:

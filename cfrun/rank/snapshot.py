@@ -171,6 +171,8 @@ class SnapshotSlot:
         """Why the last :meth:`prepare` failed (the first checkpoint then allocates)."""
         self.prepared_bytes = 0
         """The size the last :meth:`prepare` asked for (0: none yet)."""
+        self.preparing_pin = False
+        """Whether the last :meth:`prepare` page-locks the slot (CUDA state)."""
 
     def prepare(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
         """Allocate (or grow to) ``nbytes``, write every page once and, with ``pin``, page-lock
@@ -181,6 +183,7 @@ class SnapshotSlot:
         again)."""
         self.wait_prepared()
         self.prepared_bytes = nbytes
+        self.preparing_pin = pin
         self._preparing = threading.Thread(target=self._prepare, args=(nbytes, pin, device),
                                            name="cfrun-slot", daemon=True)
         self._preparing.start()
