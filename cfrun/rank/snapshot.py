@@ -183,12 +183,14 @@ class SnapshotSlot:
         again)."""
         self.wait_prepared()
         self.prepared_bytes = nbytes
-        self.preparing_pin = pin
+        delay_s = float(faults.value("rank.slot_prepare_delay_s") or 0.0)
+        self.preparing_pin = pin or delay_s > 0
         self._preparing = threading.Thread(target=self._prepare, args=(nbytes, pin, device),
                                            name="cfrun-slot", daemon=True)
         self._preparing.start()
 
     def _prepare(self, nbytes: int, pin: bool, device: torch.device | None) -> None:
+        time.sleep(float(faults.value("rank.slot_prepare_delay_s") or 0.0))
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # no context on device 0 (issue 18, item 4)
