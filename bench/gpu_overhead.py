@@ -17,8 +17,9 @@ Workloads (``--workloads``): ``gpt`` (24 layers x 1024, sequence 1024, batch 8 o
 a GPU); ``--size small`` runs CPU-sized variants of both (see the training script).
 
 Per contender: mean and p99 step time (ms; the first iterations are warm-up), overhead =
-mean / plain's mean - 1, checkpoints taken, the stall of the first checkpoint and the median
-and largest of the others (cfrun: ``stall_s`` from events.jsonl; DCP and torch.save: the save
+mean / the mean of the two plain runs (the first contender and ``plain_after``, the last)
+- 1, checkpoints taken, the stall of the first checkpoint and the median and largest of the
+others (cfrun: ``stall_s`` from events.jsonl; DCP and torch.save: the save
 call), cfrun's deferred checkpoints (``checkpoint_deferred`` events), and the median snapshot
 and persist (DCP: trigger to durable) against the measured floors: ``copy``, one copy of the
 state's bytes into a reused (on CUDA: page-locked) host buffer, and ``disk``, a write + fsync
@@ -186,6 +187,17 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
         stall = (r or {}).get("stall_s") or []
         rows.append(row(name, kind, int(k), r, err if r is None else "", stall, stall,
                         (r or {}).get("pgt_s") or [], None, plain_ms, floors))
+    # the plain script again, last: a GPU that warms up over the run (its clocks) or a machine
+    # that gets busier slows the later contenders; the baseline is the mean of both plain runs
+    after_res, after_err = run([*base, "--contenders", "plain_after:none:0"], work, timeout_s)
+    after = row("plain_after", "none", 0, after_res[0] if after_res else None, after_err, [],
+                [], [], None, None, floors)
+    rows.append(after)
+    if plain_ms and after["mean_ms"]:
+        baseline_ms = (plain_ms + after["mean_ms"]) / 2
+        for r in rows:
+            r["overhead_vs_first_plain"] = r["overhead"]
+            r["overhead"] = r["mean_ms"] / baseline_ms - 1 if r["mean_ms"] else None
     return {"model": model, "size": size, "state_bytes": state_bytes, "k_star": k_star,
             "step_s": step_s, "persist_for_k_star_s": persist_s, "floors": floors,
             "rows": rows}

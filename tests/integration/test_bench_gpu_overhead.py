@@ -38,7 +38,10 @@ def test_gpu_overhead_bench_writes_every_field(tmp_path):
         k = w["k_star"]
         rows = {r["name"]: r for r in w["rows"]}
         assert list(rows) == ["plain", "cfrun_policy", "cfrun_k", "dcp_thread_k",
-                              "torch_save_k"]
+                              "torch_save_k", "plain_after"]
+        baseline_ms = (rows["plain"]["mean_ms"] + rows["plain_after"]["mean_ms"]) / 2
+        assert rows["cfrun_k"]["overhead"] == pytest.approx(
+            rows["cfrun_k"]["mean_ms"] / baseline_ms - 1)
         for name, r in rows.items():
             assert set(gpu_overhead.ROW_FIELDS) <= set(r), name
             assert r["ok"], (name, r["error"])
