@@ -37,7 +37,25 @@ def _cfrun(cwd: Path, name: str, script: str, args: list[str], mode: str, kills:
     assert not run.events("not_exact") and not run.events("unprotected"), run.stderr[-3000:]
     assert run.events("checkpoint"), run.stderr[-3000:]
     assert "page-locked" not in run.stderr, run.stderr[-3000:]
-    return torch.load(cwd / f"{name}.pt", weights_only=True)
+    state = torch.load(cwd / f"{name}.pt", weights_only=True)
+    # what a mismatch needs to be understood on a GPU session's time (issue 23: the thread
+    # mode once ended not bit-identical after two kills on an H200)
+    state["_events"] = [{k: e.get(k) for k in ("event", "step", "attempt", "due_step",
+                                                "waits_for", "mode", "stall_s")}
+                        for e in run.events() if e["event"] in (
+                            "checkpoint", "checkpoint_deferred", "checkpoint_failed",
+                            "resumed", "attempt_start")]
+    return state
+
+
+def _same(ref: dict, got: dict) -> None:
+    """``got`` (a cfrun run's final state) equals the plain run's bit for bit; on a mismatch
+    the run's checkpoint events are in the message."""
+    events = got.pop("_events")
+    try:
+        assert_bit_identical(ref, got)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; events: {events}") from None
 
 
 @pytest.mark.parametrize("mode, side", [("thread", False), ("gpu", True), ("host", True),
@@ -45,16 +63,14 @@ def _cfrun(cwd: Path, name: str, script: str, args: list[str], mode: str, kills:
 def test_cuda_amp_resumes_bit_exactly_after_kills(tmp_path: Path, mode: str, side: bool):
     args = ["--steps", "40"] + (["--side-stream"] if side else [])
     ref = _plain(tmp_path, "train_cuda_amp.py", args)
-    assert_bit_identical(ref, _cfrun(tmp_path, "plain", "train_cuda_amp.py", args, mode, ""))
-    got = _cfrun(tmp_path, "kills", "train_cuda_amp.py", args, mode, "10@0,27@1")
-    assert_bit_identical(ref, got)
+    _same(ref, _cfrun(tmp_path, "plain", "train_cuda_amp.py", args, mode, ""))
+    _same(ref, _cfrun(tmp_path, "kills", "train_cuda_amp.py", args, mode, "10@0,27@1"))
 
 
 def test_master_weights_on_cuda_resume_bit_exactly(tmp_path: Path):
     args = ["--steps", "30", "--device", "cuda"]
     ref = _plain(tmp_path, "train_master_weights.py", args)
-    got = _cfrun(tmp_path, "kills", "train_master_weights.py", args, "thread", "9@0,22@1")
-    assert_bit_identical(ref, got)
+    _same(ref, _cfrun(tmp_path, "kills", "train_master_weights.py", args, "thread", "9@0,22@1"))
 
 
 def test_a_slot_on_a_disk_is_not_page_locked_and_leaves_no_cuda_error(tmp_path: Path):
