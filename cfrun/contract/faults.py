@@ -61,10 +61,11 @@ POINTS: dict[str, str] = {
         "int STEP: in attempt 0, the rank SIGKILLs itself mid-checkpoint at the first checkpoint "
         "at or after STEP: its snapshot copied, not yet handed to the agent (on the synchronous "
         "path: its shard written, the checkpoint not committed)",
-    "rank.slot_prepare_delay_s":
-        "float SECONDS: preparing the snapshot slot ahead of the first checkpoint takes this "
-        "much longer and counts as page-locking it (a large CUDA state, on a CPU machine): a "
-        "one-rank job defers the checkpoints due meanwhile (issue 23)",
+    "rank.slot_ready_after_steps":
+        "int STEPS: preparing the snapshot slot ahead of the first checkpoint does not end "
+        "before the rank has taken STEPS optimizer steps in this process (or a checkpoint "
+        "needs the slot), and counts as page-locking it (a large CUDA state, on a CPU "
+        "machine): a one-rank job defers the checkpoints due meanwhile (issue 23)",
     "rank.snapshot_copy_delay_s":
         "float SECONDS: the background snapshot copy sleeps this long before it starts (a slow "
         "copy: the next optimizer.step() must wait for it at the gate)",

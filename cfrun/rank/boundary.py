@@ -193,6 +193,9 @@ class Boundary:
         self._hold_from = (int(kill_after) if kill_after is not None and settings.attempt == 0
                            else None)
         self._stall = _parse_stall(faults.value("rank.checkpoint_stall_s"))
+        ready_after = faults.value("rank.slot_ready_after_steps")
+        self._slot_ready_after = int(ready_after) if ready_after is not None else None
+        self._steps_here = 0
         self._backward_watch: BackwardWatch | None = BackwardWatch(
             wrap("the backward() counter", self._no_optimizer))
 
@@ -264,6 +267,10 @@ class Boundary:
         self._marks.beat(self.step)
         if not self._prepared:
             self._prepare_slot()
+        if self._slot_ready_after is not None:  # a fault point: None in every real run
+            self._steps_here += 1
+            if self._steps_here >= self._slot_ready_after:
+                self._snap.slot.hold.set()
         self._note_idle()
         if self._verify is not None:  # may SIGKILL this rank, as cfrun verify chose
             self._verify.on_step(opt, self.step, self._train_iter, self.mode)

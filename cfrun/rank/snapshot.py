@@ -173,6 +173,9 @@ class SnapshotSlot:
         """The size the last :meth:`prepare` asked for (0: none yet)."""
         self.preparing_pin = False
         """Whether the last :meth:`prepare` page-locks the slot (CUDA state)."""
+        self.hold = threading.Event()
+        """Set: the preparing thread may go on (only the fault point
+        ``rank.slot_ready_after_steps`` makes it wait for this)."""
 
     def prepare(self, nbytes: int, *, pin: bool, device: torch.device | None = None) -> None:
         """Allocate (or grow to) ``nbytes``, write every page once and, with ``pin``, page-lock
@@ -183,14 +186,15 @@ class SnapshotSlot:
         again)."""
         self.wait_prepared()
         self.prepared_bytes = nbytes
-        delay_s = float(faults.value("rank.slot_prepare_delay_s") or 0.0)
-        self.preparing_pin = pin or delay_s > 0
+        self.hold = threading.Event()
+        self.preparing_pin = pin or faults.value("rank.slot_ready_after_steps") is not None
         self._preparing = threading.Thread(target=self._prepare, args=(nbytes, pin, device),
                                            name="cfrun-slot", daemon=True)
         self._preparing.start()
 
     def _prepare(self, nbytes: int, pin: bool, device: torch.device | None) -> None:
-        time.sleep(float(faults.value("rank.slot_prepare_delay_s") or 0.0))
+        if faults.value("rank.slot_ready_after_steps") is not None:
+            self.hold.wait(120)  # set by the step hook (the fault's step) or wait_prepared()
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # no context on device 0 (issue 18, item 4)
@@ -214,6 +218,7 @@ class SnapshotSlot:
 
     def wait_prepared(self) -> None:
         """Wait for :meth:`prepare`'s thread, if one runs."""
+        self.hold.set()  # a thread held by the fault point rank.slot_ready_after_steps goes on
         thread, self._preparing = self._preparing, None
         if thread is not None:
             thread.join()

@@ -4,9 +4,11 @@ With one rank and CUDA state the slot is written and page-locked on a background
 of the first checkpoint (1-2 s for a 4.4 GB state on an H200); a checkpoint due meanwhile is
 deferred to a later boundary (a ``checkpoint_deferred`` event with ``waits_for: slot``) rather
 than waiting for it (the policy's warm-up probe at step 4 stalled 2.0 s there). On this CPU
-machine the fault point ``rank.slot_prepare_delay_s`` makes the preparation slow and count as
-page-locking. Each attempt of a job SIGKILLed twice defers this way, and the job still ends
-bit-identical to the plain script: a deferred checkpoint is a consistent one."""
+machine the fault point ``rank.slot_ready_after_steps`` holds the preparation until each
+process has taken 5 steps (steps, not seconds: the same on a loaded machine) and makes it count
+as page-locking. Every attempt of a job SIGKILLed twice defers the checkpoints due in its first
+steps this way, and the job still ends bit-identical to the plain script: a deferred checkpoint
+is a consistent one."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from conftest import SCRIPTS, assert_bit_identical, plain_run, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 
-FAULTS = json.dumps({"rank.slot_prepare_delay_s": 1.0, "rank.step_delay_s": 0.04})
+FAULTS = json.dumps({"rank.slot_ready_after_steps": 5})
 
 
 @pytest.mark.parametrize("script, args, kills", [
