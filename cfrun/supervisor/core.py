@@ -131,8 +131,14 @@ def _lock_held(path: Path) -> bool:
     return False
 
 
-class SignalReceived(Exception):
-    """A stop signal (:func:`stop_signals`) arrived; ``signum`` says which."""
+class SignalReceived(BaseException):
+    """A stop signal (:func:`stop_signals`) arrived; ``signum`` says which.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: the handler raises it wherever the main
+    thread is, and code that catches ``Exception`` there must not swallow the stop. A logging
+    handler does (``Handler.emit`` reports an exception of its own and goes on): a SIGTERM that
+    landed while the supervisor logged an attempt's start was lost, and the job ran to its end
+    (a fault storm on a loaded machine)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
