@@ -638,8 +638,7 @@ class Boundary:
         :meth:`cfrun.rank.snapshot.SnapshotSlot.prepare`, 1-2 s for a 4.4 GB state on an H200,
         which the first checkpoint, the policy's warm-up probe at step 4, waited for).
         """
-        if self.s.world_size == 1 and self._snap.slot.preparing_pin \
-                and self._snap.slot.preparing():
+        if self.s.world_size == 1 and self._snap.slot.locking():
             return True  # the slot is being page-locked: a checkpoint now would wait for it
         if self._last_taken is None:
             return False
@@ -683,11 +682,10 @@ class Boundary:
             previous = self._last_taken if self._last_taken is not None else -1
             self._deferred = (step, previous)
             if self.s.rank == 0:
-                slot = self._snap.slot
                 self.jobdir.emit_event(
                     "checkpoint_deferred", due_step=step, in_flight_step=previous,
                     attempt=self.s.attempt,
-                    waits_for="slot" if slot.preparing_pin and slot.preparing() else "persist")
+                    waits_for="slot" if self._snap.slot.locking() else "persist")
         self._pending = (step, True, False)
 
     def _taken(self, step: int) -> None:

@@ -170,7 +170,7 @@ class Preemption:
         self.snap = snap
         self.marks = marks
         self._stop_step: int | None = None
-        self._req_path: str | None = None
+        self._req_path = str(co.stop_request_path(jobdir.root))  # checked at every step
         self._deadline_unix_s: float | None = None
         self.preempted = False
         """True once this rank stopped for a preemption (its hooks then end the process)."""
@@ -203,13 +203,10 @@ class Preemption:
         ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``).
         """
         if self._stop_step is None:
-            if self._req_path is None:  # built once: this runs at every step
-                self._req_path = str(co.stop_request_path(self.jobdir.root))
-            req_path = self._req_path
-            if not os.path.exists(req_path):
+            if not os.path.exists(self._req_path):
                 return False
             if self._deadline_unix_s is None:
-                request = co.read(Path(req_path), co.StopRequest)
+                request = co.read(Path(self._req_path), co.StopRequest)
                 if request is None:  # not yet readable, or malformed (never trusted)
                     return False
                 self._deadline_unix_s = float(request.deadline_unix_s)

@@ -216,6 +216,11 @@ class SnapshotSlot:
         """True while :meth:`prepare`'s thread runs."""
         return self._preparing is not None and self._preparing.is_alive()
 
+    def locking(self) -> bool:
+        """True while :meth:`prepare`'s thread page-locks the slot (or may: CUDA state), the
+        wait a one-rank job defers a checkpoint for (:meth:`Boundary._in_flight`)."""
+        return self.preparing_pin and self.preparing()
+
     def wait_prepared(self) -> None:
         """Wait for :meth:`prepare`'s thread, if one runs."""
         self.hold.set()  # a thread held by the fault point rank.slot_ready_after_steps goes on
@@ -646,8 +651,9 @@ class Snapshotter:
                               [tensors[i] for i in plan.later_cuda]))
         cuda_entries = [plan.entries[i] for i in plan.later_cuda]
         total = plan.total
-        done_events = (self._enqueue_cuda(buf, later_cuda, cuda_entries, devices,
-                                          copy=not host_copy) if devices else [])
+        done_events = (self._enqueue_cuda(
+            buf, later_cuda, cuda_entries, devices, copy=not host_copy,
+            crossing=bool(plan.crossing.intersection(plan.later_cuda))) if devices else [])
         if inline:
             _synchronize(done_events)
             if host_copy:
@@ -720,7 +726,8 @@ class Snapshotter:
 
     def _enqueue_cuda(self, buf: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                       entries: list[TensorEntry], devices: list[torch.device], *,
-                      copy: bool = True) -> list[tuple[torch.device, Any]]:
+                      copy: bool = True, crossing: bool = False
+                      ) -> list[tuple[torch.device, Any]]:
         """Queue the device-to-host copies of ``pairs`` (slot view, live tensor; ``entries``
         their places in the slot ``buf``) on each device's side stream.
 
@@ -785,8 +792,11 @@ class Snapshotter:
                         done.record(side)
                     del staged, staging
                 else:
+                    if crossing:  # a tensor spans two page-locked pieces: cut it there
+                        dsts, sources = split_pairs(buf, dsts, sources,
+                                                    [entries[i] for i in idx])
                     with torch.cuda.stream(side):
-                        copy_all(*split_pairs(buf, dsts, sources, [entries[i] for i in idx]))
+                        copy_all(dsts, sources)
                         done = torch.cuda.Event()
                         done.record(side)
                     gate = done
