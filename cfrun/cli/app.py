@@ -245,6 +245,13 @@ def _resumable_env(env: dict[str, Any]) -> tuple[dict[str, str], list[str], list
     return keep, sorted(refused), sorted(withheld)
 
 
+RESHARD_HELP = ("Go on from checkpoints written by another number of ranks or nodes: "
+                "replicated state from any rank, sharded (FSDP2, TP) state resharded to the "
+                "new mesh, the data position mapped by global samples. Not bit-exact (a "
+                "resharded event says from and to). Without it such a resume is refused "
+                "(exit 5).")
+
+
 @app.command(
     "run",
     cls=CfrunCommand,
@@ -281,6 +288,9 @@ def run_cmd(
         help="Run a finished job's command again, from its newest checkpoint (the script's "
              "tail after it runs again). Without it a finished job says so and exits 0.")
     ] = False,
+    reshard: Annotated[bool, typer.Option(
+        "--reshard", envvar=E.RESHARD,
+        help=RESHARD_HELP)] = False,
     metrics: Annotated[str | None, typer.Option(
         "--metrics", metavar="HOST:PORT", envvar=E.METRICS,
         help="Serve Prometheus metrics at http://HOST:PORT/metrics, without authentication "
@@ -375,7 +385,7 @@ def run_cmd(
                         job_name=job_name, launcher=launcher, metrics=metrics,
                         local_addr=local_addr)
     cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
-                              job_key_file=_job_key_path(job_key_file))
+                              job_key_file=_job_key_path(job_key_file), reshard=reshard)
     if dry_run:
         from cfrun.supervisor.core import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv
@@ -723,6 +733,17 @@ def resume_cmd(
     ] = False,
     rerun: Annotated[bool, typer.Option(
         "--rerun", help="Run a finished job again from its newest checkpoint.")] = False,
+    reshard: Annotated[bool, typer.Option("--reshard", envvar=E.RESHARD, help=RESHARD_HELP)
+                       ] = False,
+    nproc_per_node: Annotated[str | None, typer.Option(
+        "--nproc-per-node", "--nproc_per_node", metavar="INTEGER",
+        help="Ranks per node of the resumed job (default: as recorded); another world size "
+             "needs --reshard.")
+    ] = None,
+    nnodes: Annotated[str | None, typer.Option(
+        "--nnodes", metavar="INTEGER",
+        help="Nodes of the resumed job (default: as recorded); another world size needs "
+             "--reshard.")] = None,
 ) -> None:
     """Continue a stopped, failed or preempted job with its recorded command and settings.
 
@@ -768,7 +789,13 @@ def resume_cmd(
     if not Path(cfg.script).is_file():
         raise BadInputError(f"the recorded script {cfg.script!r} no longer exists; restore "
                             "it, or start the job again with cfrun SCRIPT") from None
-    cfg = dataclasses.replace(cfg, job_dir=str(jd))
+    cfg = dataclasses.replace(cfg, job_dir=str(jd), reshard=reshard)
+    if nproc_per_node is not None or nnodes is not None:  # another world size: --reshard's
+        cfg = dataclasses.replace(
+            cfg, nproc_per_node=cfg.nproc_per_node if nproc_per_node is None
+            else parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1),
+            nnodes=cfg.nnodes if nnodes is None
+            else parse_positive_int("--nnodes", nnodes, minimum=1))
     if JobDir(jd).is_locked():
         raise JobDirLockedError(f"job dir {str(jd)!r} is in use by another cfrun")
     env, refused, withheld = _resumable_env(cfg.env)
@@ -894,6 +921,10 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
         ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
+    if st.get("resharded"):  # --reshard: the run since is not bit-exact (issue 25, item 4)
+        rows.append(("resharded", "; ".join(
+            f"step {r['step']}: {r['from_world_size']} -> {r['to_world_size']} ranks "
+            f"(attempt {r['attempt']}; not bit-exact)" for r in st["resharded"])))
     if st.get("resume_command"):
         rows.insert(1, ("resume with", st["resume_command"]))
     if st["error"]:

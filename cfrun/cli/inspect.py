@@ -308,6 +308,10 @@ def status(jd: JobDir) -> dict[str, Any]:
                          "where": e.get("where"), "error": e.get("error")}
                         for e in events if e.get("event") == "unprotected"],
         "last_resume": last_resume(events),
+        "resharded": [{"attempt": e.get("attempt"), "step": e.get("step"),
+                       "from_world_size": e.get("from_world_size"),
+                       "to_world_size": e.get("to_world_size")}
+                      for e in events if e.get("event") == "resharded"],
     }
 
 

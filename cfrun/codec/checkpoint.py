@@ -467,6 +467,19 @@ def _assemble(step_dir: Path, manifest: Manifest, rank: int,
                                      f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def assemble_rank(step_dir: Path, manifest: Manifest, rank: int,
+                  docs: dict[int, tuple[dict[str, Any], list[torch.Tensor]]]
+                  ) -> tuple[Any, dict[str, Any]]:
+    """Rank ``rank``'s decoded state and meta, every file it needs read and verified whole
+    (``docs`` caches each rank's doc and tensors across calls): what a resume on another world
+    size reads (:class:`cfrun.rank.reshard.ReshardRead`).
+
+    Raises:
+        CheckpointCorruptError: a file does not read, verify or decode.
+    """
+    return _assemble(step_dir, manifest, rank, docs)
+
+
 def check_usable(step_dir: Path, *, world_size: int | None = None,
                  check_state: Callable[[Any, dict[str, Any]], None] | None = None,
                  loading_rank: int | None = None) -> Manifest:
@@ -534,8 +547,8 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
 def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                 world_size: int | None = None,
                 check_state: Callable[[Any, dict[str, Any]], None] | None = None,
-                below: int | None = None, background: bool = True
-                ) -> tuple[int, ShardRead] | None:
+                below: int | None = None, background: bool = True, reshard: bool = False
+                ) -> tuple[int, Any] | None:
     """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, and
     this rank's :class:`ShardRead` of it (its tensors still being read when ``background``).
 
@@ -547,6 +560,8 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
     Args:
         below: only steps lower than this one (the fallback after a failed read).
         background: False: the shard is read (and its failure judged) before returning.
+        reshard: a checkpoint of another world size than ``world_size`` is taken, read as a
+            :class:`cfrun.rank.reshard.ReshardRead` (``--reshard``).
 
     Returns:
         ``(step, read)``, or ``None`` when no committed checkpoint is usable.
@@ -564,9 +579,15 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         if is_final(step_dir):  # the script's end: no position to resume at (issue 27, item 2)
             continue
         try:
-            check_usable(step_dir, world_size=world_size, check_state=check_state,
-                         loading_rank=rank)
-            read = ShardRead(step_dir, rank, background=background)
+            manifest = check_usable(step_dir, world_size=None if reshard else world_size,
+                                    check_state=check_state, loading_rank=rank)
+            read: Any
+            if reshard and world_size is not None and manifest.world_size != world_size:
+                from cfrun.rank.reshard import ReshardRead
+
+                read = ReshardRead(step_dir, rank, world_size)
+            else:
+                read = ShardRead(step_dir, rank, background=background)
             if not background:
                 read.wait()
         except (CheckpointCorruptError, IncompatibleFormatError) as e:

@@ -122,6 +122,9 @@ class LocalShard:
     """The rank's local tensor, as it was at the checkpoint."""
     meta: dict[str, Any]
     """:func:`placement_meta`'s fields, checked by :func:`check_meta`."""
+    parts: list[LocalShard] | None = None
+    """A resume on another world size (:mod:`cfrun.rank.reshard`): every old rank's shard of
+    this tensor, from which :func:`reshard_local` cuts this rank's new one; None otherwise."""
 
     @property
     def shape(self) -> torch.Size:
@@ -229,6 +232,8 @@ def to_dtensors(tree: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
     if isinstance(tree, LocalShard):
         meta = tree.meta
         mesh = meshes.get(mesh_key(meta["mesh"], meta["dims"]))
+        if tree.parts is not None:
+            return reshard_local(tree, _mesh_like(meta, meshes))
         if mesh is None:
             raise MeshMismatchError(
                 f"a DTensor was saved on the device mesh {meta['mesh']} "
@@ -245,6 +250,71 @@ def to_dtensors(tree: Any, meshes: dict[tuple[Any, ...], Any]) -> Any:
     if isinstance(tree, tuple):
         return tuple(to_dtensors(v, meshes) for v in tree)
     return tree
+
+
+def _mesh_like(meta: dict[str, Any], meshes: dict[tuple[Any, ...], Any]) -> Any:
+    """The live mesh that takes the place of a stored shard's mesh on another world size: the
+    one with the same dimension names (or, unnamed, the only one of as many dimensions).
+
+    Raises:
+        MeshMismatchError: none, or more than one, fits.
+    """
+    ndim = len(meta["placements"])
+    fits = [m for (ranks, names), m in meshes.items()
+            if m.ndim == ndim and (names == (tuple(meta["dims"]) if meta["dims"] else None))]
+    if len(fits) != 1:
+        raise MeshMismatchError(
+            f"a DTensor was saved on a mesh of dimensions {meta['dims']} "
+            f"({len(meta['mesh'])} ranks along the first), and the live job has "
+            f"{'no' if not fits else len(fits)} such mesh to reshard it onto")
+    return fits[0]
+
+
+def reshard_local(shard: LocalShard, mesh: Any) -> Any:
+    """The DTensor of this rank on the live ``mesh`` (another world size) with the stored
+    placements, global shape and stride, its local tensor cut from every old rank's shard
+    (:attr:`LocalShard.parts`) by their global offsets: only the blocks that overlap this
+    rank's new one are copied (``compute_local_shape_and_global_offset`` gives it, as FSDP2
+    and DTensor place it). Each rank at a resharded resume; no communication.
+
+    Raises:
+        MeshMismatchError: a placement is ``strided_shard`` (FSDP2 over tensor parallelism)
+            or ``partial``, or the old shards do not cover the new one.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    meta, parts = shard.meta, shard.parts or []
+    kinds = {p[0] for part in parts for p in part.meta["placements"]}
+    if kinds & {"strided_shard", "partial"}:
+        raise MeshMismatchError(f"a DTensor placed {meta['placements']} cannot be resharded "
+                                "from its shards (FSDP2 over tensor parallelism, or a "
+                                "partial sum); resume on the world size it was written with")
+    placements = [_placement(p) for p in meta["placements"]]
+    shape = torch.Size(meta["shape"])
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    local = torch.empty(local_shape, dtype=shard.local.dtype)
+    covered = torch.zeros(local_shape, dtype=torch.bool)
+    for part in parts:
+        if part.meta["shape"] != meta["shape"] or part.local.dtype != local.dtype:
+            raise MeshMismatchError(f"the old ranks' shards of one DTensor disagree: "
+                                    f"{meta['shape']} and {part.meta['shape']}")
+        src, dst = [], []
+        for o_new, n_new, o_old, n_old in zip(offset, local_shape, part.meta["offset"],
+                                               part.local.shape):
+            lo, hi = max(o_new, o_old), min(o_new + n_new, o_old + n_old)
+            if hi <= lo:
+                break
+            src.append(slice(lo - o_old, hi - o_old))
+            dst.append(slice(lo - o_new, hi - o_new))
+        else:
+            local[tuple(dst)] = part.local[tuple(src)]
+            covered[tuple(dst)] = True
+    if local.numel() and not bool(covered.all()):
+        raise MeshMismatchError(f"the old ranks' shards do not cover this rank's new shard of "
+                                f"a DTensor of shape {list(shape)}")
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=tuple(meta["stride"]))
 
 
 def has_shards(tree: Any) -> bool:

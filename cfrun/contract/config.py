@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cfrun.contract.errors import BadInputError, ChangedCommandError
+from cfrun.contract.errors import BadInputError, ChangedCommandError, FatalJobError
 
 _OVERHEAD_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
@@ -182,6 +182,10 @@ class RunConfig:
     """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: str = ""
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
+    reshard: bool = False
+    """``--reshard``: this run may go on from checkpoints written by another number of ranks
+    (issue 25, item 4; :mod:`cfrun.rank.reshard`). A choice of this run only: ``cfrun resume``
+    takes it from its own command line, never from ``config.json``."""
     verify: bool = False
     """A run of ``cfrun verify`` (:class:`cfrun.rank.settings.RankSettings`: digests, a stop
     step, kills)."""
@@ -605,9 +609,28 @@ ACCEPTED = "--accept-changed-command"
 """Why a changed command was taken when the flag was given."""
 
 
+RESHARD = "--reshard"
+"""Why a changed world size was taken (``--reshard``, issue 25 item 4)."""
+
+
+class WorldSizeRefusedError(FatalJobError):
+    """The job dir's checkpoints were written by another number of ranks and the run did not
+    ask to reshard (exit 5, nothing touched): the one line names ``--reshard``."""
+
+
+def reshard_refusal(job_dir: Path | str, saved: int, now: int) -> str:
+    """The one line that refuses a resume on another world size without ``--reshard``
+    (the supervisor's, and the rank's where the newest checkpoint has another world size)."""
+    return (f"job dir {str(job_dir)!r} holds checkpoints written by {saved} ranks and this run "
+            f"has {now}: add --reshard to go on from them on {now} ranks (not bit-exact: the "
+            f"state is resharded and the data position mapped by global samples), or run on "
+            f"{saved} ranks")
+
+
 def check_identity(path: Path, command: Command, *, job_name: str | None,
                    accept_changed: bool, nnodes: int = 1,
-                   resumable: bool = True) -> tuple[Identity, list[str], bool]:
+                   resumable: bool = True,
+                   reshard: bool = False) -> tuple[Identity, list[str], bool]:
     """Decide whether ``command`` may run in the job dir whose identity is at ``path``.
 
     Called by the supervisor before it creates, locks or writes anything in the job dir. Reads
@@ -624,8 +647,14 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     installed under the new one; with a checkpoint it is refused unless ``accept_changed``,
     which keeps the job's id and name and adds the new fingerprint.
 
+    Another world size alone is taken with ``reshard`` (``--reshard``: the ranks reshard the
+    checkpoint, :mod:`cfrun.rank.reshard`), recorded with that reason; without it a job dir
+    with a checkpoint refuses it with exit 5, naming the flag (issue 25, item 4).
+
     Raises:
-        ChangedCommandError: the command changed, the job dir holds a checkpoint and
+        WorldSizeRefusedError: the world size changed, the job dir holds a checkpoint and
+            ``reshard`` is False (exit 5).
+        ChangedCommandError: the command changed otherwise, the job dir holds a checkpoint and
             ``accept_changed`` is False (one line naming what changed and the two ways on).
         BadInputError: ``identity.json`` is unreadable.
     """
@@ -636,14 +665,20 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     changes = describe_changes(old, command, job_name)
     if not changes:
         return old, [], False
-    if resumable and not accept_changed:
+    world_changed = old.command.world_size != command.world_size
+    if resumable and world_changed and not reshard:
+        raise WorldSizeRefusedError(reshard_refusal(path.parent, old.command.world_size,
+                                                    command.world_size))
+    only_world = world_changed and len(changes) == 1
+    if resumable and not accept_changed and not only_world:
         raise ChangedCommandError(
             f"job dir {str(path.parent)!r} holds a job run with another command: "
             f"{'; '.join(changes)}. To start a new job give a new --job-dir; to go on from "
             "its checkpoints with the change add --accept-changed-command")
     import time
 
-    why = ACCEPTED if resumable else NO_CHECKPOINT
+    why = (RESHARD if only_world and not accept_changed else ACCEPTED) if resumable \
+        else NO_CHECKPOINT
     prints = () if not resumable else old.fingerprints
     prints += () if command.fingerprint in prints else (command.fingerprint,)
     record = {"t_unix_s": round(time.time(), 3), "changed": changes,

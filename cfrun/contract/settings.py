@@ -140,6 +140,9 @@ RETRY_BEFORE_FIRST_STEP = _declare(
 INJECT_CRASH = _declare("CFRUN_INJECT_CRASH", "steps", None,
                         "testing aid, STEP[@ATTEMPT],...: rank 0 SIGKILLs itself after step STEP "
                         "in attempt ATTEMPT (default 0)")
+RESHARD = _declare("CFRUN_RESHARD", "flag", None,
+                   "go on from checkpoints written by another number of ranks or nodes (not "
+                   "bit-exact; a resharded event says from and to)", unset="off")
 PEER = _declare("CFRUN_PEER", "address", None,
                 "HOST:PORT of a `cfrun peer`: checkpoints go to its RAM first (ACUTE level 1)")
 PEER_TOKEN_FILE = _declare("CFRUN_PEER_TOKEN_FILE", "path", None,

@@ -282,19 +282,31 @@ def _live_names(frame: types.FrameType) -> frozenset[str] | None:
         return None
 
 
+def _loop_assigned(frame: types.FrameType) -> frozenset[str] | None:
+    """:func:`cfrun.rank.liveness.loop_assigned`, None (restore all) if the analysis fails."""
+    try:
+        return liveness.loop_assigned(frame)
+    except Exception as e:
+        logger.debug("cfrun: loop writes of %s failed: %r", frame.f_code.co_name, e)
+        return None
+
+
 def _locals_to_fast(frame: types.FrameType) -> None:
     if sys.version_info < (3, 13) and not _is_module_frame(frame):
         ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
 
 
 def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
-                   frames: list[types.FrameType], *, in_tracer: bool = False) -> list[str]:
+                   frames: list[types.FrameType], *, in_tracer: bool = False,
+                   keep_invariants: bool = False) -> list[str]:
     """Put captured values back into the live ``frames`` with the same code identity.
 
     ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.codec.format.decode`). Objects
     that must keep their identity (generators, modules, script-class instances) are updated in
     place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
-    ``f_locals`` back itself on return.
+    ``f_locals`` back itself on return. ``keep_invariants`` (a resume on another world size,
+    :mod:`cfrun.rank.reshard`): a variable the frame holds already and its loops never assign
+    (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value.
     """
     restored = []
     live = {tuple(code_key(f.f_code)): f for f in reversed(frames)}
@@ -303,7 +315,10 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
         if frame is None:
             continue
         f_locals = frame.f_locals
+        assigned = _loop_assigned(frame) if keep_invariants else None
         for name, item in rec["values"].items():
+            if assigned is not None and name not in assigned and name in f_locals:
+                continue
             kind, value = item["kind"], item["v"]
             current = f_locals.get(name)
             try:

@@ -335,3 +335,59 @@ def live_names(frame: types.FrameType) -> frozenset[str] | None:
     return _live_at(os.path.realpath(code.co_filename), code.co_name, code.co_firstlineno,
                     frame.f_lineno, tuple(code.co_freevars))
 
+
+
+@functools.lru_cache(maxsize=64)
+def _assigned_at(path: str, name: str, firstlineno: int, line: int, freevars: tuple[str, ...]
+                 ) -> frozenset[str] | None:
+    parsed = _source(path)
+    if parsed is None:
+        return None
+    found = _function(*parsed, name, firstlineno)
+    if found is None:
+        return None
+    body, scope = found
+    if any(_introspects(n) for n in body):
+        return None
+    out = _written_elsewhere(scope, name == "<module>") | set(freevars)
+    for loop in _loops_around(body, line)[:1]:  # the outermost: it holds the others
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                out.add(node.id)
+            elif isinstance(node, ast.alias):
+                out.add((node.asname or node.name).partition(".")[0])
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                out.add(node.name)
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                out.update(node.names)
+    return frozenset(out)
+
+
+def _written_elsewhere(table: symtable.SymbolTable, module: bool) -> set[str]:
+    """Names of ``table``'s scope that nested code assigns: the module's globals a function
+    declares ``global`` and assigns; a function's variables a nested one declares
+    ``nonlocal``."""
+    out: set[str] = set()
+    for child in table.get_children():
+        for sym in child.get_symbols():
+            if sym.is_assigned() and ((module and sym.is_declared_global())
+                                      or (not module and sym.is_nonlocal())):
+                out.add(sym.get_name())
+        out |= _written_elsewhere(child, module)
+    return out
+
+
+def loop_assigned(frame: types.FrameType) -> frozenset[str] | None:
+    """The variables of ``frame`` that the loops around its current line may assign (every
+    kind of write, nested functions' included), plus those nested code assigns (``global``,
+    ``nonlocal``). A variable
+    outside this set holds what the script computed before its loop: on a resume on another
+    world size (:mod:`cfrun.rank.reshard`) the live value (``rank``, ``world_size``,
+    ``device``) is right and the checkpoint's is the old world's. None: not known (source
+    unreadable, or the function introspects its frame): every variable counts as assigned.
+    Training thread, at the resume."""
+    code = frame.f_code
+    return _assigned_at(os.path.realpath(code.co_filename), code.co_name, code.co_firstlineno,
+                        frame.f_lineno, tuple(code.co_freevars))

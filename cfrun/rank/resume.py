@@ -79,14 +79,21 @@ from cfrun.codec.dtensor import (
     live_meshes,
     to_dtensors,
 )
+from cfrun.contract.config import reshard_refusal
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
+from cfrun.rank import reshard as RS
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import lightning as PL
 from cfrun.rank.capture import free_params, scaler_numbers
-from cfrun.rank.data import loader_fingerprint, set_epoch_rng, set_sampler_state
+from cfrun.rank.data import (
+    loader_fingerprint,
+    sampler_state,
+    set_epoch_rng,
+    set_sampler_state,
+)
 from cfrun.rank.discovery import Discovery
 from cfrun.rank.log import say
 from cfrun.rank.rng import set_global_rng
@@ -104,6 +111,11 @@ class ResumePlan:
     @property
     def mode(self) -> str:
         return str(self.meta.get("mode", "loader"))
+
+    @property
+    def resharded(self) -> bool:
+        """Read from a checkpoint of another world size (``--reshard``)."""
+        return isinstance(self.meta.get("resharded"), dict)
 
 
 def check_state(state: Any, meta: dict[str, Any]) -> None:
@@ -269,10 +281,10 @@ class Resume:
         try:
             return open_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
                                world_size=self.s.world_size, check_state=check_state,
-                               below=below)
+                               below=below, reshard=self.s.reshard)
         except WorldSizeChangedError as e:
-            self._fatal(f"{e}; run with the same --nnodes x --nproc-per-node ({e.saved} ranks), "
-                        "or start a new --job-dir (the checkpoints are kept)")
+            self._fatal(f"checkpoint step {e.step}: "
+                        + reshard_refusal(self.jobdir.root, e.saved, e.now))
         except RankLoadError as e:
             self._unusable(e.step, e)
 
@@ -331,6 +343,8 @@ class Resume:
         self.plan = plan
         state, meta = plan.state, plan.meta
         say(f"resuming from checkpoint step {plan.step}")
+        if plan.resharded:
+            self._say_resharded(plan)
         if self.plan.mode == "loop":
             loop = F.LoopInfo.from_json(meta["loop"]) if meta.get("loop") else None
             if loop is None or sys.gettrace() is not None:
@@ -357,6 +371,19 @@ class Resume:
             self._arm_loop_resume(epoch_loop, self._arrive_epoch_loop)
         else:
             self._kind = "replay"
+
+    def _say_resharded(self, plan: ResumePlan) -> None:
+        """The one line and the ``resharded`` event (rank 0) of a resume on another world size
+        (``--reshard``, :mod:`cfrun.rank.reshard`)."""
+        info = plan.meta["resharded"]
+        if self.s.rank == 0:
+            say(f"WARNING: resharding checkpoint step {plan.step} from {info['from']} to "
+                f"{info['to']} ranks (--reshard): not bit-exact; replicated state from old "
+                f"rank r % {info['from']}, sharded state cut to the new mesh, the data position "
+                "mapped by global samples")
+            self.jobdir.emit_event("resharded", step=plan.step, attempt=self.s.attempt,
+                                   from_world_size=info["from"], to_world_size=info["to"])
+        self._flag(f"resharded from {info['from']} to {info['to']} ranks (--reshard)")
 
     def _unusable(self, step: int, error: BaseException) -> NoReturn:
         """This rank could not read or apply checkpoint ``step`` after every rank's checks
@@ -398,6 +425,8 @@ class Resume:
                 and self._kind == "jump":
             saved = plan.state["data"]["fingerprint"]
             got = loader_fingerprint(loader)
+            if plan.resharded:  # the batch size may follow the world (a global batch kept)
+                saved = {**saved, "batch_size": got["batch_size"]}
             if self._jumped and got == saved:
                 return self._resume_at_loader(loader, n, sys._getframe(2), start)
             if self._jumped and loader._cfrun_ordinal == plan.state["data"]["loader"] and (
@@ -407,8 +436,11 @@ class Resume:
         elif plan is not None and not self.resumed and plan.mode == "loader":
             data = plan.state["data"]
             if loader._cfrun_ordinal == data["loader"]:
-                if loader_fingerprint(loader) != data["fingerprint"]:
-                    self._loader_changed(data["fingerprint"], loader_fingerprint(loader))
+                got = loader_fingerprint(loader)
+                if got != data["fingerprint"] and not (
+                        plan.resharded and {**data["fingerprint"],
+                                            "batch_size": got["batch_size"]} == got):
+                    self._loader_changed(data["fingerprint"], got)
                 if n < data["iter_index"]:
                     self.enter_fast_forward(data["iter_index"], one_batch=bool(data.get("wrapped")))
                     if data.get("wrapped"):
@@ -468,6 +500,8 @@ class Resume:
         plan = self.plan
         assert plan is not None
         data = plan.state["data"]
+        if plan.resharded and not data.get("mapped"):
+            self._map_position(data, loader)
         set_epoch_rng(loader, data["epoch_rng"])
         set_sampler_state(loader, data.get("sampler") or [])  # before the order is drawn
         self._wrapper_caller = _outside_cfrun(caller)
@@ -487,6 +521,27 @@ class Resume:
                           data["batches"])
         self.fixing_enumerate = True
         return it
+
+    def _map_position(self, data: dict[str, Any], loader: Any) -> None:
+        """A resharded resume: the checkpoint's position in its epoch, counted in global
+        samples, as batches of this world's loader (:func:`cfrun.rank.reshard.map_position`);
+        the sampler's world-dependent attributes keep the live values."""
+        saved_sampler = data.get("sampler") or []
+        new_sampler = sampler_state(loader)
+        skip, again = RS.map_position(
+            int(data["batches"]), int(data["fingerprint"].get("batch_size") or 1),
+            RS.replicas_of(saved_sampler), int(loader.batch_size or 1),
+            RS.replicas_of(new_sampler))
+        if type(data.get("enumerate")) is int:
+            data["enumerate"] = data["enumerate"] - data["batches"] + skip
+        data["batches"] = skip
+        data["sampler"] = RS.sampler_state_for_new_world(saved_sampler)
+        data["mapped"] = True
+        data.pop("worker_rng", None)  # the old world's workers: each new one seeds itself
+        if again and self.s.rank == 0:
+            say(f"the resharded epoch goes on at batch {skip} of each rank: {again} samples "
+                "consumed before the checkpoint do not fill a global batch of this world and "
+                "are seen again")
 
     # ---------------------------------------------------------------- arrival at a loop head
 
@@ -544,7 +599,8 @@ class Resume:
         def arrive_outer(frame: types.FrameType, loop: F.LoopInfo) -> None:
             assert self.plan is not None
             records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
-            F.restore_frames(records, records, [frame], in_tracer=True)
+            F.restore_frames(records, records, [frame], in_tracer=True,
+                             keep_invariants=self.plan.resharded)
             if loop.kind == "for_other":
                 self._flag("a loop around the step loop is a for loop over something other "
                            "than range(); its position restarts")
@@ -581,7 +637,8 @@ class Resume:
         assert self.plan is not None
         data = self.plan.state["data"]
         records = [r for r in self.plan.state["script"] if r["code"] == loop.code]
-        F.restore_frames(records, records, [frame], in_tracer=True)
+        F.restore_frames(records, records, [frame], in_tracer=True,
+                             keep_invariants=self.plan.resharded)
         self._jump(frame, loop, inclusive=True, value=data.get("epoch_value"))
         self._jumped = True
         self.awaiting_loader = not self.resumed
@@ -750,7 +807,8 @@ class Resume:
                     obj.load_state_dict(sd)
         set_global_rng(st["rng"])
         restored = F.restore_frames(st["script"], st["script"],
-                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer)
+                                    F.script_frames(frame, self.s.script), in_tracer=in_tracer,
+                                    keep_invariants=plan.resharded)
         data, caller = st.get("data"), self._wrapper_caller
         if isinstance(data, dict) and data.get("wrappers") and caller is not None:
             restored += F.restore_wrapper_state(data["wrappers"], caller, self.s.script)

@@ -76,6 +76,9 @@ class RankSettings:
     itself at that step, right after its optimizer step (moment 0,
     :data:`cfrun.rank.verify.AFTER_STEP`) or while the checkpoint it takes at the step's
     boundary persists (moment 1, :data:`cfrun.rank.verify.DURING_PERSIST`)."""
+    reshard: bool = False
+    """``--reshard``: a checkpoint written by another number of ranks is resharded onto this
+    world (:mod:`cfrun.rank.reshard`); without it such a checkpoint stops the job (exit 5)."""
     rank: int = 0
     """torchrun's ``RANK`` (not in the JSON)."""
     world_size: int = 1

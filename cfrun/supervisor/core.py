@@ -51,6 +51,7 @@ from cfrun.contract.config import (
     Command,
     Identity,
     RunConfig,
+    WorldSizeRefusedError,
     check_identity,
     redact_url,
     resume_command,
@@ -158,9 +159,12 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
     try:
         _, changes, _ = check_identity(
             jd.identity_path, Command.of(cfg), job_name=cfg.job_name,
-            accept_changed=accept_changed_command, nnodes=cfg.nnodes, resumable=bool(steps))
+            accept_changed=accept_changed_command, nnodes=cfg.nnodes, resumable=bool(steps),
+            reshard=cfg.reshard)
     except BadInputError as e:
         return f"refused (exit 2): {e}"
+    except WorldSizeRefusedError as e:
+        return f"refused (exit 5): {e}"
     finished = None if changes or rerun else finished_at(jd, cfg.node_rank)
     if finished is not None:
         return f"finished {finished}: nothing to do (exit 0; --rerun runs it again)"
@@ -274,7 +278,7 @@ class Supervisor:
                 identity, changes, write = check_identity(
                     jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
                     accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes,
-                    resumable=bool(committed_steps(jd.checkpoints)))
+                    resumable=bool(committed_steps(jd.checkpoints)), reshard=self.cfg.reshard)
             except BadInputError:
                 if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
                     raise JobDirLockedError(

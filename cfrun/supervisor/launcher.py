@@ -152,7 +152,8 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         ff_eval=env.get(E.FF_EVAL, "one"), supervisor_pid=os.getpid(),
         node_rank=cfg.node_rank, launcher=cfg.launcher, verify=cfg.verify,
         verify_stop_step=cfg.verify_stop_step,
-        verify_kills=tuple(tuple(k) for k in cfg.verify_kills))  # type: ignore[misc]
+        verify_kills=tuple(tuple(k) for k in cfg.verify_kills),  # type: ignore[misc]
+        reshard=cfg.reshard)
     env.update({
         E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,

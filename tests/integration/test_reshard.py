@@ -1,0 +1,130 @@
+"""A job resumes on another world size with ``--reshard`` (issue 25, item 4).
+
+One script (``train_reshard.py``: 384 digits, a global batch of 32 split over the ranks, a
+DistributedSampler, Adam), DDP or FSDP2: a 4-rank cfrun job is SIGKILLed, resumed on 2 ranks
+with ``cfrun resume --reshard --nproc-per-node 2``, SIGKILLed again and resumed on 4. Checked:
+
+* without ``--reshard`` the resume on 2 ranks is refused with exit 5 and one line naming the
+  flag, and nothing in the job dir changes;
+* it finishes, each reshard says so (a ``resharded`` event from and to, ``cfrun status``);
+* every sample of each epoch is trained on exactly once over the final history (the steps the
+  resumes redid replace the killed attempts' ones), counted from the indices each rank logs;
+* the loss of every step equals the uninterrupted plain ``torchrun`` run's within float noise
+  (the same global batch on any world size: only the reduction order differs), so the loss
+  after each reshard goes on from the one before it; the final weights agree to 1e-5.
+
+One plain 4-rank DDP run is the reference for both: FSDP2 computes the same sums.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, clean_env, plain_run, run_cfrun
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.torchrun]
+
+SCRIPT = str(SCRIPTS / "train_reshard.py")
+SAMPLES, STEPS_PER_EPOCH, EPOCHS = 384, 12, 2
+KILLS = "10@0,18@1"  # rank 0 SIGKILLed after step 10 (4 ranks), after step 18 (2 ranks)
+
+
+def _resume(job: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cfrun", "resume", str(job), *args], cwd=cwd,
+                          env=clean_env({"PYTHONPATH": str(SCRIPTS)}), capture_output=True,
+                          text=True, timeout=400)
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    """``{step: mean loss}`` of one run's rank 0 (a later line of a step wins)."""
+    return {int(w[1]): float(w[3]) for w in (l.split() for l in stdout.splitlines())
+            if w[:1] == ["loss"]}
+
+
+def _seen(cwd: Path) -> dict[int, list[list[int]]]:
+    """``{step: [indices of each rank]}`` as the steps finally ran: from the last run (of the
+    ``seen-RUN-rankR.txt`` files the script writes) that trained each step."""
+    by_run: dict[int, dict[int, list[list[int]]]] = {}
+    for f in cwd.glob("seen-*-rank*.txt"):
+        run = int(f.name.split("-")[1])
+        for w in (l.split() for l in f.read_text().splitlines()):
+            by_run.setdefault(run, {}).setdefault(int(w[0]), []).append(
+                [int(i) for i in w[3].split(",")])
+    out: dict[int, list[list[int]]] = {}
+    for run in sorted(by_run):
+        out.update(by_run[run])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
+    """The uninterrupted reference: plain torchrun, 4 ranks, DDP."""
+    cwd = tmp_path_factory.mktemp("plain")
+    p = plain_run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                   SCRIPT, "ddp", "plain.pt"], cwd)
+    losses = _losses(p.stdout)
+    assert sorted(losses) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    return losses, cwd / "plain.pt"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, kind):
+    want, plain_weights = plain
+    first = run_cfrun(["--nproc-per-node", "4", "--interval", "4", "--max-restarts", "0",
+                       "--job-dir", "job", "--inject-crash", KILLS, SCRIPT, kind, "got.pt"],
+                      cwd=tmp_path, env={"PYTHONPATH": str(SCRIPTS)}, timeout=400)
+    assert first.returncode == 4, first.stderr[-3000:]  # killed, no restart left
+    job = first.job_dir
+    before = sorted(p.name for p in (job / "checkpoints").iterdir())
+    assert any(n.startswith("step-") for n in before), before
+
+    refused = _resume(job, tmp_path, "--nproc-per-node", "2")
+    assert refused.returncode == 5, refused.stderr[-2000:]
+    line = [l for l in refused.stderr.splitlines() if l.startswith("cfrun: error:")]
+    assert len(line) == 1 and "--reshard" in line[0] and "4 ranks" in line[0], refused.stderr
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == before
+
+    down = _resume(job, tmp_path, "--reshard", "--nproc-per-node", "2")
+    assert down.returncode == 4, down.stderr[-3000:]  # the second kill, on 2 ranks
+    assert "resharding checkpoint step" in down.stderr and "not bit-exact" in down.stderr
+    up = _resume(job, tmp_path, "--reshard", "--nproc-per-node", "4")
+    assert up.returncode == 0, up.stderr[-3000:]
+
+    events = [json.loads(l) for l in (job / "events.jsonl").read_text().splitlines()]
+    resharded = [(e["from_world_size"], e["to_world_size"]) for e in events
+                 if e["event"] == "resharded"]
+    assert resharded == [(4, 2), (2, 4)], resharded
+    resumed = sorted({(e["attempt"], e["step"]) for e in events if e["event"] == "resumed"})
+    assert [a for a, _ in resumed] == [1, 2] and all(s > 0 for _, s in resumed), resumed
+
+    # every sample of each epoch exactly once, over the steps as they finally ran
+    final = _seen(tmp_path)
+    assert sorted(final) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    for epoch in range(EPOCHS):
+        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        seen = sorted(i for s in steps for rank in final[s] for i in rank)
+        assert seen == list(range(SAMPLES)), (epoch, len(seen), len(set(seen)))
+    worlds = {s: len(final[s]) for s in final}
+    assert set(worlds.values()) == {2, 4}, worlds  # steps ran on both world sizes
+
+    # the loss goes on across each reshard as in the uninterrupted run
+    got: dict[int, float] = {}
+    for run in (first.stdout, down.stdout, up.stdout):
+        got.update(_losses(run))
+    assert sorted(got) == sorted(want)
+    for s in want:
+        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
+    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+
+    status = subprocess.run([sys.executable, "-m", "cfrun", "status", "--json", str(job)],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=120)
+    rows = json.loads(status.stdout)["resharded"]
+    assert [(r["from_world_size"], r["to_world_size"]) for r in rows] == [(4, 2), (2, 4)]
