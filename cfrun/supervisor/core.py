@@ -172,8 +172,19 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
         return "locked (exit 3): another cfrun runs this job"
     resumable = [s for s in steps if not is_final(jd.checkpoints / step_dir_name(s))]
     if resumable:  # a resume never starts from the final checkpoint (issue 27, item 2)
-        return f"resume from the checkpoint of step {resumable[0]}" + \
-            (" (changed command accepted)" if changes else "")
+        why = " (changed command accepted)" if changes else ""
+        try:
+            saved = read_manifest(jd.checkpoints / step_dir_name(resumable[0])).world_size
+        except Exception:  # unreadable: the ranks judge it
+            saved = None
+        world = cfg.nproc_per_node * cfg.nnodes
+        if saved is not None and saved != world:
+            why = (f" resharded from {saved} to {world} ranks (--reshard; not bit-exact)"
+                   if cfg.reshard else "")
+            if not cfg.reshard:
+                return (f"refused (exit 5): checkpoint step {resumable[0]} was written by "
+                        f"{saved} ranks and this run has {world}; add --reshard")
+        return f"resume from the checkpoint of step {resumable[0]}" + why
     return "start at step 0: the job dir holds no checkpoint"
 
 

@@ -178,10 +178,10 @@ def test_a_changed_world_size_is_refused_and_the_checkpoints_kept(tmp_path):
     before = sorted(p.name for p in ckpts.iterdir())
     assert any(n.startswith("step-") for n in before)
     one = run_cfrun(["--nproc-per-node", "1", "--interval", "10", "--job-dir", "j",
-                     "--accept-changed-command", DDP, "x.pt"], cwd=tmp_path)  # past exit 2
+                     "--accept-changed-command", DDP, "x.pt"], cwd=tmp_path)
     assert one.returncode == 5, one.stderr[-3000:]
     [line] = [l for l in one.stderr.splitlines() if l.startswith("cfrun: error:")]
-    assert "written by 2 ranks, this run has 1" in line
+    assert "written by 2 ranks and this run has 1: add --reshard" in line
     assert sorted(p.name for p in ckpts.iterdir()) == before  # nothing skipped or quarantined
 
 

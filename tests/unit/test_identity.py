@@ -14,6 +14,7 @@ from cfrun.contract.config import (
     Command,
     Identity,
     RunConfig,
+    WorldSizeRefusedError,
     check_identity,
     check_job_name,
     default_job_dir,
@@ -113,8 +114,17 @@ def test_check_identity_new_same_changed_accepted(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match=r"script edited \(sha256"):
         check_identity(path, edited, job_name=None, accept_changed=False)
     wider = _command(tmp_path, ["--lr", "0.1", "--out", "o.pt"], nproc=2)
-    with pytest.raises(BadInputError, match="world size 1 -> 2"):
-        check_identity(path, wider, job_name=None, accept_changed=False)
+    for accept in (False, True):  # another world size: only --reshard goes on (exit 5)
+        with pytest.raises(WorldSizeRefusedError,
+                           match="written by 1 ranks and this run has 2: add --reshard"):
+            check_identity(path, wider, job_name=None, accept_changed=accept)
+    took, changes, write = check_identity(path, wider, job_name=None, accept_changed=False,
+                                          reshard=True)
+    assert write and changes == ["world size 1 -> 2"] and took.job_id == ident.job_id
+    assert took.changes[-1]["why"] == "--reshard"
+    assert took.fingerprints == (cmd.fingerprint, wider.fingerprint)
+    assert check_identity(path, wider, job_name=None, accept_changed=False,
+                          resumable=False)[1] == ["world size 1 -> 2"]  # nothing to resume
     with pytest.raises(BadInputError, match="job name .* -> other"):
         check_identity(path, cmd, job_name="other", accept_changed=False)
     new, changes, write = check_identity(path, lr, job_name=None, accept_changed=True)
