@@ -537,7 +537,7 @@ class Resume:
         data["batches"] = skip
         data["sampler"] = RS.sampler_state_for_new_world(saved_sampler)
         data["mapped"] = True
-        data.pop("worker_rng", None)  # the old world's workers: each new one seeds itself
+        data["worker_rng"] = {}  # the old world's workers' streams: each new one seeds itself
         if again and self.s.rank == 0:
             say(f"the resharded epoch goes on at batch {skip} of each rank: {again} samples "
                 "consumed before the checkpoint do not fill a global batch of this world and "
