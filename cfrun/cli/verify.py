@@ -17,8 +17,11 @@ K+1 steps (K: the checkpoint interval), RNGs the script never seeds and script v
 differ between two uninterrupted runs set aside (each named on its own line): when the killed
 run differs from the uninterrupted one only in script variables, with the same parameters at
 every step, the script runs uninterrupted once more, and a variable that differs there too
-takes its value from outside the computation (a clock: ``step_times``), as long as the
-parameters still match at every step (:func:`varying_variables`); ``not exact`` (exit 6,
+takes its value from outside the computation (a clock: ``step_times``; the same goes for a
+Lightning ``ModelCheckpoint``'s file names, ``-v1`` when an earlier run left its files), as
+long as the parameters still match at every step (:func:`varying_variables`). Both runs are
+compared at the step of the uninterrupted run's final checkpoint (:func:`stopped_at`: the
+first checkpoint boundary at or after step N); ``not exact`` (exit 6,
 :data:`EXIT_NOT_EXACT`) with the first differing entry in the user's terms, the first
 differing step, and the causes cfrun reported at run time (``not_exact`` events). A run that
 fails exits with the usual codes. The job dirs live in one private temporary directory, removed
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -152,19 +156,38 @@ def first_divergence(ref: list[V.StepDigest], other: list[V.StepDigest],
     return found
 
 
-def _is_script_variable(entry: str) -> bool:
-    return entry.split(": ", 1)[-1].startswith("script variable ")
+def _may_vary(entry: str) -> bool:
+    """Whether checkpoint entry ``entry`` (a name of :func:`cfrun.codec.compare.entry_name`)
+    can take its value from outside the computation: a script variable (the clock), or a
+    Lightning callback's state or ``ModelCheckpoint`` directory listing (the files an earlier
+    run left there: ``ModelCheckpoint`` names a file ``-v1`` when its name is taken)."""
+    name = re.sub(r"^rank \d+: ", "", entry)
+    return name.startswith(("script variable ", V.LIGHTNING_CALLBACK, V.LIGHTNING_FILES))
 
 
 def varying_variables(relevant: list[dict[str, Any]], again: list[dict[str, Any]]
                       ) -> list[dict[str, Any]]:
     """Those of ``relevant`` (differences of the killed run from the uninterrupted one) that
-    are script variables and also differ between two uninterrupted runs (``again``): values
-    the script takes from outside its computation (the clock: ``step_times``, ``t_prev``),
+    are script variables (or Lightning callback states, :func:`_may_vary`) and also differ
+    between two uninterrupted runs (``again``): values the script takes from outside its
+    computation (the clock: ``step_times``, ``t_prev``; the files in its output directory),
     which no resume can make equal, as for the unseeded RNGs. The caller sets them aside only
     when every step's parameters match across the three runs."""
     names = {d["entry"] for d in again}
-    return [d for d in relevant if _is_script_variable(d["entry"]) and d["entry"] in names]
+    return [d for d in relevant if _may_vary(d["entry"]) and d["entry"] in names]
+
+
+def stopped_at(job_dir: Path, stop_step: int) -> int:
+    """The step of the final checkpoint of a verify run told to stop at ``stop_step``: the
+    ranks stop at the first checkpoint boundary after that step, which a framework's loop can
+    put after a later step (Lightning's ``Trainer.fit`` calls the training loader's ``next()``
+    for an epoch's first batch from a new iterator, so the boundary due at an epoch's last
+    step is the one after the next epoch's first step). The earliest committed checkpoint at
+    ``stop_step`` or later; ``stop_step`` when there is none."""
+    from cfrun.contract.checkpoints import committed_steps
+
+    later = [s for s in committed_steps(job_dir / "checkpoints") if s >= stop_step]
+    return min(later, default=stop_step)
 
 
 @dataclass
@@ -372,6 +395,8 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
         run1 = _run_supervised(cfg1, "uninterrupted")
         info = V.RunInfo.read(V.info_path(run1.job_dir)) or V.RunInfo()
         stop = steps or info.stop_step
+        if stop is not None:
+            stop = stopped_at(run1.job_dir, stop)
         if stop is None or not (run1.job_dir / "checkpoints" / step_dir_name(stop)).is_dir():
             last = max((r.step for r in _digests(run1.job_dir, world)[0]), default=0)
             raise BadInputError(
@@ -422,7 +447,7 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
         seeded = [d for d in diffs if d["rng"] is None or d["rng"] not in unseeded]
         varying: list[dict[str, Any]] = []
         if not over and loose is None and seeded \
-                and all(_is_script_variable(d["entry"]) for d in seeded):
+                and all(_may_vary(d["entry"]) for d in seeded):
             varying = _varying(cfg1, root, stop, run1, runs, info.loader, seeded, say)
         relevant = [d for d in seeded if d not in varying]
         exact = not over and loose is None and not relevant

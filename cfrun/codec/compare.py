@@ -5,7 +5,9 @@ uninterrupted run and of its killed run with the loader a resume uses
 (:func:`cfrun.codec.checkpoint.load_shard`: verified, no pickle) and asks :func:`differences`
 for every entry that differs. Entries are named as the user knows them: ``model0.fc.weight``,
 ``optimizer0.state[3].momentum_buffer``, ``scheduler0.last_epoch``, ``RNG numpy``,
-``loader position of train_loader``, ``script variable best_acc``. They come in the order in
+``loader position of train_loader``, ``script variable best_acc``, and, for Lightning's
+``Trainer.fit``, ``Lightning fit loop ...`` and ``Lightning callback state <state_key>.<field>``
+(the adapter's JSON, parsed). They come in the order in
 which a difference is most likely a cause rather than a consequence: the data position and the
 RNGs (what a step draws), the script's own variables, the schedulers and scalers, then the
 optimizers and the models (which follow from all of these).
@@ -13,6 +15,7 @@ optimizers and the models (which follow from all of these).
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from cfrun.codec.dtensor import LocalShard
+from cfrun.contract.verify import LIGHTNING_CALLBACK, LIGHTNING_FILES
 
 _RNG_NAMES = {"torch": "RNG torch", "random": "RNG python random", "numpy": "RNG numpy",
               "cuda": "RNG cuda"}
@@ -95,9 +99,22 @@ def _leaf_detail(a: Any, b: Any) -> str | None:
     return None if a == b else f"{_short(a)} vs {_short(b)}"
 
 
+def _decoded(value: Any, path: tuple[Any, ...]) -> Any:
+    """``value`` as a tree: the Lightning adapter's JSON documents in the loader position
+    (``data.lightning.fit_loop``, ``.callbacks``, ``.files``: one string each) are parsed, so
+    that each loop, callback and directory is an entry of its own; anything else as is."""
+    if path[:2] == ("data", "lightning") and len(path) == 3 and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _walk(a: Any, b: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
     """Every differing leaf below ``path``: ``(path, detail)``. A DTensor's stored shard
     (:class:`cfrun.codec.dtensor.LocalShard`) is its placement and its local tensor."""
+    a, b = _decoded(a, path), _decoded(b, path)
     if isinstance(a, LocalShard) and isinstance(b, LocalShard):
         if a.meta != b.meta:
             yield path, f"placed {_short(a.meta)} vs {_short(b.meta)}"
@@ -158,6 +175,8 @@ def entry_name(path: tuple[Any, ...], loader: str, frames: dict[int, str]) -> st
             kind = rng_kind(path)
             rng = _RNG_NAMES[kind] if kind is not None else "RNG"
             return f"{rng} that {loader}'s epoch was drawn from"
+        if rest and rest[0] == "lightning" and len(rest) > 1:
+            return _lightning_entry(rest[1], rest[2:4])
         return f"loader position of {loader}"
     if head == "script":
         if len(rest) >= 3 and rest[1] == "values":
@@ -166,6 +185,18 @@ def entry_name(path: tuple[Any, ...], loader: str, frames: dict[int, str]) -> st
             return name if where in ("", "<module>") else f"{name} (in {where}())"
         return "script variables"
     return _dotted(path)
+
+
+def _lightning_entry(field: str, key: tuple[Any, ...]) -> str:
+    """The name of an entry of the Lightning adapter's record (:mod:`cfrun.rank.adapters.
+    lightning`): ``field`` is ``fit_loop``, ``callbacks`` or ``files``, ``key`` its first keys
+    (a loop's progress; a callback's ``state_key`` and the state's field)."""
+    where = str(key[0]) if key else ""
+    if field == "callbacks":
+        return f"{LIGHTNING_CALLBACK}{where}" + (f".{key[1]}" if len(key) > 1 else "")
+    if field == "files":
+        return f"{LIGHTNING_FILES}of {where}" if where else LIGHTNING_FILES.rstrip()
+    return f"Lightning fit loop {where}".rstrip()
 
 
 _ORDER = ("data", "rng", "script", "schedulers", "scalers", "opt_steps", "optimizers",
@@ -200,6 +231,7 @@ def differences(a: dict[str, Any], b: dict[str, Any], *, loader: str | None = No
 def _leaves(a: Any, path: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
     if path[:1] == ("script",) and path[2:3] == ("code",):
         return  # which frame: not an entry
+    a = _decoded(a, path)
     if isinstance(a, dict):
         for key, value in a.items():
             yield from _leaves(value, path + (key,))

@@ -22,6 +22,11 @@ from typing import Any
 from cfrun.contract.fsio import read_regular
 
 DIR = "verify"
+LIGHTNING_CALLBACK = "Lightning callback state "
+"""How the name of a Lightning callback's state entry starts
+(:func:`cfrun.codec.compare.entry_name`)."""
+LIGHTNING_FILES = "Lightning ModelCheckpoint files "
+"""How the name of the recorded listing of a Lightning ``ModelCheckpoint`` directory starts."""
 MAX_DIGEST_FILE_BYTES = 1 << 30
 """The longest digest file read back (about 5 million steps)."""
 

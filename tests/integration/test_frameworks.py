@@ -52,6 +52,20 @@ def _warned(stderr: str) -> list[str]:
     return [l.split(WARNING, 1)[1] for l in stderr.splitlines() if WARNING in l]
 
 
+def _verify_says_exact(tmp_path: Path, args: list[str]):
+    """``cfrun verify --interval 3 ARGS`` (its temporary job dirs under ``tmp_path``): exit 0,
+    the ``exact`` verdict, no temporary job dir left; returns the run."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = run_cfrun(["verify", "--interval", "3", *args], cwd=tmp_path,
+                    env={"TMPDIR": str(tmp)}, timeout=570)
+    report = run.stdout[run.stdout.rfind("cfrun verify: "):]
+    assert run.returncode == 0, report + run.stderr[-3000:]
+    assert report.splitlines()[-1].startswith("exact: every entry bit-identical at step "), report
+    assert not list(tmp.glob("cfrun-verify-*")), "a temporary job dir was left behind"
+    return run, report
+
+
 def _saved_checkpoints(out_dir):
     """The user's own ``save_steps`` checkpoints: name -> (TrainerState JSON, weights bytes)."""
     return {d.name: ((d / "trainer_state.json").read_text(),
@@ -86,6 +100,17 @@ def test_hf_trainer_resumes_bit_identical(tmp_path):
     assert list(saved) == ["checkpoint-10", "checkpoint-12", "checkpoint-5"]
     assert _saved_checkpoints(tmp_path / "cf_out") == saved
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
+
+
+def test_cfrun_verify_says_exact_on_the_hf_trainer_script(tmp_path):
+    """``cfrun verify --interval 3 train_hf_trainer.py out.pt out_dir 4`` (README,
+    "Frameworks"): the Trainer's state at the stop step after 3 kills (inside an epoch, right
+    after an epoch's last step, during a persist) is bit-identical to the uninterrupted run's,
+    the loader position included (:mod:`cfrun.rank.adapters.hf` records the Trainer's)."""
+    pytest.importorskip("transformers")
+    run, report = _verify_says_exact(tmp_path, [str(SCRIPTS / "train_hf_trainer.py"), "out.pt",
+                                                "out_dir", "4"])
+    assert report.count("SIGKILLed") == 3, report
 
 
 def _two_ranks_killed(tmp_path: Path, script: str, out: str, kills: str, persist_kill: int):
@@ -172,6 +197,23 @@ def test_lightning_trainer_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
+def test_cfrun_verify_says_exact_on_the_lightning_trainer_script(tmp_path):
+    """``cfrun verify --interval 3 train_lightning.py out.pt ck`` (README, "Frameworks"). The
+    stop step it chooses (12) is an epoch's last step, whose boundary Lightning's loop puts
+    after the next epoch's first step: both runs stop, and are compared, at step 13. The
+    killed run's ``CombinedLoader`` counts the resumed epoch's batches from the epoch's start,
+    as the uninterrupted run's does (:mod:`cfrun.rank.adapters.lightning`); the
+    ``ModelCheckpoint`` file names, ``-v1`` in the second run because the first left its files
+    in ``ck``, differ between two uninterrupted runs as well and are set aside. Before: exit 2
+    (no checkpoint at step 12), and with ``--steps 11``, ``not exact`` on the loader
+    position (``_idx`` 5 vs 2) and the callbacks' paths."""
+    pytest.importorskip("lightning")
+    run, report = _verify_says_exact(tmp_path, [str(SCRIPTS / "train_lightning.py"), "out.pt",
+                                                "ck"])
+    assert "compared at step 13:" in report and report.count("SIGKILLed") == 3, report
+    assert "loader position of" not in report, report
+
+
 def test_lightning_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     """The same Lightning script under DDP on 2 ranks (gloo; 3 batches per rank and epoch,
     validation after every batch, synced ``val_loss``), 5 epochs, SIGKILLed during the persist
@@ -212,6 +254,17 @@ def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
     assert len(_lines(plain.stdout, "epoch ")) == 28
     assert final_line(run.stdout) == final_line(plain.stdout)
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
+
+
+def test_cfrun_verify_says_exact_on_the_accelerate_script(tmp_path):
+    """``cfrun verify --interval 3 train_accelerate.py out.pt 4`` (README, "Frameworks"):
+    with ``gradient_accumulation_steps=2``, the position recorded one batch before
+    ``DataLoaderShard``'s read-ahead (:mod:`cfrun.rank.adapters.accelerate`) is the
+    uninterrupted run's after 3 kills."""
+    pytest.importorskip("accelerate")
+    run, report = _verify_says_exact(tmp_path, [str(SCRIPTS / "train_accelerate.py"), "out.pt",
+                                                "4"])
+    assert report.count("SIGKILLed") == 3, report
 
 
 def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):

@@ -11,6 +11,7 @@ from cfrun.cli.verify import (
     DURING_PERSIST,
     first_divergence,
     plan_kills,
+    stopped_at,
     unseeded_rngs,
     varying_variables,
 )
@@ -124,3 +125,53 @@ def test_only_script_variables_that_differ_between_uninterrupted_runs_are_set_as
     assert [d["entry"] for d in varying_variables(killed, again)] == [
         "script variable step_times", "rank 1: script variable t_prev (in main())"]
     assert varying_variables(killed, []) == []
+
+
+def _lightning(batches_that_stepped: int, best: str, files: list[str]) -> dict:
+    import json
+
+    key = "ModelCheckpoint{'monitor': 'val_loss'}"
+    return {"data": {"loader": 0, "lightning": {
+        "fit_loop": json.dumps({"epoch_loop.state_dict": {
+            "_batches_that_stepped": batches_that_stepped}}),
+        "callbacks": json.dumps({key: {"best_model_path": best, "dirpath": "ck"}}),
+        "files": json.dumps({key: files})}}}
+
+
+def test_the_lightning_adapters_record_is_compared_loop_by_loop_and_callback_by_callback() -> None:
+    """The Lightning fit loop's and callbacks' states (JSON in the loader position) are
+    entries of their own; a callback's state and its directory listing, which the files an
+    earlier run left in the directory decide (``ModelCheckpoint`` names a taken name
+    ``-v1``), are set aside when two uninterrupted runs differ in them too; the fit loop's
+    progress never is."""
+    a = _lightning(3, "ck/best.ckpt", ["best.ckpt"])
+    assert differences(a, _lightning(3, "ck/best.ckpt", ["best.ckpt"])) == []
+    killed = [d.to_json() for d in differences(
+        a, _lightning(4, "ck/best-v1.ckpt", ["best-v1.ckpt", "best.ckpt"]), loader="train")]
+    key = "ModelCheckpoint{'monitor': 'val_loss'}"
+    assert [d["entry"] for d in killed] == [
+        "Lightning fit loop epoch_loop.state_dict",
+        f"Lightning callback state {key}.best_model_path",
+        f"Lightning ModelCheckpoint files of {key}"]
+    assert killed[0]["detail"] == "3 vs 4"
+    again = [d.to_json() for d in differences(
+        a, _lightning(4, "ck/best-v2.ckpt", ["best-v1.ckpt", "best-v2.ckpt", "best.ckpt"]))]
+    assert [d["entry"] for d in varying_variables(killed, again)] == [
+        f"Lightning callback state {key}.best_model_path",
+        f"Lightning ModelCheckpoint files of {key}"]
+    assert "Lightning fit loop epoch_loop.state_dict" in entry_names(a)
+
+
+def test_the_stop_is_compared_at_the_final_checkpoint_a_framework_loop_put_later(tmp_path
+                                                                                ) -> None:
+    """Lightning's boundary due at an epoch's last step (12) comes after the next epoch's
+    first step: the run's final checkpoint is step 13, and the verify compares there."""
+    from cfrun.contract.jobdir import step_dir_name
+
+    for step in (3, 6, 9, 13):
+        d = tmp_path / "checkpoints" / step_dir_name(step)
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text("{}")
+    assert stopped_at(tmp_path, 12) == 13
+    assert stopped_at(tmp_path, 9) == 9
+    assert stopped_at(tmp_path, 14) == 14

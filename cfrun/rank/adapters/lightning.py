@@ -23,7 +23,11 @@ Lightning's own resume restarts a plain DataLoader at the epoch's first batch an
 cfrun resumes it at the checkpoint's batch, and that warning is silenced. The user's
 ``ModelCheckpoint`` files written after cfrun's checkpoint, by the steps a kill makes cfrun
 compute again, are written again under the same names, not versioned ``-v1``
-(:func:`_patch_model_checkpoint`; the checkpoint records the names in each directory).
+(:func:`_patch_model_checkpoint`; the checkpoint records the names in each directory). The
+resumed epoch's ``CombinedLoader`` iterator counts batches from the epoch's start
+(:func:`_patch_epoch_loop`), as in the uninterrupted run, so that the state cfrun records at
+the next boundary (the loader wrappers' attributes) is the uninterrupted run's
+(``cfrun verify`` compares it).
 
 One difference from Lightning's checkpoints: those are written at ``on_train_batch_end`` or
 ``on_validation_end``; cfrun's boundary comes after the batch's ``on_advance_end``, where every
@@ -146,6 +150,8 @@ def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
 class _Pending:
     saved: dict[str, Any]
     loaded: bool = False
+    started: bool = False
+    """The resumed epoch's ``on_run_start`` ran (:func:`_patch_epoch_loop`)."""
 
 
 _pending: _Pending | None = None
@@ -179,6 +185,31 @@ def _patch() -> None:
 
     connector_cls.restore_training_state = restore_training_state
     when_imported(_MODEL_CHECKPOINT, _patch_model_checkpoint)
+    when_imported(_EPOCH_LOOP, _patch_epoch_loop)
+
+
+def _patch_epoch_loop() -> None:
+    """The resumed epoch's ``CombinedLoader`` iterator counts its batches from the epoch's
+    start, as in the uninterrupted run: Lightning's restart makes a new one whose batch counter
+    (``_ModeIterator._idx``, "what would be batch_idx", which Lightning's training loop does not
+    read) starts at 0 although the checkpoint's batches were consumed, and cfrun's checkpoint
+    records that counter with the loader wrappers' state. ``_TrainingEpochLoop.on_run_start``
+    adds the consumed batches to its data fetcher's ``fetched`` on a restart; the patched one
+    adds them to that counter too, once, in the epoch the resume restored."""
+    cls = sys.modules[_EPOCH_LOOP]._TrainingEpochLoop
+    start = cls.on_run_start
+
+    def on_run_start(self: Any, data_fetcher: Any) -> None:
+        start(self, data_fetcher)
+        p = _pending
+        if p is None or not p.loaded or p.started:
+            return
+        p.started = True
+        iterator: Any = getattr(getattr(data_fetcher, "iterator", None), "_iterator", None)
+        if iterator is not None and type(getattr(iterator, "_idx", None)) is int:
+            iterator._idx += self.batch_progress.current.ready
+
+    cls.on_run_start = on_run_start
 
 
 def _patch_model_checkpoint() -> None:
