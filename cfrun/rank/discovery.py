@@ -40,9 +40,9 @@ class Discovery:
         """The optimizers, schedulers and scalers alive at the last checkpoint (or the first
         step), strongly held so that the final checkpoint at the script's end finds them
         (:meth:`hold`)."""
-        self.wrappers: set[int] = set()
-        """ids of the outermost modules, DDP and ``torch.compile`` wrappers included (a script's
-        ``model = DDP(net)`` counts as saved). Set by :meth:`model_roots`."""
+        self.outer: list[weakref.ref[torch.nn.Module]] = []
+        """The outermost modules, DDP and ``torch.compile`` wrappers included (a script's
+        ``model = DDP(net)`` counts as saved), weakly. Set by :meth:`model_roots`."""
 
     # ---------------------------------------------------------------- registration (__init__)
 
@@ -88,6 +88,11 @@ class Discovery:
         """Drop what :meth:`hold` held (before a capture counts the live objects)."""
         self._held = []
 
+    def outer_modules(self) -> list[torch.nn.Module]:
+        """The outermost modules found by the last :meth:`model_roots` (wrappers not
+        unwrapped) that are still alive."""
+        return _alive(self.outer)
+
     def model_roots(self) -> list[torch.nn.Module]:
         """Modules that own the optimizers' parameters, outermost only, unwrapped from DDP.
 
@@ -105,7 +110,9 @@ class Discovery:
             return self._roots
         with warnings.catch_warnings():  # isinstance() on deprecated torch proxies warns
             warnings.simplefilter("ignore")
-            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+            # filter with the C-level instance check: ~40% less than a Python loop over the
+            # ~200k objects a torch process holds (0.1-0.5 s at the first step)
+            mods = list(filter(torch.nn.Module.__instancecheck__, gc.get_objects()))
         children = {id(c) for m in mods for c in m._modules.values() if c is not None}
         ranked = []
         for m in mods:
@@ -119,7 +126,7 @@ class Discovery:
         self.replicated_params = {id(p) for _, m in ranked
                                   if type(m).__name__ == "DistributedDataParallel"
                                   for p in m.parameters()}
-        self.wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
+        self.outer = [weakref.ref(m) for _, m in ranked]  # DDP / torch.compile wrappers too
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
         return self._roots
@@ -170,10 +177,5 @@ def uncheckpointable(found: Discovery) -> str | None:
 
 def _outer_modules(found: Discovery) -> list[torch.nn.Module]:
     """The outermost modules owning the optimizers' parameters, wrappers not unwrapped."""
-    found.model_roots()
-    ids = found.wrappers
-    if not ids:  # no wrapper module: nothing to look for (the scan took 0.3-0.9 s at step 1)
-        return []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and id(o) in ids]
+    found.model_roots()  # the one scan of live objects; its outermost modules are kept
+    return found.outer_modules()

@@ -615,7 +615,8 @@ class Snapshotter:
         for device, event in self._cuda_gates:
             torch.cuda.current_stream(device).wait_event(event)
         self._cuda_gates = []
-        self.copy_done.wait()
+        if not self.copy_done.is_set():  # set at nearly every step: no lock taken then
+            self.copy_done.wait()
         waited = time.perf_counter() - t0
         if "gate_s" not in self._record and self._record:
             self._finish(gate_s=waited)
