@@ -717,8 +717,9 @@ def verify_cmd(
 
 @app.command("resume", cls=CfrunCommand,
              help="Continue a stopped, failed or preempted job with the command, options and "
-                  "working directory recorded in its job dir (config.json); only --node-rank "
-                  "is taken from this command line.")
+                  "working directory recorded in its job dir (config.json); only --node-rank, "
+                  "and with --reshard another --nproc-per-node or --nnodes, are taken from "
+                  "this command line.")
 def resume_cmd(
     job_dir: Annotated[str, typer.Argument(
         metavar="JOB_DIR", help="A job dir written by an earlier cfrun run.")],
@@ -749,7 +750,9 @@ def resume_cmd(
 
     The script, its arguments, every option and the working directory come from the job dir's
     ``config.json`` (current ``CFRUN_*`` variables do not change them; only ``--node-rank``
-    picks the node). Recorded environment variables (``CFRUN_``, ``CUDA_``, ``OMP_``,
+    picks the node, and ``--nproc-per-node``/``--nnodes`` give another world size, which
+    ``--reshard`` lets resume from the recorded checkpoints: issue 25, item 4).
+    Recorded environment variables (``CFRUN_``, ``CUDA_``, ``OMP_``,
     ``NCCL_``, ``MKL_`` prefixes) are set again where the current environment lacks them;
     interpreter and loader variables (``PYTHON*``, ``LD_*``, plugins) found there are ignored
     with a warning, and credentials were never recorded. Prints the command it resumes. The job
