@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -385,3 +386,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if (os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("timing")
             and os.nice(0) < OTHER_TESTS_NICE):
         os.nice(OTHER_TESTS_NICE - os.nice(0))
+
+
+@pytest.fixture
+def one_rank_mesh() -> Iterator[Any]:
+    """A 1-rank gloo process group over a HashStore (in this process) and its 1-D device mesh
+    named ``dp``: DTensor code in-process (tests/unit/test_dtensor_codec.py,
+    test_reshard_units.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()

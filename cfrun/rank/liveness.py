@@ -283,18 +283,26 @@ def _header_end(loop: ast.For | ast.AsyncFor | ast.While) -> int:
     return expr.end_lineno or loop.lineno
 
 
-@functools.lru_cache(maxsize=64)
-def _live_at(path: str, name: str, firstlineno: int, line: int, freevars: tuple[str, ...]
-             ) -> frozenset[str] | None:
+def _followable(path: str, name: str, firstlineno: int
+                ) -> tuple[list[ast.stmt], symtable.SymbolTable] | None:
+    """The body and symbol table of the function (``<module>``: the module) when its source
+    reads and parses and it does not introspect its frame; None otherwise."""
     parsed = _source(path)
     if parsed is None:
         return None
     found = _function(*parsed, name, firstlineno)
+    if found is None or any(_introspects(n) for n in found[0]):
+        return None
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _live_at(path: str, name: str, firstlineno: int, line: int, freevars: tuple[str, ...]
+             ) -> frozenset[str] | None:
+    found = _followable(path, name, firstlineno)
     if found is None:
         return None
     body, scope = found
-    if any(_introspects(n) for n in body):
-        return None
     loops = _loops_around(body, line)
     if not loops:
         return None
@@ -340,15 +348,10 @@ def live_names(frame: types.FrameType) -> frozenset[str] | None:
 @functools.lru_cache(maxsize=64)
 def _assigned_at(path: str, name: str, firstlineno: int, line: int, freevars: tuple[str, ...]
                  ) -> frozenset[str] | None:
-    parsed = _source(path)
-    if parsed is None:
-        return None
-    found = _function(*parsed, name, firstlineno)
+    found = _followable(path, name, firstlineno)
     if found is None:
         return None
     body, scope = found
-    if any(_introspects(n) for n in body):
-        return None
     out = _written_elsewhere(scope, name == "<module>") | set(freevars)
     for loop in _loops_around(body, line)[:1]:  # the outermost: it holds the others
         for node in ast.walk(loop):

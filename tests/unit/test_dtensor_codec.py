@@ -5,26 +5,18 @@ mismatch. In-process, on a 1-rank gloo group over a HashStore."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cfrun.codec.dtensor import LocalShard, MeshMismatchError, live_meshes, to_dtensors
 from cfrun.codec.format import decode, encode
 
 
 @pytest.fixture
-def mesh() -> Iterator[Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh: Any) -> Any:
+    return one_rank_mesh
 
 
 def test_a_dtensor_is_its_local_shard_with_placement_and_comes_back(mesh):

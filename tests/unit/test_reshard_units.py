@@ -6,13 +6,11 @@ tests/integration/test_reshard.py."""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cfrun.codec.dtensor import LocalShard, MeshMismatchError, mesh_key, to_dtensors
 from cfrun.rank import liveness
@@ -38,14 +36,8 @@ def test_the_samplers_world_attributes_keep_the_live_values():
 
 
 @pytest.fixture
-def mesh() -> Iterator[Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh: Any) -> Any:
+    return one_rank_mesh
 
 
 def _old_shards(full: torch.Tensor, ranks: int) -> list[LocalShard]:
