@@ -61,6 +61,9 @@ def main() -> None:
                 for cfrun in (False, True):
                     rows.setdefault(("cfrun" if cfrun else "plain", loader), []).append(
                         run(cfrun, loader, a.steps, Path(d)))
+    for (name, loader), got in sorted(rows.items()):
+        print(f"raw {'loader' if loader else 'step'} {name}: "
+              + ", ".join(f"{w:.0f}/{c:.0f}" for w, c in got) + " (wall/cpu us per round)")
     print(f"{'loop':<7} {'contender':<9} {'wall us/step':>12} {'extra':>7} {'ratio':>6} "
           f"{'cpu us/step':>12} {'extra':>7} {'ratio':>6}")
     for loader in (False, True):
