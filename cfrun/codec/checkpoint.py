@@ -580,7 +580,8 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
             continue
         try:
             manifest = check_usable(step_dir, world_size=None if reshard else world_size,
-                                    check_state=check_state, loading_rank=rank)
+                                    check_state=check_state,
+                                    loading_rank=None if reshard else rank)  # all verified
             read: Any
             if reshard and world_size is not None and manifest.world_size != world_size:
                 from cfrun.rank.reshard import ReshardRead

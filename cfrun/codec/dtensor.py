@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,6 +126,10 @@ class LocalShard:
     parts: list[LocalShard] | None = None
     """A resume on another world size (:mod:`cfrun.rank.reshard`): every old rank's shard of
     this tensor, from which :func:`reshard_local` cuts this rank's new one; None otherwise."""
+    load: Callable[[], torch.Tensor] | None = None
+    """Another old rank's shard not read yet (:attr:`local` is then a ``meta`` tensor of its
+    dtype and shape): reads its bytes, called by :func:`reshard_local` only where it overlaps
+    the new shard."""
 
     @property
     def shape(self) -> torch.Size:
@@ -308,7 +313,12 @@ def reshard_local(shard: LocalShard, mesh: Any) -> Any:
             src.append(slice(lo - o_old, hi - o_old))
             dst.append(slice(lo - o_new, hi - o_new))
         else:
-            local[tuple(dst)] = part.local[tuple(src)]
+            old = part.local
+            if old.is_meta and part.load is not None:
+                old = part.load()  # read now, only because it overlaps; freed after the copy
+                if old.shape != part.local.shape or old.dtype != part.local.dtype:
+                    raise MeshMismatchError("an old rank's shard read back with another shape")
+            local[tuple(dst)] = old[tuple(src)]
             covered[tuple(dst)] = True
     if local.numel() and not bool(covered.all()):
         raise MeshMismatchError(f"the old ranks' shards do not cover this rank's new shard of "

@@ -10,8 +10,9 @@ What each new rank ``r`` takes (:class:`ReshardRead`):
   rank's shard of the same tensor (:attr:`cfrun.codec.dtensor.LocalShard.parts`); at the
   resume, where the live mesh is known, :func:`cfrun.codec.dtensor.reshard_local` cuts this
   rank's new local shard out of them by their global offsets (only the overlapping blocks are
-  copied; no collective). This reads every old rank's file on every new rank: the host memory
-  it takes is the whole checkpoint, not one shard (what DCP's planner would avoid);
+  copied; no collective). Of the old ranks other than ``r % W_old`` only the shards that
+  overlap this rank's new ones are read (:func:`_lazy_tree`: each one's bytes alone, by its
+  table entry), one at a time, as DCP's planner reads only the slices a rank needs;
 * **RNG and script variables**: old rank ``r % W_old``'s; a variable the loops around the
   resume point never assign (``rank``, ``world_size``, ``device``: what the script computed for
   this world before its loop) keeps the live value (:func:`cfrun.rank.liveness.loop_assigned`);
@@ -30,6 +31,8 @@ The sampler's world-dependent attributes (``num_replicas``, ``rank``, ``num_samp
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,7 @@ class ReshardRead:
         docs: dict[int, Any] = {}
         state, meta = assemble_rank(step_dir, manifest, source, docs)
         if has_shards(state):
-            others = [assemble_rank(step_dir, manifest, q, docs)[0]
+            others = [state if q == source else _lazy_tree(step_dir, manifest, q, docs)
                       for q in range(manifest.world_size)]
             attach_parts(state, others)
         docs.clear()
@@ -80,6 +83,86 @@ class ReshardRead:
     def wait(self) -> tuple[Any, dict[str, Any]]:
         """``(state, meta)``."""
         return self.state, self.meta
+
+
+def _lazy_tree(step_dir: Path, manifest: Any, rank: int, docs: dict[int, Any]) -> Any:
+    """Old rank ``rank``'s decoded tree with no tensor bytes read: every tensor a ``meta``
+    tensor, every DTensor shard (:class:`LocalShard`) with a :attr:`LocalShard.load` that reads
+    its bytes alone from the rank's ``.bin`` (``pread`` at its table entry's offset), so a new
+    rank reads of the other old ranks only the shards that overlap its own. A rank with a
+    1/N layout (replicated tensors in slices) is read whole.
+
+    The files were verified whole by every rank at install
+    (:func:`cfrun.codec.checkpoint.check_usable`); the bytes read here are checked against
+    their table entry's size.
+
+    Raises:
+        CheckpointCorruptError: the rank's document does not read or decode.
+    """
+    from cfrun.codec.checkpoint import assemble_rank
+    from cfrun.codec.format import decode, meta_tensor
+    from cfrun.contract.errors import CheckpointCorruptError
+    from cfrun.contract.shard import read_doc, shard_names
+
+    doc, entries = read_doc(step_dir, manifest, rank)
+    tree = doc["tree"]
+    if isinstance(tree, dict) and tree.get("sharded"):
+        return assemble_rank(step_dir, manifest, rank, docs)[0]
+    try:
+        metas = [meta_tensor(e) for e in entries]
+        decoded = decode(tree, metas)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
+                                     f"({type(e).__name__}: {str(e)[:200]})") from None
+    entry_of = {id(t): e for t, e in zip(metas, entries)}
+    bin_path = step_dir / shard_names(rank)[0]
+    shards = _shards(decoded)
+    if any(id(shard.local) not in entry_of for shard in shards):  # not one table entry each
+        return assemble_rank(step_dir, manifest, rank, docs)[0]
+    for shard in shards:
+        shard.load = functools.partial(_read_entry, bin_path, entry_of[id(shard.local)])
+    return decoded
+
+
+def _shards(tree: Any) -> list[LocalShard]:
+    if isinstance(tree, LocalShard):
+        return [tree]
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _shards(v)]
+    if isinstance(tree, (list, tuple)):
+        return [s for v in tree for s in _shards(v)]
+    return []
+
+
+def _read_entry(bin_path: Path, entry: Any) -> Any:
+    """One tensor's bytes from a shard file (a regular file, no link followed), as a tensor.
+
+    Raises:
+        CheckpointCorruptError: the file is shorter than the entry says, or not a regular file.
+    """
+    import dataclasses
+
+    from cfrun.codec.format import tensor_from_buffer
+    from cfrun.contract.errors import CheckpointCorruptError
+    from cfrun.contract.fsio import open_regular
+
+    try:
+        fd, size = open_regular(bin_path, max_bytes=1 << 62)
+    except OSError as e:  # UnsafeFileError (a link, not a regular file) is one
+        raise CheckpointCorruptError(f"{bin_path.name}: {e}") from None
+    try:
+        if entry.offset + entry.nbytes > size:
+            raise CheckpointCorruptError(f"{bin_path.name}: shorter than its table says")
+        buf = bytearray(entry.nbytes)
+        view, got = memoryview(buf), 0
+        while got < entry.nbytes:
+            n = os.preadv(fd, [view[got:]], entry.offset + got)
+            if n <= 0:
+                raise CheckpointCorruptError(f"{bin_path.name}: shorter than its table says")
+            got += n
+    finally:
+        os.close(fd)
+    return tensor_from_buffer(buf, dataclasses.replace(entry, offset=0))
 
 
 def attach_parts(tree: Any, others: list[Any]) -> None:

@@ -120,3 +120,23 @@ def test_what_the_loops_never_assign_keeps_its_live_value(tmp_path: Path):
         assert got is not None
         assert {"step", "loss", "epoch", "i", "best"} <= got, got
         assert not {"rank", "world"} & got, got
+
+
+def test_an_old_shard_is_read_only_where_it_overlaps_the_new_one(mesh):
+    """A new rank reads the other old ranks' shards lazily (:attr:`LocalShard.load`), each
+    where it overlaps its new one: on a 1-rank live mesh every one, once each, and the new
+    shard is whole. (Which are skipped on a larger mesh: the FSDP2 run of
+    tests/integration/test_reshard.py, 4 -> 2 ranks.)"""
+    full = torch.arange(24.0).reshape(6, 4)
+    shards = _old_shards(full, 3)
+    reads: list[int] = []
+    lazy = []
+    for i, s in enumerate(shards):
+        real = s.local
+        s.local = torch.empty(real.shape, dtype=real.dtype, device="meta")
+        s.load = (lambda i=i, real=real: (reads.append(i), real)[1])
+        lazy.append(s)
+    tree = {"w": lazy[0]}
+    attach_parts(tree, [{"w": s} for s in lazy])
+    got = to_dtensors(tree, {mesh_key(mesh.mesh.tolist(), ["dp"]): mesh})["w"]
+    assert torch.equal(got.to_local(), full) and sorted(reads) == [0, 1, 2]
