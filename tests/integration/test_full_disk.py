@@ -31,7 +31,9 @@ from conftest import (
     run_cfrun,
 )
 
-pytestmark = pytest.mark.timeout(400)
+# one xdist worker runs the module, so its module-scoped run is made once, not once per
+# worker (issue 27, item 9)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("full_disk")]
 
 STEPS = 100
 FILL_AT, FREE_AT = 30, 60

@@ -42,7 +42,9 @@ from cfrun.contract.checkpoints import MANIFEST, committed_steps, good_steps, ve
 from cfrun.contract.jobdir import step_dir_name
 from cfrun.contract.manifest import FileEntry, Manifest, read_manifest
 
-pytestmark = pytest.mark.timeout(400)
+# one xdist worker runs the module, so its module-scoped run is made once, not once per
+# worker (issue 27, item 9)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("good_checkpoints")]
 
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "got.pt"]
 

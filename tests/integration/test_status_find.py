@@ -13,7 +13,9 @@ import shutil
 import pytest
 from conftest import SCRIPTS, cfrun_in_process, resumable_steps, run_cfrun, shared_run
 
-pytestmark = pytest.mark.timeout(240)
+# one xdist worker runs the module, so its module-scoped run is made once, not once per
+# worker (issue 27, item 9)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("status_find")]
 
 
 @pytest.fixture(scope="module")
