@@ -279,10 +279,10 @@ def run_cmd(
              "command.")] = None,
     accept_changed_command: Annotated[bool, typer.Option(
         "--accept-changed-command",
-        help="Go on from the job dir's checkpoints although the script, its arguments or the "
-             "world size changed (recorded as a command_changed event). Without it a changed "
-             "command is refused (exit 2) where the job dir has a checkpoint, and taken where "
-             "it has none.")] = False,
+        help="Go on from the job dir's checkpoints although the script or its arguments "
+             "changed (recorded as a command_changed event; another world size needs "
+             "--reshard). Without it a changed command is refused (exit 2) where the job dir "
+             "has a checkpoint, and taken where it has none.")] = False,
     rerun: Annotated[bool, typer.Option(
         "--rerun",
         help="Run a finished job's command again, from its newest checkpoint (the script's "
