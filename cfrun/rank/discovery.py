@@ -40,6 +40,9 @@ class Discovery:
         """The optimizers, schedulers and scalers alive at the last checkpoint (or the first
         step), strongly held so that the final checkpoint at the script's end finds them
         (:meth:`hold`)."""
+        self.wrappers: set[int] = set()
+        """ids of the outermost modules, DDP and ``torch.compile`` wrappers included (a script's
+        ``model = DDP(net)`` counts as saved). Set by :meth:`model_roots`."""
         self.outer: list[weakref.ref[torch.nn.Module]] = []
         """The outermost modules, DDP and ``torch.compile`` wrappers included (a script's
         ``model = DDP(net)`` counts as saved), weakly. Set by :meth:`model_roots`."""
@@ -112,7 +115,8 @@ class Discovery:
             warnings.simplefilter("ignore")
             # filter with the C-level instance check: ~40% less than a Python loop over the
             # ~200k objects a torch process holds (0.1-0.5 s at the first step)
-            mods = list(filter(torch.nn.Module.__instancecheck__, gc.get_objects()))
+            mods = [m for m in filter(torch.nn.Module.__instancecheck__, gc.get_objects())
+                    if type(m) not in _PROXIES]  # a weak proxy is its module a second time
         children = {id(c) for m in mods for c in m._modules.values() if c is not None}
         ranked = []
         for m in mods:
@@ -126,10 +130,17 @@ class Discovery:
         self.replicated_params = {id(p) for _, m in ranked
                                   if type(m).__name__ == "DistributedDataParallel"
                                   for p in m.parameters()}
-        self.outer = [weakref.ref(m) for _, m in ranked]  # DDP / torch.compile wrappers too
+        self.wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
+        self.outer = [weakref.ref(m) for _, m in ranked]
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
         return self._roots
+
+
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+"""``weakref.proxy`` objects pass ``isinstance(p, nn.Module)`` for the module they stand for
+(Lightning's Trainer holds one of its LightningModule): counted as a root of its own they made
+every checkpoint hold that model twice."""
 
 
 def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
