@@ -431,11 +431,12 @@ def _read_rank(step_dir: Path, manifest: Manifest, rank: int, *, real: bool = Tr
     return doc, tensors
 
 
-def _assemble(step_dir: Path, manifest: Manifest, rank: int,
+def assemble_rank(step_dir: Path, manifest: Manifest, rank: int,
               docs: dict[int, tuple[dict[str, Any], list[torch.Tensor]]]
               ) -> tuple[Any, dict[str, Any]]:
     """Rank ``rank``'s decoded state and meta from the docs and tensors of every rank in
-    ``docs`` (read on demand when missing).
+    ``docs`` (read on demand when missing, verified whole): what :func:`check_usable` judges
+    and what a resume on another world size reads (:class:`cfrun.rank.reshard.ReshardRead`).
 
     Raises:
         CheckpointCorruptError: the tree does not decode, or the ranks' 1/N layouts disagree.
@@ -465,19 +466,6 @@ def _assemble(step_dir: Path, manifest: Manifest, rank: int,
     except _DECODE_ERRORS as e:
         raise CheckpointCorruptError(f"{step_dir.name}: rank {rank}'s shard does not decode "
                                      f"({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def assemble_rank(step_dir: Path, manifest: Manifest, rank: int,
-                  docs: dict[int, tuple[dict[str, Any], list[torch.Tensor]]]
-                  ) -> tuple[Any, dict[str, Any]]:
-    """Rank ``rank``'s decoded state and meta, every file it needs read and verified whole
-    (``docs`` caches each rank's doc and tensors across calls): what a resume on another world
-    size reads (:class:`cfrun.rank.reshard.ReshardRead`).
-
-    Raises:
-        CheckpointCorruptError: a file does not read, verify or decode.
-    """
-    return _assemble(step_dir, manifest, rank, docs)
 
 
 def check_usable(step_dir: Path, *, world_size: int | None = None,
@@ -512,7 +500,7 @@ def check_usable(step_dir: Path, *, world_size: int | None = None,
         docs = {q: _read_rank(step_dir, manifest, q, real=False)
                 for q in range(manifest.world_size)}
         for q in range(manifest.world_size):
-            state, meta = _assemble(step_dir, manifest, q, docs)
+            state, meta = assemble_rank(step_dir, manifest, q, docs)
             if check_state is not None:
                 check_state(state, meta)
     except (CheckpointCorruptError, IncompatibleFormatError):
