@@ -246,9 +246,9 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
     slow = peers(tmp_path, l2_url, token, env=faults.arm({}, **{"peer.flush_delay_s": 60}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--job-name", "j",
-         "--peer", slow.address, "--peer-token-file", str(token), SLOW, "240", "out.pt", "0.04"],
-        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+         "--peer", slow.address, "--peer-token-file", str(token), SLOW, "5000", "out.pt", "0.04"],
+        cwd=tmp_path, env=clean_env({"SLOW_STEPS_STOP_FILE": str(tmp_path / "stop")}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         job = tmp_path / "j"
         flushing = int(slow.wait_for(r"flushing j step (\d+)").group(1))
@@ -262,6 +262,7 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
         assert again.port == slow.port
         up = wait_event(job, "peer_reconnected", proc=proc)
         wait_event(job, "durable", lambda e: e["t_unix_s"] > up["t_unix_s"], proc=proc)
+        (tmp_path / "stop").touch()  # the script ends at its next step (5000 would be 200 s)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

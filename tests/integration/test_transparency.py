@@ -22,6 +22,7 @@ import xxhash
 from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
 
 from cfrun.codec.checkpoint import MANIFEST
+from cfrun.contract import faults
 from cfrun.contract.manifest import FileEntry, Manifest, read_manifest
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.torchrun]  # as users launch
@@ -114,10 +115,13 @@ def test_unordered_workers_are_said_not_exact(tmp_path):
 def test_a_checkpoint_without_worker_states_resumes_and_says_not_exact(tmp_path):
     """A checkpoint of an older cfrun (no worker RNG states) still resumes, to the end, and
     the run says its workers' augmentation is not the original's."""
-    run = run_cfrun(["--interval", "4", "--job-dir", "j", "--max-restarts", "0",
-                     "--inject-crash", "10@0", SCRIPT, "--out", "o.pt", "--epochs", "2"],
-                    cwd=tmp_path)
-    assert run.returncode != 0 and run.events("checkpoint"), run.stderr[-3000:]
+    # killed right after handing its first checkpoint at or after step 8 to the agent, which
+    # commits it: a checkpoint to resume from however slow the machine (a crash injected at a
+    # fixed step could come before any commit on a loaded one)
+    run = run_cfrun(["--interval", "4", "--job-dir", "j", "--max-restarts", "0", SCRIPT,
+                     "--out", "o.pt", "--epochs", "2"], cwd=tmp_path,
+                    env=faults.arm({}, **{"rank.kill_after_snapshot": 8}))
+    assert run.returncode != 0 and run.events("commit"), run.stderr[-3000:]
     ckpts = tmp_path / "j" / "checkpoints"
     newest = max(p for p in ckpts.iterdir() if p.name.startswith("step-"))
     doc = json.loads((newest / "rank-00000.json").read_bytes())
