@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,6 +179,17 @@ def epoch_ends_run_again(kills: list[int], resumed: list[int], steps_per_epoch: 
     committed at the kill, recomputes the end too)."""
     ends = [steps_per_epoch * (j + 1) for j in range(epochs)]
     return sum(1 for k, r in zip(kills, resumed) for e in ends if r <= e < k)
+
+
+def slow_but(values: Iterable[Any], *quick: Any) -> list[Any]:
+    """``parametrize`` values with every value but ``quick`` marked ``slow``: the quick tier
+    runs one case of a parametrized end-to-end test, the slow tier the others (README,
+    "Tests"). A tuple value is one case's arguments; ids stay those of the bare values."""
+    out = []
+    for v in values:
+        args = v if isinstance(v, tuple) else (v,)
+        out.append(pytest.param(*args, marks=() if v in quick else (pytest.mark.slow,)))
+    return out
 
 
 @pytest.fixture

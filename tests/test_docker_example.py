@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DOCKERFILE = ROOT / "examples" / "docker" / "Dockerfile"
 
 

@@ -12,19 +12,25 @@ from conftest import ROOT, clean_env
 
 
 def test_ci_runs_exactly_the_readme_commands():
+    """The quickstart has exactly two commands (the demo, the quick tier of the tests); CI runs
+    them as written, then the slow tier, whose command README's "Tests" gives."""
     text = (ROOT / "README.md").read_text()
-    assert text.count("<!-- command: ") == 2
+    quickstart = text[text.index("## Quickstart"):text.index("\n## ", text.index("## Quickstart"))]
+    assert quickstart.count("<!-- command: ") == 2
+    assert text.count("<!-- command: ") == 3 and "<!-- command: slow-tests -->" in text
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "command_after demo" in ci and "command_after tests" in ci
+    assert all(f"command_after {c}" in ci for c in ("demo", "tests", "slow-tests"))
     out = subprocess.run(["bash", "-c", "source <(sed -n '/^command_after()/,/^}/p' .ci/run); "
-                          "command_after demo; command_after tests"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+                          "command_after demo; command_after tests; command_after slow-tests"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].endswith("bash examples/quickstart.sh")
     assert out[1].endswith("python -m pytest")
     assert ".venv/bin/ruff check && .venv/bin/mypy && " in out[1]  # lint and types gate the tests
+    assert out[2] == ".venv/bin/python -m pytest -m slow"
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_quickstart_demo_crashes_resumes_and_matches(tmp_path):
     """The demo script of the README's first command, with this interpreter's cfrun."""
     env = clean_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import ROOT, clean_env
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(600)
 def test_scaling_bench_writes_every_field(tmp_path):

@@ -145,6 +145,7 @@ def _alive(pids: set[int]) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path,
                                                                         tmp_path_factory):
     """kill -9 of cfrun alone: its agent, torchrun and ranks die with it (they would go on
@@ -187,6 +188,7 @@ def test_sigkilled_cfrun_leaves_no_process_and_the_same_command_resumes(tmp_path
     assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_path):
     """Only rank 1 raises; rank 0 then fails in gloo with 'Connection closed by peer
     [127.0.0.1]:<a new port each attempt>'. The crash loop is still detected (exit 5) and
@@ -210,6 +212,7 @@ def test_crash_loop_names_the_first_failing_rank_not_a_peer_transport_error(tmp_
     assert "Connection closed by peer" in "".join(kept["traceback"])
 
 
+@pytest.mark.slow
 def test_resume_from_elsewhere_uses_the_recorded_cwd_and_env(tmp_path):
     """`cfrun resume /abs/job` from another directory with a cleared environment runs the
     script in the recorded cwd with the recorded OMP_NUM_THREADS."""

@@ -86,6 +86,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_a_finished_job_says_so_and_runs_nothing_unless_rerun(tmp_path):
     args = ["--interval", "10", "--job-dir", "j", str(SCRIPTS / "train_tiny.py"), "--epochs", "1",
             "--out", "final.pt"]
@@ -160,6 +161,7 @@ def test_export_to_a_missing_directory_is_one_line_and_writes_nothing(tmp_path):
 
 @pytest.mark.torchrun  # torchrun's logs are the point
 @pytest.mark.parametrize("log_format", ["auto", "json"])
+@pytest.mark.slow
 def test_a_crash_and_restart_off_a_terminal_is_one_line_each_and_torchrun_logs_go_to_the_job_dir(
         tmp_path, log_format):
     """Not on a terminal: one record per line, never wrapped, no trailing blanks; the rank's

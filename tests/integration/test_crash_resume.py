@@ -17,6 +17,7 @@ from conftest import (
     final_line,
     over_recompute_bound,
     run_cfrun,
+    slow_but,
     tiny_reference,
 )
 
@@ -51,10 +52,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return run, state
 
 
-@pytest.mark.parametrize("inject, kills, why", [
+@pytest.mark.parametrize("inject, kills, why", slow_but([
     ("35", 1, "mid-epoch"),
     ("35@0,70@1", 2, "twice in one run"),
-])
+], ("35@0,70@1", 2, "twice in one run")))
 def test_sigkill_resume_is_bit_identical(reference, tmp_path, inject, kills, why):
     ref_run, ref_state = reference
     run, state, iters = _train(tmp_path, "crash", "--inject-crash", inject)
@@ -79,6 +80,7 @@ def _epoch_lines(stdout: str) -> list[str]:
     (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH,
      "at an epoch boundary: checkpoint 46 is the last step of epoch 1, before its validation"),
 ])
+@pytest.mark.slow
 def test_sigkill_right_after_a_checkpoint_resumes_from_it(reference, tmp_path, interval, step,
                                                            why):
     """SIGKILLed right after checkpoint ``step`` was handed to the persist agent: it is
@@ -94,6 +96,7 @@ def test_sigkill_right_after_a_checkpoint_resumes_from_it(reference, tmp_path, i
     assert _epoch_lines(run.stdout) == _epoch_lines(ref_run.stdout), why  # each printed once
 
 
+@pytest.mark.slow
 def test_sigkill_during_validation(reference, tmp_path):
     ref_run, ref_state = reference
     run, state, iters = _train(tmp_path, "val", env={"DIE_IN_VAL_EPOCH": "1",
@@ -106,6 +109,7 @@ def test_sigkill_during_validation(reference, tmp_path):
     assert TOTAL < iters <= TOTAL + K + 1 or run.events("checkpoint_deferred"), iters
 
 
+@pytest.mark.slow
 def test_sigkill_while_checkpoint_is_written(reference, tmp_path):
     """The rank dies mid-snapshot of the checkpoint due at step 30: it is never used."""
     ref_run, ref_state = reference
@@ -120,6 +124,7 @@ def test_sigkill_while_checkpoint_is_written(reference, tmp_path):
     assert not list((tmp_path / "mid" / "checkpoints").glob(".staging-*"))
 
 
+@pytest.mark.slow
 def test_completed_epochs_are_not_run_again(reference, tmp_path):
     """Resuming in epoch 3 must not iterate epochs 0-2 (no validation, no output for them)."""
     ref_run, _ = reference
@@ -141,6 +146,7 @@ def test_completed_epochs_are_not_run_again(reference, tmp_path):
     assert list(loaded_by.values())[-1] == (TOTAL - resumed) * 64, (resumed, loaded_by)
 
 
+@pytest.mark.slow
 def test_gan_two_optimizers_and_grad_scalers_resume_bit_identical(tmp_path):
     """Two models, two optimizers per iteration, two GradScalers, a per-iteration scheduler."""
     script = str(SCRIPTS / "train_gan.py")
@@ -156,6 +162,7 @@ def test_gan_two_optimizers_and_grad_scalers_resume_bit_identical(tmp_path):
     assert final_line(got.stdout) == final_line(ref.stdout)
 
 
+@pytest.mark.slow
 def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path,
                                                                        tmp_path_factory):
     """--nproc-per-node 2, gloo, DDP, DistributedSampler.set_epoch: rank 0 SIGKILLed."""
@@ -185,6 +192,7 @@ def test_two_rank_ddp_with_distributed_sampler_resumes_bit_identical(tmp_path,
     assert [384, 64] not in [t["shape"] for t in doc["tensors"]]  # only the [192, 64] halves
 
 
+@pytest.mark.slow
 def test_a_changed_training_loader_is_refused(tmp_path):
     """Resuming with another batch size stops with exit 5 and a one-line error, instead of
     jumping to the checkpoint's epoch and silently training on without the checkpoint."""
@@ -208,6 +216,7 @@ def test_a_changed_training_loader_is_refused(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
+@pytest.mark.slow
 def test_replayed_epoch_loop_resumes_bit_identical(tmp_path):
     """``for epoch in list(range(4))`` cannot be jumped: cfrun replays epochs 0-1 with an
     empty training loader, the script's output muted and its torch.save disabled; the per-epoch

@@ -18,6 +18,7 @@ def _export(cwd: Path) -> tuple[str, dict]:
     return run.stdout.strip(), torch.load(cwd / "out.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_two_ranks_under_the_default_policy_export_the_last_step(tmp_path: Path) -> None:
     """DDP on 2 ranks (gloo; the script calls dist.destroy_process_group() before it ends),
     no --interval: the export is step 69, the script's last, bit-identical to its own final

@@ -28,7 +28,8 @@ from conftest import (
 
 from cfrun.contract import faults
 
-pytestmark = pytest.mark.timeout(600)  # ~60 s each on an idle 2-core machine
+# ~60 s each on an idle 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 WARNING = "WARNING: resume may not be exact: "
 

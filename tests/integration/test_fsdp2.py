@@ -26,7 +26,7 @@ from conftest import (
     run_cfrun,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCRIPT = str(SCRIPTS / "train_fsdp2.py")
 STEPS = 24  # 2 epochs of 12 batches per data-parallel rank

@@ -162,6 +162,7 @@ def test_full_disk_skips_then_resumes_checkpoints(reference, tmpfs, tmp_path):
     assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_kill_after_the_outage_resumes_from_a_checkpoint_taken_after_it(reference, tmpfs,
                                                                          tmp_path):
     """SIGKILL of the rank 35 steps after space came back: the resume is from a checkpoint

@@ -35,6 +35,7 @@ from conftest import (
     final_line,
     resumable_steps,
     run_cfrun,
+    slow_but,
     tiny_reference,
 )
 
@@ -97,6 +98,7 @@ def _two_newest(job: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------- 1. retention
 
 
+@pytest.mark.slow
 def test_foreign_higher_steps_neither_count_nor_cost_the_resumed_step(tiny_ref, tmp_path):
     """Scenario "Retention deletes the good ones": two higher-numbered steps of another
     format_version, then `cfrun resume`. The run resumes from the good step, the foreign ones
@@ -124,6 +126,7 @@ def test_foreign_higher_steps_neither_count_nor_cost_the_resumed_step(tiny_ref, 
     assert ls.returncode == 0 and "000900" not in ls.stdout and "900 " not in ls.stdout, ls.stdout
 
 
+@pytest.mark.slow
 def test_retention_during_a_run_ignores_foreign_steps_and_keeps_new_commits(tmp_path):
     """Foreign-format steps appear while the job runs (no resume moves them aside): every new
     commit used to be deleted at once; now the newest two good ones stay and the foreign ones
@@ -252,7 +255,7 @@ def _copy_job(src: Path, cwd: Path, name: str = "j", **config: Any) -> Path:
     return job
 
 
-@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("case", slow_but(BAD, "KeyError: no loader position"))
 def test_a_bad_checkpoint_is_moved_aside_and_every_rank_falls_back(tiny_ref, crashed, tmp_path,
                                                                    case):
     """Scenario "A bad checkpoint blocks every later resume", for each kind of failure."""
@@ -313,6 +316,7 @@ WIDTH = [str(SCRIPTS / "train_width.py"), "4", "got.pt"]
     ({"GROUPS": "2"}, ["optimizer 0", "1 parameter groups in the checkpoint, 2 live"]),
     ({"SCHED": "exp"}, ["LR scheduler 0 (ExponentialLR)", "step_size only in the checkpoint"]),
 ])
+@pytest.mark.slow
 def test_a_changed_model_stops_with_exit_5_and_touches_nothing(tmp_path, change, needles):
     """Scenario "A changed model half-restores": the checkpoint is fine, the job changed."""
     first = run_cfrun(["--interval", "5", "--max-restarts", "0", "--job-dir", "j",

@@ -95,6 +95,7 @@ def _job_dirs(cwd: Path) -> list[Path]:
 # ---------------------------------------------------------------------- nothing to resume
 
 
+@pytest.mark.slow
 def test_profile_then_run_trains_and_commits(tmp_path):
     """A budget of 30%: the interval the profile chooses fits the run's 92 steps."""
     tiny = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "x.pt"]
@@ -123,6 +124,7 @@ def test_a_scripts_help_prints_every_time(tmp_path):
 COMMON = ["--interval", "5", "--job-dir", "j"]
 
 
+@pytest.mark.slow
 def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_path):
     """``-h``, then an argparse typo, then the right command, all in one job dir: each runs."""
     script = _script(tmp_path)
@@ -145,6 +147,7 @@ def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_
     assert identity["fingerprints"] == [identity["fingerprint"]]  # the old commands: dropped
 
 
+@pytest.mark.slow
 def test_a_changed_command_with_a_checkpoint_is_refused_and_its_hint_goes_on(tmp_path):
     """Once the job has a checkpoint a changed command is refused as before (exit 2, nothing
     in the job dir touched), and its hint, pasted, goes on with the change; so does the hint of
@@ -182,6 +185,7 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_learning_rate_sweep_in_one_directory_runs_without_flags(tmp_path):
     """Two runs with other --lr side by side, a third after them: each its own default job
     dir, each trains; the first again says it finished, and its hint reruns it."""
@@ -216,6 +220,7 @@ def test_a_learning_rate_sweep_in_one_directory_runs_without_flags(tmp_path):
 # ---------------------------------------------------------------------- hints after a stop
 
 
+@pytest.mark.slow
 def test_the_crash_loop_hint_resumes_the_fixed_script(tmp_path):
     script = _script(tmp_path, FAILING)
     run = run_cfrun(["--interval", "2", "--crash-loop", "2", "--job-dir", "my job",
@@ -231,6 +236,7 @@ def test_the_crash_loop_hint_resumes_the_fixed_script(tmp_path):
     assert _events(job, "command_changed")[-1]["changed"][0].startswith("script edited")
 
 
+@pytest.mark.slow
 def test_the_resume_line_after_a_sigterm_resumes(tmp_path):
     """The job dir's path has a space: the printed line quotes it."""
     proc = _start(["--interval", "5", "--job-dir", "my job", str(SCRIPTS / "slow_steps.py"),

@@ -109,6 +109,7 @@ def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(t
     assert _events(job, "resumed")
 
 
+@pytest.mark.slow
 def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(tmp_path):
     script = _script(tmp_path)
     first = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
@@ -167,6 +168,7 @@ def peer(tmp_path):
     p.kill()
 
 
+@pytest.mark.slow
 def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
     """Job A in x/j and job B in y/j (another learning rate) on one peer: two names, two
     level-2 prefixes, B never installs A's checkpoint; B on a fresh node (its job dir gone)
@@ -206,6 +208,7 @@ def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
     assert [e["step"] for e in _events(tmp_path / "y" / "j", "resumed")] == [fetched["step"]]
 
 
+@pytest.mark.slow
 def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
     """Job a's flushed checkpoints copied under job b's name at level 2 (a mixed-up store):
     b's agent refuses each with a fetch_failed event naming the job ids, and b trains from
@@ -231,6 +234,7 @@ def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
     assert not _events(tmp_path / "jb", "fetched") and not _events(tmp_path / "jb", "resumed")
 
 
+@pytest.mark.slow
 def test_a_step_planted_at_level_2_without_the_job_key_is_not_installed(tmp_path, peer):
     """Issue 24, item 2: a writer of the level-2 store (the bucket, the NFS directory) planted
     a newer step made of the job's own files (the job id and command hashes are public), and
@@ -264,6 +268,7 @@ def test_a_step_planted_at_level_2_without_the_job_key_is_not_installed(tmp_path
     assert (fetched["source"], fetched["step"]) == ("level2", newest)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp_path):
     """Job a's newer checkpoint copied into job b's job dir: b moves it aside
     (``foreign-step-*``, a foreign_checkpoint event) and resumes from its own."""
@@ -292,6 +297,7 @@ def test_a_checkpoint_of_another_job_in_the_job_dir_is_set_aside_not_resumed(tmp
 # ---------------------------------------------------------------------- status
 
 
+@pytest.mark.slow
 def test_status_after_a_sigkill_of_cfrun_says_the_supervisor_is_gone(tmp_path):
     argv = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j",
             str(SCRIPTS / "slow_steps.py"), "100000", "out.pt", "0.05"]

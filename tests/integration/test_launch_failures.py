@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, Run, clean_env, run_cfrun, slow_reference
+from conftest import SCRIPTS, Run, clean_env, run_cfrun, slow_but, slow_reference
 from test_supervision import _resume_and_compare, _sigterm_run, _start
 
 from cfrun.contract import faults, slots
@@ -38,6 +38,7 @@ def test_the_scripts_own_options_reach_every_rank_unchanged(tmp_path: Path, npro
     assert len(run.events("attempt_start")) == 1
 
 
+@pytest.mark.slow
 def test_the_scripts_own_options_reach_it_under_profile_and_verify(tmp_path: Path) -> None:
     script = [str(SCRIPTS / "train_argv.py"), *ARGS]
     run = run_cfrun(["profile", "--job-dir", "p", *script], cwd=tmp_path)
@@ -61,7 +62,7 @@ FAILING = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(FAILING))
+@pytest.mark.parametrize("kind", slow_but(sorted(FAILING), "syntax"))
 def test_a_failure_before_the_first_step_runs_at_most_twice_and_names_its_error(
         tmp_path: Path, kind: str) -> None:
     source, message = FAILING[kind]
@@ -81,6 +82,7 @@ def test_a_failure_before_the_first_step_runs_at_most_twice_and_names_its_error(
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.slow
 def test_the_retry_option_restarts_a_failure_before_the_first_step(tmp_path: Path,
                                                                     how: str) -> None:
     (tmp_path / "bad.py").write_text(FAILING["syntax"][0])
@@ -93,6 +95,7 @@ def test_the_retry_option_restarts_a_failure_before_the_first_step(tmp_path: Pat
     assert "SyntaxError: '(' was never closed" in run.stderr.splitlines()[-2]
 
 
+@pytest.mark.slow
 def test_a_closed_output_pipe_ends_the_job_like_python_without_restarts(tmp_path: Path) -> None:
     """``cfrun print_lines.py | head -3``: the script dies of a BrokenPipeError, as it does
     under plain python; cfrun ends the job there (it restarted it 5 times before, taking the
@@ -122,6 +125,7 @@ def _slot_dirs(job_dir: Path) -> list[Path]:
     return list(base.glob(slots.dir_prefix(job_dir) + "_*")) if base is not None else []
 
 
+@pytest.mark.slow
 def test_sighup_stops_like_sigterm_and_resumes_exactly(reference, tmp_path: Path) -> None:
     """A closed terminal or a dropped ssh session (SIGHUP) killed cfrun with -1 before: no
     final checkpoint, status "dead", the slot directory left in /dev/shm."""

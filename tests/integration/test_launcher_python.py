@@ -38,6 +38,7 @@ def test_under_torchrun_the_script_refuses_to_run(tmp_path):
     assert "launched as a distributed rank" in run.stderr + run.stdout
 
 
+@pytest.mark.slow
 def test_crash_resumes_bit_identical_to_plain_python(reference, tmp_path):
     run = run_cfrun(["--launcher", "python", "--interval", "5", "--inject-crash", "12",
                      "--job-dir", "j", PLAIN, STEPS, "out.pt", "0"], cwd=tmp_path)
@@ -54,6 +55,7 @@ def test_crash_resumes_bit_identical_to_plain_python(reference, tmp_path):
     assert '"launcher": "python"' in cfg
 
 
+@pytest.mark.slow
 def test_env_variable_selects_it(reference, tmp_path):
     run = run_cfrun(["--interval", "10", "--job-dir", "j", PLAIN, STEPS, "out.pt", "0"],
                     cwd=tmp_path, env={"CFRUN_LAUNCHER": "python"})
@@ -61,6 +63,7 @@ def test_env_variable_selects_it(reference, tmp_path):
     assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_sigterm_preempts_with_exit_75_then_resume_finishes(reference, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "cfrun", "--launcher", "python",
                              "--interval", "5", "--job-dir", "j", PLAIN, STEPS, "out.pt",

@@ -32,7 +32,7 @@ STEPS_PER_EPOCH = 16  # 256 samples, batch 16
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 SCRIPT = str(SCRIPTS / "train_wrapped.py")
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _cfrun(cwd: Path, name: str, wrapper: str, *extra: str, env: dict[str, str] | None = None):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPT = str(SCRIPTS / "train_master_weights.py")
 STEPS = 30

@@ -28,6 +28,7 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_are_served_while_the_job_runs_and_kept_in_the_job_dir(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--inject-crash",
@@ -81,6 +82,7 @@ def test_metrics_are_served_while_the_job_runs_and_kept_in_the_job_dir(tmp_path)
     assert _samples(printed.stdout) == final
 
 
+@pytest.mark.slow
 def test_status_watch_follows_a_running_job_until_it_ends(tmp_path):
     """Off a terminal, --watch prints one line per refresh with the step rate, and returns when
     the job stops running, with its final state."""

@@ -110,6 +110,7 @@ def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path,
     assert_bit_identical(ref_state, saved(tmp_path, "two"))
 
 
+@pytest.mark.slow
 def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_path_factory):
     """Compared with one node of two ranks: the test above shows a 2-node run ends equal."""
     _, ref_state = ddp_reference(tmp_path_factory)
@@ -148,6 +149,7 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
     assert_bit_identical(ref_state, saved(tmp_path, "got"))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path, tmp_path_factory):
     """Rank 1's shard of the newest checkpoint is lost: both ranks resume from the previous one
     (neither loads the incomplete one), and the job still ends bit-identical.
@@ -170,6 +172,7 @@ def test_a_checkpoint_missing_a_rank_shard_is_never_used(tmp_path, tmp_path_fact
     assert any(p.name.startswith(f"corrupt-step-{newest:06d}") for p in ckpts.iterdir())
 
 
+@pytest.mark.slow
 def test_a_changed_world_size_is_refused_and_the_checkpoints_kept(tmp_path):
     run = run_cfrun(["--nproc-per-node", "2", "--interval", "10", "--job-dir", "j",
                      "--inject-crash", "35", "--max-restarts", "0", DDP, "x.pt"], cwd=tmp_path)
@@ -200,6 +203,7 @@ def test_bad_multinode_options_are_one_line_errors(tmp_path):
         assert len(lines) == 1 and needle in lines[0], (args, run.stderr)
 
 
+@pytest.mark.slow
 def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path, tmp_path_factory):
     """2 ranks on one node, both SIGKILLed (not through cfrun) once past step 40."""
     common = ["--nproc-per-node", "2", "--interval", "10"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FILES = ("model.pt", "optimizer.pt", "scheduler.pt", "plateau.pt", "scaler.pt")
 

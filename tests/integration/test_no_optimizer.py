@@ -30,6 +30,7 @@ def test_updates_by_hand_warn_once_and_status_says_unprotected(tmp_path):
     assert "UNPROTECTED" in table.stdout, table.stdout
 
 
+@pytest.mark.slow
 def test_an_optimizer_script_gets_no_such_warning(tmp_path):
     run = run_cfrun(["--interval", "50", "--job-dir", "j", BY_HAND, "300", "opt"],
                     cwd=tmp_path)

@@ -30,7 +30,7 @@ import torch
 from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_cfrun
 from conftest import plain_run as _plain
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 K = 4
 KILLS = "27@0,43@1"  # steps 27, 43: epochs 1 and 2 (16 steps each), after 1 and 2 completed

@@ -29,6 +29,7 @@ def _env(state: Path) -> dict[str, str]:
                       "PYTHONPATH": os.pathsep.join([str(FAKES), str(ROOT)])})
 
 
+@pytest.mark.slow
 def test_an_xid_during_an_attempt_is_a_hardware_fault_not_a_crash_loop(tmp_path):
     """--crash-loop 1 stops at the script's first failure of its own (exit 5); the first
     failure came with an XID on GPU 1, so it restarted instead, and said why."""

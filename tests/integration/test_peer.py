@@ -159,6 +159,7 @@ def wait_event(job_dir: Path, kind: str, pred=lambda e: True, timeout_s: float =
 # ---------------------------------------------------------------------- protected and durable
 
 
+@pytest.mark.slow
 def test_checkpoints_are_protected_in_peer_ram_then_durable_in_the_flush_dir(tmp_path, peers,
                                                                               reference):
     ref_run, ref_state = reference
@@ -218,6 +219,7 @@ def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_
         [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
 
 
+@pytest.mark.slow
 def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_used(
         tmp_path, peers, reference):
     ref_run, ref_state = reference
@@ -240,6 +242,7 @@ def test_agent_killed_mid_transfer_leaves_a_partial_checkpoint_that_is_never_use
 # ---------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_path, peers):
     token = write_token(tmp_path / "token")
     l2_url = f"file://{tmp_path / 'l2'}"
@@ -496,6 +499,7 @@ def s3_endpoint():
     server.stop()
 
 
+@pytest.mark.slow
 def test_flush_to_s3_then_resume_from_s3_with_the_peer_gone(tmp_path, peers, reference,
                                                             s3_endpoint, monkeypatch):
     ref_run, ref_state = reference
@@ -749,6 +753,7 @@ class Relay:
             client.close()
 
 
+@pytest.mark.slow
 def test_a_relay_that_answers_after_the_handshake_installs_nothing(tmp_path, peers, reference):
     """The agent reaches the peer through a relay. After a crash and the loss of the disk, the
     relay forwards the resume's handshake, then answers LIST/GET itself with a forged newer

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3", "--out", "x.pt"]
 
 
+@pytest.mark.slow
 def test_profile_command_table_strategy_and_cache(tmp_path):
     run = run_cfrun(["profile", "--job-dir", "p", *TINY], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -64,6 +65,7 @@ def test_budget_run_profiles_once_resumes_from_cache_exactly(tmp_path, tmp_path_
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_profile_of_a_script_too_short_to_profile_says_so(tmp_path):
     run = run_cfrun(["profile", "--job-dir", "p", str(SCRIPTS / "train_tiny.py"), "--epochs",
                      "1", "--out", "x.pt"], cwd=tmp_path)

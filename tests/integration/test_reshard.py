@@ -28,7 +28,8 @@ import torch
 from conftest import SCRIPTS, clean_env, plain_run, run_cfrun
 
 # one xdist worker runs both kinds, so the module's plain torchrun reference runs once
-pytestmark = [pytest.mark.timeout(900), pytest.mark.torchrun, pytest.mark.xdist_group("reshard")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.torchrun,
+              pytest.mark.xdist_group("reshard")]
 
 SCRIPT = str(SCRIPTS / "train_reshard.py")
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 384, 12, 2

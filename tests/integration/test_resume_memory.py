@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, run_cfrun
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LIMIT = 1.2
 """Peak host memory a resume's load may add, in units of one rank's full state."""

@@ -17,7 +17,7 @@ from conftest import SCRIPTS, assert_bit_identical, clean_env, final_line, run_c
 
 from cfrun.contract import faults
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPT = str(SCRIPTS / "train_slow_start.py")
 

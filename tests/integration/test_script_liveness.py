@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, plain_run, run_cfrun
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_a_loop_temporary_raises_no_alarm_and_the_resume_stays_exact(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, plain_run, run_cfrun
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 FAULTS = json.dumps({"rank.slot_ready_after_steps": 5})
 

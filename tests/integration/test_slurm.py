@@ -27,6 +27,7 @@ def _srun_node(tmp_path: Path, node: int, port: int, job_id: str) -> subprocess.
                             stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_slurm_variables_place_the_nodes_and_a_requeue_after_sigterm_resumes(tmp_path,
                                                                               tmp_path_factory):
     _, ref_state = ddp_reference(tmp_path_factory)  # one node, two ranks, --interval 10

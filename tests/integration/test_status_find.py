@@ -41,6 +41,7 @@ def _job_dirs(cwd):
 
 
 @pytest.mark.parametrize("args", [[], ["cfrun-jobs"]])
+@pytest.mark.slow
 def test_status_lists_the_jobs(jobs, args):
     run = cfrun_in_process(["status", *args], cwd=jobs)
     assert run.returncode == 0, run.stderr

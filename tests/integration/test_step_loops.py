@@ -15,11 +15,13 @@ from conftest import (
     epoch_ends_run_again,
     final_line,
     run_cfrun,
+    slow_but,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_while_loop_example_resumes_bit_identical(tmp_path):
     args = [str(EXAMPLES / "steploop_train.py"), "--max-iters", "120", "--eval-interval", "40"]
     ref = run_cfrun(["--interval", "25", "--job-dir", "ref", *args, "--out", "ref.pt"],
@@ -36,6 +38,7 @@ def test_while_loop_example_resumes_bit_identical(tmp_path):
     assert evals[-1] == [l for l in ref.stdout.splitlines() if l.startswith("iter ")][-1]
 
 
+@pytest.mark.slow
 def test_for_range_loop_resumes_bit_identical(tmp_path):
     script = str(SCRIPTS / "train_steps_for.py")
     ref = run_cfrun(["--interval", "7", "--job-dir", "ref", script, "50", "ref.pt"],
@@ -67,7 +70,8 @@ NOT_EXACT = {  # README, "What is not exact, and how cfrun says so"
 
 # the crash at 11 of 12 steps gives the checkpoint of step 5 six steps to commit on a loaded
 # machine (at most one checkpoint is in flight)
-@pytest.mark.parametrize("mode, crash", [("next", None), ("for_list", "11"), ("trace", None)])
+@pytest.mark.parametrize("mode, crash", slow_but(
+    [("next", None), ("for_list", "11"), ("trace", None)], ("next", None)))
 def test_an_inexact_resume_is_said_at_run_time(tmp_path, mode, crash):
     """Each README 'not exact' case: a WARNING line on stderr and a not_exact event."""
     inject = ["--inject-crash", crash] if crash else []
@@ -95,6 +99,7 @@ def _lines(stdout: str, prefix: str) -> list[str]:
 
 
 @pytest.mark.parametrize("shape", ["enumerate", "zip", "range"])
+@pytest.mark.slow
 def test_lm_loop_over_tensor_slices_resumes_bit_identical(tmp_path, shape):
     """``for batch, i in enumerate(range(0, n, bptt))`` (and ``zip(count(), range(...))``,
     ``range(a, b, step)``) in ``train()``, called by a module-level epoch loop: two SIGKILLs,

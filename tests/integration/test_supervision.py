@@ -129,6 +129,7 @@ def test_sigterm_takes_final_checkpoint_exits_75_and_resumes_exactly(reference, 
     _resume_and_compare(tmp_path, "j", reference, pre["step"])
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=11,
                              env=faults.arm({}, **{"agent.commit_delay_s": 0.6}))
@@ -140,6 +141,7 @@ def test_sigterm_during_a_persist_waits_for_it_then_checkpoints(reference, tmp_p
 
 
 @pytest.mark.timing
+@pytest.mark.slow
 def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", ["--grace", "0.3"], at_step=12,
                                 env=faults.arm({}, **{"agent.commit_delay_s": 1.0}),
@@ -153,6 +155,7 @@ def test_grace_too_short_keeps_last_committed_and_says_so(reference, tmp_path):
     _resume_and_compare(tmp_path, "j", reference, newest)
 
 
+@pytest.mark.slow
 def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
     run, tree, _ = _sigterm_run(tmp_path, "j", [], at_step=12, sig=signal.SIGINT)
     assert run.returncode == 75, run.stderr[-2000:]
@@ -164,6 +167,7 @@ def test_sigint_takes_final_checkpoint_exits_75(reference, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_a_stop_while_cfrun_starts_exits_75_and_the_job_resumes_exactly(reference, tmp_path, sig):
     """A scheduler's SIGTERM in the second cfrun spends importing and checking the job dir,
     before the supervisor's handlers exist (the start made slow by a fault point), is held from
@@ -185,6 +189,7 @@ def test_a_stop_while_cfrun_starts_exits_75_and_the_job_resumes_exactly(referenc
     _resume_and_compare(tmp_path, "j", reference, None)
 
 
+@pytest.mark.slow
 def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
     """``cfrun status --watch`` runs no supervisor: the SIGTERM held while cfrun starts is let
     go at once, so it ends the watch as it would any program (it was ignored for good)."""
@@ -209,6 +214,7 @@ def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
 
 
 @pytest.mark.timing
+@pytest.mark.slow
 def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(reference, tmp_path):
     """The agent is still persisting at the deadline: it is killed, cfrun exits 75 within
     a few seconds after the grace, and the newest committed checkpoint stays the resume point."""
@@ -229,6 +235,7 @@ def test_grace_1s_with_a_slow_persist_exits_in_time_and_keeps_the_newest(referen
 
 
 @pytest.mark.timing
+@pytest.mark.slow
 def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
     run, tree, elapsed_s = _sigterm_run(tmp_path, "j", ["--grace", "20"], at_step=12,
                                         env=faults.arm({}, **{"agent.commit_delay_s": 3}),
@@ -245,6 +252,7 @@ def test_second_signal_during_a_slow_persist_ends_at_once(reference, tmp_path):
 
 
 @pytest.mark.timing
+@pytest.mark.slow
 def test_step_longer_than_the_grace_ranks_killed_and_it_says_so(reference, tmp_path):
     """The rank is inside a long step (it sleeps at step 12) when the grace runs out."""
     proc = _start(["--interval", "5", "--grace", "1", "--job-dir", "j", SLOW, "60", "j.pt",
@@ -296,6 +304,7 @@ def ddp_reference(tmp_path_factory):
     return torch.load(cwd / "ref.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path):
     """Both ranks stop at the same step and the final checkpoint holds both shards; no rank is
     killed by torchrun because another one exited first (persists slowed: the signal may land
@@ -326,6 +335,7 @@ def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
     assert_bit_identical(reference, torch.load(tmp_path / "j.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_crash_loop_stops_with_fatal_code_and_the_error(tmp_path):
     run = run_cfrun(["--interval", "5", "--max-restarts", "10", "--crash-loop", "3",
                      "--job-dir", "j", str(SCRIPTS / "fail_at_step.py"), "12"], cwd=tmp_path)
@@ -335,6 +345,7 @@ def test_crash_loop_stops_with_fatal_code_and_the_error(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+@pytest.mark.slow
 def test_as_pid_1_reaps_orphans_and_forwards_sigterm(tmp_path):
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
                            capture_output=True)
@@ -356,6 +367,7 @@ def test_as_pid_1_reaps_orphans_and_forwards_sigterm(tmp_path):
     assert Run(0, "", "", tmp_path / "j").events("preempted")[0]["final_checkpoint"] is not None
 
 
+@pytest.mark.slow
 def test_a_rank_dying_in_teardown_after_the_script_finished_is_not_restarted(tmp_path):
     """torch 2.13 + gloo sometimes SIGABRTs in C++ destructors after the script is done
     ("terminate called without an active exception"): the job is done, not restarted."""
@@ -368,6 +380,7 @@ def test_a_rank_dying_in_teardown_after_the_script_finished_is_not_restarted(tmp
     assert run.stdout.count("FINAL done") == 1
 
 
+@pytest.mark.slow
 def test_a_script_exiting_nonzero_after_training_is_still_a_failure(tmp_path):
     run = run_cfrun(["--interval", "10", "--max-restarts", "0", "--job-dir", "j",
                      str(SCRIPTS / "end_then_die.py"), "exit3", "out.pt"], cwd=tmp_path)

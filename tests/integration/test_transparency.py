@@ -67,6 +67,7 @@ def _metrics(stdout: str) -> list[str]:
     (("--persistent",), "2 persistent workers: their streams carry over epochs", False),
     (("--workers", "0"), "no workers: the issue's first batch differed", True),
 ])
+@pytest.mark.slow
 def test_one_rank_equals_the_plain_script_uninterrupted_and_after_three_kills(tmp_path, args,
                                                                               why,
                                                                               uninterrupted):
@@ -101,6 +102,7 @@ def _warnings(stderr: str, needle: str) -> list[str]:
             if "WARNING: resume may not be exact: " in l and needle in l]
 
 
+@pytest.mark.slow
 def test_unordered_workers_are_said_not_exact(tmp_path):
     """``in_order=False``: batches come in the order workers finish them, with or without
     cfrun; one WARNING line and one not_exact event."""
@@ -112,6 +114,7 @@ def test_unordered_workers_are_said_not_exact(tmp_path):
             if "in_order=False" in e["reason"]] != []
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_worker_states_resumes_and_says_not_exact(tmp_path):
     """A checkpoint of an older cfrun (no worker RNG states) still resumes, to the end, and
     the run says its workers' augmentation is not the original's."""

@@ -30,6 +30,7 @@ def reference(tmp_path_factory):
     return tiny_reference(tmp_path_factory, epochs=3)
 
 
+@pytest.mark.slow
 def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
     """SIGKILL right after the snapshot of step 30 was handed off: the agent commits it anyway
     and the restarted rank resumes from it."""
@@ -44,6 +45,7 @@ def test_rank_killed_after_snapshot_handoff_still_commits(reference, tmp_path):
     assert final_line(run.stdout) == final_line(ref_run.stdout)
 
 
+@pytest.mark.slow
 def test_agent_killed_mid_write_is_restarted_and_training_goes_on(reference, tmp_path):
     ref_run, ref_state = reference
     run = run_cfrun(["--interval", str(K), "--keep", "100", "--job-dir", "j", *ARGS,
@@ -80,6 +82,7 @@ def test_flipped_byte_is_detected_and_previous_checkpoint_used(reference, tmp_pa
     assert final_line(run.stdout) == final_line(ref_run.stdout)
 
 
+@pytest.mark.slow
 def test_batchnorm_snapshot_equals_state_right_after_its_step(tmp_path):
     """Parameters are copied in the background while the next forward updates BatchNorm
     statistics and the next step waits at the gate: the snapshot is still exact.
@@ -120,6 +123,7 @@ def _private_shm_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_restarted_rank_leaves_no_old_snapshot_slot(reference, tmp_path):
     """Two injected crashes: shared memory never holds more than one slot for the (single)
     rank, none is left at the end, and the run still resumes bit-identically."""
@@ -217,6 +221,7 @@ def _deferred_not_stalled(run, ckpts):
         assert e["stall_s"] < e["persist_s"] / 2, e
 
 
+@pytest.mark.slow
 def test_several_ranks_defer_the_same_steps_and_resume_exactly(tmp_path):
     """Issue 23, two ranks: a checkpoint due while the previous one persists is deferred on
     every rank to the same step (rank 0's checkpoint_gate.json), so every step taken is

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, SCRIPTS, clean_env, run_cfrun
+from conftest import EXAMPLES, SCRIPTS, clean_env, run_cfrun, slow_but
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,6 +42,7 @@ def _verify(tmp_path: Path, tmp: Path, *args: str) -> tuple[int, dict, str]:
     return run.returncode, json.loads(run.stdout), run.stderr
 
 
+@pytest.mark.slow
 def test_verify_says_exact_for_the_digits_example(tmp_path: Path, tmp: Path) -> None:
     """The README's "Check your script first": 3 kills (inside the first epoch, right after
     its last step, during the persist of the next epoch's first checkpoint), the stop step
@@ -60,6 +61,7 @@ def test_verify_says_exact_for_the_digits_example(tmp_path: Path, tmp: Path) -> 
     assert not (tmp_path / "digits_model.pt").exists()  # the script's tail did not run
 
 
+@pytest.mark.slow
 def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path,
                                                                tmp: Path) -> None:
     """DDP on 2 ranks: a kill of rank 1 alone and one after the epoch's last step, then a
@@ -86,6 +88,7 @@ def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path,
     ("verify_unseeded.py", "RNG python random", None, True),
     ("verify_wall_clock.py", "script variable lr", None, False),
 ])
+@pytest.mark.slow
 def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, tmp: Path, script: str,
                                                          first: str, cause: str | None,
                                                          before_kill: bool) -> None:
@@ -104,6 +107,7 @@ def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, tmp: Pa
         assert any(cause in c for c in rep["known_causes"]), rep["known_causes"]
 
 
+@pytest.mark.slow
 def test_verify_refuses_steps_the_script_never_reaches(tmp_path: Path, tmp: Path) -> None:
     run = run_cfrun(["verify", "--launcher", "python", "--steps", "400", "--interval", "5",
                      str(SCRIPTS / "verify_unseeded.py")], cwd=tmp_path,
@@ -115,6 +119,7 @@ def test_verify_refuses_steps_the_script_never_reaches(tmp_path: Path, tmp: Path
     assert not list(tmp.glob("cfrun-verify-*"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_verify_and_leaves_no_job_dir(tmp_path: Path, tmp: Path) -> None:
     """SIGINT while the first run trains: exit 75 (preempted), the temporary dirs removed."""
     proc = subprocess.Popen([sys.executable, "-m", "cfrun", "verify", "--launcher", "python",
@@ -132,7 +137,7 @@ def test_ctrl_c_stops_verify_and_leaves_no_job_dir(tmp_path: Path, tmp: Path) ->
     assert not list(tmp.glob("cfrun-verify-*"))
 
 
-@pytest.mark.parametrize("clock", [False, True])
+@pytest.mark.parametrize("clock", slow_but([False, True], True))
 def test_verify_sets_aside_variables_that_record_times(tmp_path: Path, tmp: Path,
                                                        clock: bool) -> None:
     """Issue 27, item 6: ``step_times`` and ``t_prev`` from ``time.perf_counter()`` differ
