@@ -27,6 +27,10 @@ import pytest
 import torch
 from conftest import SCRIPTS, clean_env, plain_run, run_cfrun
 
+from cfrun.contract import faults
+from cfrun.contract.checkpoints import committed_steps
+from cfrun.contract.jobdir import step_dir_name
+
 # one xdist worker runs both kinds, so the module's plain torchrun reference runs once
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.torchrun,
               pytest.mark.xdist_group("reshard")]
@@ -130,3 +134,49 @@ def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, ki
                             timeout=120)
     rows = json.loads(status.stdout)["resharded"]
     assert [(r["from_world_size"], r["to_world_size"]) for r in rows] == [(4, 2), (2, 4)]
+
+
+def test_a_corrupt_shard_no_new_rank_takes_whole_falls_back_on_every_rank(tmp_path, plain):
+    """The newest checkpoint of a 4-rank FSDP2 job has one flipped byte in old rank 3's shard,
+    which no new rank of 2 takes whole (each takes old rank ``r % 4``'s, and new rank 1 only
+    the overlapping DTensor shards of rank 3, lazily). A resume with ``--reshard`` still
+    verifies every file: both new ranks fall back to the step before, the damaged step is
+    moved aside (not deleted), and the job finishes with the loss of the uninterrupted plain
+    run."""
+    want, plain_weights = plain
+    first = run_cfrun(["--nproc-per-node", "4", "--interval", "4", "--max-restarts", "0",
+                       "--job-dir", "job", SCRIPT, "fsdp2", "got.pt"], cwd=tmp_path,
+                      env=faults.arm({"PYTHONPATH": str(SCRIPTS)},
+                                     **{"rank.kill_after_snapshot": 12}), timeout=400)
+    assert first.returncode == 4, first.stderr[-3000:]  # every rank killed after step 12's handoff
+    job = first.job_dir
+    ckpts = job / "checkpoints"
+    steps = committed_steps(ckpts)
+    assert len(steps) >= 2, steps
+    newest, previous = steps[0], steps[1]
+    shard = ckpts / step_dir_name(newest) / "rank-00003.bin"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.chmod(0o600)
+    shard.write_bytes(bytes(data))
+
+    down = _resume(job, tmp_path, "--reshard", "--nproc-per-node", "2")
+    assert down.returncode == 0, down.stderr[-3000:]
+    events = [json.loads(l) for l in (job / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_corrupt"] == [newest]
+    resumed = [(e["rank"], e["step"]) for e in events
+               if e["event"] == "resumed" and e["attempt"] > 0]
+    assert sorted(resumed) == [(0, previous), (1, previous)], resumed
+    assert [(e["from_world_size"], e["to_world_size"]) for e in events
+            if e["event"] == "resharded"] == [(4, 2)]
+    names = [p.name for p in ckpts.iterdir()]
+    assert sum(n.startswith(f"corrupt-step-{newest:06d}-") for n in names) == 1, names
+    assert min(committed_steps(ckpts)) > newest, names  # the resumed run committed (--keep 2)
+
+    got = {**_losses(first.stdout), **_losses(down.stdout)}
+    assert sorted(got) == sorted(want)
+    for s in want:
+        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
+    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
