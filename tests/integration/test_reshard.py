@@ -19,6 +19,7 @@ One plain 4-rank DDP run is the reference for both: FSDP2 computes the same sums
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,52 @@ def test_a_corrupt_shard_no_new_rank_takes_whole_falls_back_on_every_rank(tmp_pa
     assert min(committed_steps(ckpts)) > newest, names  # the resumed run committed (--keep 2)
 
     got = {**_losses(first.stdout), **_losses(down.stdout)}
+    assert sorted(got) == sorted(want)
+    for s in want:
+        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
+    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_a_two_node_job_lost_for_good_goes_on_on_one_node(tmp_path, plain):
+    """Spot capacity gone: a 2-node job (one rank each, torchrun's c10d rendezvous on
+    loopback) dies with rank 0 SIGKILLed and no restarts left, and goes on on the one node
+    left with ``cfrun resume --reshard --nnodes 1 --nproc-per-node 1`` (refused with exit 5
+    without the flag). It finishes with every sample of each epoch once and the loss of the
+    uninterrupted plain run."""
+    want, plain_weights = plain
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--nnodes", "2", "--node-rank", str(n),
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--interval", "4", "--max-restarts", "0",
+         "--inject-crash", "10@0", "--job-dir", "job", SCRIPT, "ddp", "got.pt"],
+        cwd=tmp_path, env=clean_env({"PYTHONPATH": str(SCRIPTS)}), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert all(p.returncode != 0 for p in nodes), [o[1][-2000:] for o in outs]
+    job = tmp_path / "job"
+    assert committed_steps(job / "checkpoints"), [o[1][-2000:] for o in outs]
+
+    refused = _resume(job, tmp_path, "--nnodes", "1", "--nproc-per-node", "1")
+    assert refused.returncode == 5, refused.stderr[-2000:]
+    assert "--reshard" in refused.stderr and "2 ranks" in refused.stderr, refused.stderr
+    one = _resume(job, tmp_path, "--reshard", "--nnodes", "1", "--nproc-per-node", "1")
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    events = [json.loads(l) for l in (job / "events.jsonl").read_text().splitlines()]
+    assert [(e["from_world_size"], e["to_world_size"]) for e in events
+            if e["event"] == "resharded"] == [(2, 1)]
+    final = _seen(tmp_path)
+    assert sorted(final) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    for epoch in range(EPOCHS):
+        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        seen = sorted(i for s in steps for rank in final[s] for i in rank)
+        assert seen == list(range(SAMPLES)), (epoch, len(seen), len(set(seen)))
+    assert {len(ranks) for ranks in final.values()} == {2, 1}
+    got = {**_losses(outs[0][0]), **_losses(outs[1][0]), **_losses(one.stdout)}
     assert sorted(got) == sorted(want)
     for s in want:
         assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
