@@ -115,7 +115,7 @@ class Capture:
             tree[kind] = items
         frames = F.script_frames(frame, self.s.script)
         saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
-        saved |= self.found.wrappers  # the script's `model = DDP(net)` is saved
+        saved |= {id(m) for m in self.found.outer_modules()}  # `model = DDP(net)` is saved
         cap = F.capture_frames(frames, tensors, saved)
         for name in cap.skipped:
             self._flag(f"script variable {name} cannot be stored")

@@ -40,9 +40,6 @@ class Discovery:
         """The optimizers, schedulers and scalers alive at the last checkpoint (or the first
         step), strongly held so that the final checkpoint at the script's end finds them
         (:meth:`hold`)."""
-        self.wrappers: set[int] = set()
-        """ids of the outermost modules, DDP and ``torch.compile`` wrappers included (a script's
-        ``model = DDP(net)`` counts as saved). Set by :meth:`model_roots`."""
         self.outer: list[weakref.ref[torch.nn.Module]] = []
         """The outermost modules, DDP and ``torch.compile`` wrappers included (a script's
         ``model = DDP(net)`` counts as saved), weakly. Set by :meth:`model_roots`."""
@@ -130,8 +127,7 @@ class Discovery:
         self.replicated_params = {id(p) for _, m in ranked
                                   if type(m).__name__ == "DistributedDataParallel"
                                   for p in m.parameters()}
-        self.wrappers = {id(m) for _, m in ranked}  # DDP / torch.compile wrappers as well
-        self.outer = [weakref.ref(m) for _, m in ranked]
+        self.outer = [weakref.ref(m) for _, m in ranked]  # DDP / torch.compile wrappers too
         self._roots = [_unwrap(m) for _, m in ranked]
         self._roots_key = key
         return self._roots

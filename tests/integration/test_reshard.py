@@ -68,6 +68,34 @@ def _seen(cwd: Path) -> dict[int, list[list[int]]]:
     return out
 
 
+def _assert_every_sample_once(cwd: Path, worlds: set[int]) -> None:
+    """Every sample of each epoch trained on exactly once over the steps as they finally ran
+    (:func:`_seen`), on each of the world sizes ``worlds``."""
+    final = _seen(cwd)
+    assert sorted(final) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    for epoch in range(EPOCHS):
+        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        seen = sorted(i for s in steps for rank in final[s] for i in rank)
+        assert seen == list(range(SAMPLES)), (epoch, len(seen), len(set(seen)))
+    assert {len(ranks) for ranks in final.values()} == worlds, final.keys()
+
+
+def _assert_follows_plain(stdouts: list[str], cwd: Path, plain: tuple[dict[int, float], Path]
+                          ) -> None:
+    """The loss of every step (the later run's line of a step wins) and the final weights
+    equal the uninterrupted plain run's within 1e-5."""
+    want, plain_weights = plain
+    got: dict[int, float] = {}
+    for stdout in stdouts:
+        got.update(_losses(stdout))
+    assert sorted(got) == sorted(want)
+    for s in want:
+        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
+    mine, ref = torch.load(cwd / "got.pt"), torch.load(plain_weights)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
     """The uninterrupted reference: plain torchrun, 4 ranks, DDP."""
@@ -81,7 +109,6 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], P
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, kind):
-    want, plain_weights = plain
     first = run_cfrun(["--nproc-per-node", "4", "--interval", "4", "--max-restarts", "0",
                        "--job-dir", "job", "--inject-crash", KILLS, SCRIPT, kind, "got.pt"],
                       cwd=tmp_path, env={"PYTHONPATH": str(SCRIPTS)}, timeout=400)
@@ -109,26 +136,9 @@ def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, ki
     resumed = sorted({(e["attempt"], e["step"]) for e in events if e["event"] == "resumed"})
     assert [a for a, _ in resumed] == [1, 2] and all(s > 0 for _, s in resumed), resumed
 
-    # every sample of each epoch exactly once, over the steps as they finally ran
-    final = _seen(tmp_path)
-    assert sorted(final) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
-    for epoch in range(EPOCHS):
-        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
-        seen = sorted(i for s in steps for rank in final[s] for i in rank)
-        assert seen == list(range(SAMPLES)), (epoch, len(seen), len(set(seen)))
-    worlds = {s: len(final[s]) for s in final}
-    assert set(worlds.values()) == {2, 4}, worlds  # steps ran on both world sizes
-
+    _assert_every_sample_once(tmp_path, {2, 4})  # steps ran on both world sizes
     # the loss goes on across each reshard as in the uninterrupted run
-    got: dict[int, float] = {}
-    for run in (first.stdout, down.stdout, up.stdout):
-        got.update(_losses(run))
-    assert sorted(got) == sorted(want)
-    for s in want:
-        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
-    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
-    for k in ref:
-        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+    _assert_follows_plain([first.stdout, down.stdout, up.stdout], tmp_path, plain)
 
     status = subprocess.run([sys.executable, "-m", "cfrun", "status", "--json", str(job)],
                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
@@ -144,7 +154,6 @@ def test_a_corrupt_shard_no_new_rank_takes_whole_falls_back_on_every_rank(tmp_pa
     verifies every file: both new ranks fall back to the step before, the damaged step is
     moved aside (not deleted), and the job finishes with the loss of the uninterrupted plain
     run."""
-    want, plain_weights = plain
     first = run_cfrun(["--nproc-per-node", "4", "--interval", "4", "--max-restarts", "0",
                        "--job-dir", "job", SCRIPT, "fsdp2", "got.pt"], cwd=tmp_path,
                       env=faults.arm({"PYTHONPATH": str(SCRIPTS)},
@@ -174,13 +183,7 @@ def test_a_corrupt_shard_no_new_rank_takes_whole_falls_back_on_every_rank(tmp_pa
     assert sum(n.startswith(f"corrupt-step-{newest:06d}-") for n in names) == 1, names
     assert min(committed_steps(ckpts)) > newest, names  # the resumed run committed (--keep 2)
 
-    got = {**_losses(first.stdout), **_losses(down.stdout)}
-    assert sorted(got) == sorted(want)
-    for s in want:
-        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
-    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
-    for k in ref:
-        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+    _assert_follows_plain([first.stdout, down.stdout], tmp_path, plain)
 
 
 def test_a_two_node_job_lost_for_good_goes_on_on_one_node(tmp_path, plain):
@@ -189,7 +192,6 @@ def test_a_two_node_job_lost_for_good_goes_on_on_one_node(tmp_path, plain):
     left with ``cfrun resume --reshard --nnodes 1 --nproc-per-node 1`` (refused with exit 5
     without the flag). It finishes with every sample of each epoch once and the loss of the
     uninterrupted plain run."""
-    want, plain_weights = plain
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -213,17 +215,5 @@ def test_a_two_node_job_lost_for_good_goes_on_on_one_node(tmp_path, plain):
     events = [json.loads(l) for l in (job / "events.jsonl").read_text().splitlines()]
     assert [(e["from_world_size"], e["to_world_size"]) for e in events
             if e["event"] == "resharded"] == [(2, 1)]
-    final = _seen(tmp_path)
-    assert sorted(final) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
-    for epoch in range(EPOCHS):
-        steps = range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
-        seen = sorted(i for s in steps for rank in final[s] for i in rank)
-        assert seen == list(range(SAMPLES)), (epoch, len(seen), len(set(seen)))
-    assert {len(ranks) for ranks in final.values()} == {2, 1}
-    got = {**_losses(outs[0][0]), **_losses(outs[1][0]), **_losses(one.stdout)}
-    assert sorted(got) == sorted(want)
-    for s in want:
-        assert abs(got[s] - want[s]) < 1e-5, (s, got[s], want[s])
-    mine, ref = torch.load(tmp_path / "got.pt"), torch.load(plain_weights)
-    for k in ref:
-        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=1e-5, msg=k)
+    _assert_every_sample_once(tmp_path, {2, 1})
+    _assert_follows_plain([outs[0][0], outs[1][0], one.stdout], tmp_path, plain)
