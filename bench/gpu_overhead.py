@@ -4,6 +4,11 @@ Contenders, run one after another by this process (one process tree) on the same
 unmodified script ``bench/_gpu_overhead_train.py``:
 
 * ``plain``: no checkpoints (the baseline);
+* with ``--idle``, what cfrun costs a step that takes no checkpoint, in two parts (issue 23:
+  the H200 ran every step ~0.6 ms slower in median under cfrun, with or without a persist):
+  ``torchrun_plain``, the script under ``torchrun --standalone --nproc-per-node 1`` (the
+  launcher and its environment, no cfrun), and ``cfrun_idle``, ``cfrun --interval 100000``
+  (cfrun's hooks, supervisor, agent and prepared slot, no checkpoint in the run);
 * ``cfrun_policy``: ``cfrun --overhead 3.5%`` (its profile, then its interval); its persist
   times also give ``k* = ceil(persist / step)``, the least interval at which one checkpoint's
   persist ends before the next is due;
@@ -55,7 +60,9 @@ STEPS = {"small": 40, "full": 120}
 """Iterations per contender run (the policy run gets :data:`POLICY_STEPS` more)."""
 POLICY_STEPS = 60
 """Extra iterations of the ``--overhead`` run: its profile takes about 50."""
-ROW_FIELDS = ("name", "kind", "k", "ok", "mean_ms", "p99_ms", "overhead", "checkpoints",
+IDLE_INTERVAL = 100_000
+"""``cfrun_idle``'s interval: no checkpoint in the run."""
+ROW_FIELDS = ("name", "kind", "k", "ok", "mean_ms", "median_ms", "p99_ms", "overhead", "checkpoints",
               "stall_first_s", "stall_rest_median_s", "stall_rest_max_s", "deferred",
               "snapshot_s", "persist_s", "snapshot_over_copy_floor", "persist_over_disk_floor")
 """Every row of the JSON has these (None where a contender has no such figure)."""
@@ -87,12 +94,13 @@ def row(name: str, kind: str, k: int, result: dict | None, error: str, stall_s: 
     """One contender's figures (:data:`ROW_FIELDS`) from its run's result and checkpoints."""
     iters = (result or {}).get("iter_ms") or []
     mean_ms = statistics.fmean(iters) if iters else None
+    median_ms = statistics.median(iters) if iters else None
     p99_ms = sorted(iters)[min(len(iters) - 1, math.ceil(0.99 * len(iters)) - 1)] if iters \
         else None
     snap, pers = median(snapshot_s), median(persist_s)
     return {
         "name": name, "kind": kind, "k": k, "ok": bool(iters) and not error, "error": error,
-        "mean_ms": mean_ms, "p99_ms": p99_ms,
+        "mean_ms": mean_ms, "median_ms": median_ms, "p99_ms": p99_ms,
         "overhead": (mean_ms / plain_mean_ms - 1) if mean_ms and plain_mean_ms else None,
         "checkpoints": len(stall_s), "stall_first_s": stall_s[0] if stall_s else None,
         "stall_rest_median_s": median(stall_s[1:]),
@@ -143,10 +151,10 @@ def copy_floor_s(state_bytes: int) -> float:
 def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
              policy_steps: int = POLICY_STEPS, multiples: tuple[int, ...] = (1, 2, 5),
              baselines: tuple[str, ...] = ("dcp_thread", "torch_save"),
-             partial: Path | None = None) -> dict:
+             partial: Path | None = None, idle: bool = False) -> dict:
     """Every contender on one workload; returns its rows, k*, the floors and the state size.
     ``partial``: a file rewritten with the rows so far after each one (a run cut off by a time
-    limit keeps what finished)."""
+    limit keeps what finished). ``idle``: the ``torchrun_plain`` and ``cfrun_idle`` rows."""
     work.mkdir(parents=True)
 
     def keep(rows: list[dict], **more) -> None:
@@ -165,6 +173,16 @@ def workload(model: str, size: str, steps: int, work: Path, timeout_s: float,
     plain_ms = plain_row["mean_ms"]
     rows = [plain_row]
     keep(rows, floors=floors, state_bytes=state_bytes)
+    if idle:
+        script = base[1:base.index("--ckpt-dir")]
+        res, err = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "1", *script, "--contenders",
+                        "torchrun_plain:none:0"], work, timeout_s)
+        rows.append(row("torchrun_plain", "none", 0, res[0] if res else None, err, [], [], [],
+                        None, plain_ms, floors))
+        rows.append(cfrun_row("cfrun_idle", IDLE_INTERVAL, ["--interval", str(IDLE_INTERVAL)], model, size,
+                              steps, work, timeout_s, plain_ms, floors))
+        keep(rows, floors=floors, state_bytes=state_bytes)
     rows.append(cfrun_row("cfrun_policy", 0, ["--overhead", "3.5%"], model, size,
                           steps + policy_steps, work, timeout_s, plain_ms, floors))
     keep(rows, floors=floors, state_bytes=state_bytes)
@@ -212,11 +230,12 @@ def report(result: dict) -> None:
     print(f"\n{result['model']} ({result['size']}): state {result['state_bytes'] / 1e6:.1f} MB, "
           f"step {result['step_s'] * 1e3:.1f} ms, k* = {result['k_star']}, floors: copy "
           f"{result['floors']['copy_s'] * 1e3:.1f} ms, disk {result['floors']['disk_s']:.3f} s")
-    print(f"{'contender':16} {'k':>4} {'mean ms':>8} {'p99 ms':>8} {'overhead':>9} {'ckpts':>5} "
+    print(f"{'contender':16} {'k':>6} {'mean ms':>8} {'med ms':>8} {'p99 ms':>8} {'overhead':>9} {'ckpts':>5} "
           f"{'stall1 s':>8} {'stall s':>8} {'max s':>8} {'defer':>5} {'snap/flr':>8} "
           f"{'pers/flr':>8}")
     for r in result["rows"]:
-        print(f"{r['name']:16} {r['k']:>4} {_fmt(r['mean_ms'], 1, '.1f'):>8} "
+        print(f"{r['name']:16} {r['k']:>6} {_fmt(r['mean_ms'], 1, '.1f'):>8} "
+              f"{_fmt(r['median_ms'], 1, '.2f'):>8} "
               f"{_fmt(r['p99_ms'], 1, '.1f'):>8} {_fmt(r['overhead'], 100, '+.1f') + '%':>9} "
               f"{r['checkpoints']:>5} {_fmt(r['stall_first_s']):>8} "
               f"{_fmt(r['stall_rest_median_s']):>8} {_fmt(r['stall_rest_max_s']):>8} "
@@ -237,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the fixed intervals, as multiples of k*")
     ap.add_argument("--baselines", default="dcp_thread,torch_save",
                     help="in-script contenders at the same intervals (empty: none)")
+    ap.add_argument("--idle", action="store_true",
+                    help="also torchrun_plain and cfrun_idle: a step's cost without checkpoints")
     ap.add_argument("--policy-steps", type=int, default=POLICY_STEPS,
                     help="extra iterations of the --overhead run (its profile takes ~50)")
     args = ap.parse_args(argv)
@@ -248,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             partial = args.out.with_name(f"{args.out.stem}.{name}.partial.json")
             result = workload(name, args.size, steps, Path(tmp) / name, args.timeout,
                               args.policy_steps, tuple(int(m) for m in args.multiples.split(",") if m),
-                              tuple(b for b in args.baselines.split(",") if b), partial)
+                              tuple(b for b in args.baselines.split(",") if b), partial,
+                              args.idle)
             out["workloads"].append(result)
             partial.unlink(missing_ok=True)
             report(result)

@@ -9,7 +9,9 @@
 # installed (cfrun itself is taken from this tree through PYTHONPATH):
 #   OUT=/tmp/gpu-out bash bench/gpu_session.sh
 # Knobs (environment): T_TESTS (seconds), WORKLOADS ("NAME:SECONDS ..."), MULTIPLES,
-# BASELINES, STEPS, POLICY_STEPS, SIZE (small: a CPU dry run of this script).
+# BASELINES, STEPS, POLICY_STEPS, IDLE (default --idle: the torchrun_plain and cfrun_idle rows
+# that split the ~0.6 ms per-step slowdown between the launcher and cfrun's hooks; empty: off),
+# SIZE (small: a CPU dry run of this script).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -43,7 +45,7 @@ for spec in $WORKLOADS; do
   w=${spec%%:*}
   stamp "bench $w"
   timeout "${spec##*:}" "$PY" bench/gpu_overhead.py --size "$SIZE" --workloads "$w" \
-    --multiples "${MULTIPLES-1,2}" --baselines "${BASELINES-dcp_thread}" \
+    --multiples "${MULTIPLES-1,2}" --baselines "${BASELINES-dcp_thread}" ${IDLE---idle} \
     ${STEPS:+--steps "$STEPS"} ${POLICY_STEPS:+--policy-steps "$POLICY_STEPS"} --timeout 150 --tmp-root "${TMP_ROOT:-/tmp}" \
     --out "$OUT/bench_$w.json" > "$OUT/bench_$w.txt" 2>&1
   stamp "bench $w exit $?"

@@ -458,7 +458,10 @@ class Snapshotter:
         emit: called with a ``checkpoint`` event's fields when a checkpoint is committed and its
             stall is known (rank 0 writes it to events.jsonl): ``step``, ``bytes``, ``stall_s``,
             ``snapshot_s``, ``persist_s``, ``pgt_s``, ``bandwidth_bytes_per_s``, ``tier`` and
-            ``t_trigger_unix_s`` (wall-clock time the snapshot started).
+            ``t_trigger_unix_s`` (wall-clock time the snapshot started); with CUDA state also
+            ``gate_device_s``, the seconds the training stream waited on the device for the
+            copy at the next step (:func:`device_wait_s`), which ``stall_s`` includes (the
+            boundary's host time + the gate's host wait + that).
         on_lost: called (background thread) with a step whose hand-off failed because the agent
             was unreachable or died, or because the copy or hand-off raised; the next
             checkpoint reconnects.
@@ -612,14 +615,20 @@ class Snapshotter:
         host-thread copy blocks the host.
         """
         t0 = time.perf_counter()
-        for device, event in self._cuda_gates:
-            torch.cuda.current_stream(device).wait_event(event)
-        self._cuda_gates = []
+        first = "gate_s" not in self._record and bool(self._record)
+        gates, self._cuda_gates = self._cuda_gates, []
+        timed: list[tuple[Any, Any]] = []
+        for device, event in gates:
+            stream = torch.cuda.current_stream(device)
+            before = _timing_event(stream) if first else None
+            stream.wait_event(event)
+            if before is not None:
+                timed.append((before, _timing_event(stream)))
         if not self.copy_done.is_set():  # set at nearly every step: no lock taken then
             self.copy_done.wait()
         waited = time.perf_counter() - t0
-        if "gate_s" not in self._record and self._record:
-            self._finish(gate_s=waited)
+        if first:
+            self._finish(gate_s=waited, gate_events=timed)
         return waited
 
     def start(self, step: int, tree: Any, tensors: list[torch.Tensor], async_ids: set[int],
@@ -953,13 +962,15 @@ class Snapshotter:
             rec = self._record
             if "gate_s" in rec and "persist_s" in rec and "boundary_s" in rec:
                 self._record = {}
-                stall_s = rec["boundary_s"] + rec["gate_s"]
+                device_s = device_wait_s(rec.get("gate_events") or [])
+                stall_s = rec["boundary_s"] + rec["gate_s"] + (device_s or 0.0)
+                more = {} if device_s is None else {"gate_device_s": round(device_s, 6)}
                 self.emit({"step": rec["step"], "bytes": rec["bytes"],
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],
                            "bandwidth_bytes_per_s": rec["bandwidth_bytes_per_s"],
                            "tier": rec.get("tier", "local"),
-                           "t_trigger_unix_s": round(rec["t_trigger_unix_s"], 6)})
+                           "t_trigger_unix_s": round(rec["t_trigger_unix_s"], 6), **more})
 
     def close(self, timeout_s: float = 60.0) -> None:
         """At exit: let the last hand-off and persist finish, then free the slot."""
@@ -975,6 +986,37 @@ def _armed_int(point: str, attempt: int) -> int | None:
     """A step-valued fault point (cfrun.contract.faults): its step in attempt 0, else None."""
     value = faults.value(point)
     return int(value) if value is not None and attempt == 0 else None
+
+
+def _timing_event(stream: Any) -> Any:
+    """A CUDA event with timing, recorded on ``stream`` now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def device_wait_s(pairs: list[tuple[Any, Any]]) -> float | None:
+    """Seconds the training streams sat at the step gate after a checkpoint (issue 23: on an
+    H200 the step after a checkpoint took 33 ms longer while the host-side stall said 15-27
+    ms; the rest was the device waiting for the part of the copy the forward and backward did
+    not hide). ``pairs``: per device, CUDA timing events recorded on the training stream just
+    before and just after its ``wait_event`` on the copy (:meth:`Snapshotter.gate`); the
+    elapsed time between them is the wait (about 0 when the copy was done by then). Summed
+    over devices. None when there is no pair, or when one has not completed yet (this never
+    waits for the device; the caller then counts the host-side stall only). Never raises.
+    An upper bound when the device runs ahead of a host-bound step (it would have idled
+    anyway); the step's time when the device is the bottleneck, as in GPU-bound training."""
+    if not pairs:
+        return None
+    total = 0.0
+    try:
+        for before, after in pairs:
+            if not after.query():
+                return None
+            total += before.elapsed_time(after) / 1e3
+    except Exception:  # the measurement never costs a checkpoint
+        return None
+    return total
 
 
 def _synchronize(events: list[tuple[torch.device, Any]]) -> None:

@@ -1,5 +1,6 @@
-"""bench/gpu_overhead.py at its smallest size (CPU): every kind of contender (plain, cfrun with
-its policy and at k*, DCP and torch.save at k*) on the GPT workload, for a few steps; it writes a
+"""bench/gpu_overhead.py at its smallest size (CPU): every kind of contender (plain, the script
+under torchrun, cfrun without checkpoints, cfrun with its policy and at k*, DCP and torch.save
+at k*) on the GPT workload, for a few steps; it writes a
 JSON with every field its table reads. The ResNet workload differs only in its model: its
 training script runs two plain steps. Not timed: the numbers are not judged, only that each
 one is there."""
@@ -28,7 +29,7 @@ def test_gpu_overhead_bench_writes_every_field(tmp_path):
     p = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_overhead.py"), "--size", "small", "--workloads",
          "gpt",
-         "--steps", "7", "--policy-steps", "2", "--multiples", "1", "--timeout", "300",
+         "--steps", "7", "--policy-steps", "2", "--multiples", "1", "--timeout", "300", "--idle",
          "--out", str(out),
          "--tmp-root", str(tmp_path)],
         env=clean_env(), capture_output=True, text=True, timeout=880, cwd=ROOT)
@@ -41,15 +42,16 @@ def test_gpu_overhead_bench_writes_every_field(tmp_path):
         assert w["floors"]["copy_s"] > 0 and w["floors"]["disk_s"] > 0
         k = w["k_star"]
         rows = {r["name"]: r for r in w["rows"]}
-        assert list(rows) == ["plain", "cfrun_policy", "cfrun_k", "dcp_thread_k",
-                              "torch_save_k", "plain_after"]
+        assert list(rows) == ["plain", "torchrun_plain", "cfrun_idle", "cfrun_policy",
+                              "cfrun_k", "dcp_thread_k", "torch_save_k", "plain_after"]
+        assert rows["cfrun_idle"]["checkpoints"] == 0  # a step's cost without checkpoints
         baseline_ms = (rows["plain"]["mean_ms"] + rows["plain_after"]["mean_ms"]) / 2
         assert rows["cfrun_k"]["overhead"] == pytest.approx(
             rows["cfrun_k"]["mean_ms"] / baseline_ms - 1)
         for name, r in rows.items():
             assert set(gpu_overhead.ROW_FIELDS) <= set(r), name
             assert r["ok"], (name, r["error"])
-            assert r["mean_ms"] > 0 and r["p99_ms"] >= 0, name
+            assert r["mean_ms"] > 0 and r["median_ms"] > 0 and r["p99_ms"] >= 0, name
         assert rows["cfrun_k"]["k"] == rows["dcp_thread_k"]["k"] == k
         for name in ("cfrun_k", "dcp_thread_k", "torch_save_k"):
             r = rows[name]

@@ -269,6 +269,31 @@ def test_cuda_start_does_not_wait_for_the_queued_step_and_snapshot_is_exact(
 
 
 @needs_cuda
+def test_the_device_wait_at_the_gate_counts_in_the_stall(job):
+    """Issue 23: the step after a checkpoint waits on the device for the copy's tail, which the
+    host-side stall does not see (33 ms more per checkpoint than ``stall_s`` said on an H200).
+    Here the copy queues behind a ~1 s kernel on the side stream: the training stream's wait
+    at the gate is ``gate_device_s`` and counts in ``stall_s``; without it the wait is ~0."""
+    rank = Rank(job)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(1 << 20, device=dev)
+    rank.start(1, {"w": w}, {"w"})  # warm-up: slot, pinning, side stream
+    rank.snap.gate()
+    rank.wait()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(rank.snap._side_stream(dev)):
+        _long_kernel()  # the copy of the next checkpoint queues behind it
+    rank.start(2, {"w": w}, {"w"})
+    rank.snap.gate()  # the training stream waits here for ~1 s (the host does not)
+    w.add_(1)
+    rank.wait()
+    quick, slow = rank.events
+    assert quick.get("gate_device_s", 0.0) < 0.1, quick
+    assert slow["gate_device_s"] > 0.5, slow
+    assert slow["stall_s"] >= slow["gate_device_s"] > 0.5, slow
+
+
+@needs_cuda
 def test_cuda_side_stream_is_created_once_and_reused(job):
     rank = Rank(job)
     w = torch.randn(1 << 18, device="cuda")
