@@ -28,7 +28,7 @@ from cfrun.contract import coordination as co
 from cfrun.contract import faults
 from cfrun.contract import settings as E
 from cfrun.contract.jobdir import JobDir
-from cfrun.rank import cuda
+from cfrun.rank import cuda, liveness
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import accelerate as ACC
@@ -267,6 +267,7 @@ class Boundary:
         self._marks.beat(self.step)
         if not self._prepared:
             self._prepare_slot()
+            liveness.warm(F.script_frames(sys._getframe(1), self.s.script))
         if self._slot_ready_after is not None:  # a fault point: None in every real run
             self._steps_here += 1
             if self._steps_here >= self._slot_ready_after:
