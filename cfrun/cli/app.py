@@ -561,14 +561,21 @@ def _parse_seconds(name: str, text: str, example: str) -> float:
     return value
 
 
-def _plan_phase(strategy: Path) -> str | None:
-    """The phase of the plan in ``strategy.json`` (:meth:`cfrun.rank.tuner.Tuner.plan`:
-    ``profiling`` until rank 0 decides, then ``tuned``), or None when there is none."""
+def _plan_record(strategy: Path) -> dict[str, Any]:
+    """The plan in ``strategy.json`` (:meth:`cfrun.rank.tuner.Tuner.plan`), {} when there is
+    none or it does not read as one."""
     try:
         record = json.loads(strategy.read_text())
     except (OSError, ValueError):
-        return None
-    return str(record.get("phase", "tuned")) if isinstance(record, dict) else None
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _plan_phase(strategy: Path) -> str | None:
+    """The phase of the plan in ``strategy.json`` (``profiling`` until rank 0 decides, then
+    ``tuned``), or None when there is none."""
+    record = _plan_record(strategy)
+    return str(record.get("phase", "tuned")) if record else None
 
 
 @app.command("profile", cls=CfrunCommand, context_settings={"allow_interspersed_args": False},
@@ -617,10 +624,11 @@ def profile_cmd(
         hb.unlink()
     strategy = jd.strategy_path
     if code == 0 and _plan_phase(strategy) != "tuned":  # rank 0's plan, still profiling
+        planned = len(_plan_record(strategy).get("probe_steps") or PROBE_MODES)
         strategy.unlink(missing_ok=True)
         probes = sum(1 for e in jd.read_events() if e.get("event") == "checkpoint")
         raise JobFailedError(
-            f"the script ended before profiling finished ({probes} of {len(PROBE_MODES)} "
+            f"the script ended before profiling finished ({probes} of {planned} "
             "profiling checkpoints taken); nothing was decided",
             hint="profile with more steps (profiling takes about 50 to 60 optimizer steps)")
     if code != 0:

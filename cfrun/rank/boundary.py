@@ -268,6 +268,9 @@ class Boundary:
         if not self._prepared:
             self._prepare_slot()
             liveness.warm(F.script_frames(sys._getframe(1), self.s.script))
+            tuner.cuda_state = bool(self._cuda) and any(
+                isinstance(p, torch.Tensor) and p.is_cuda
+                for g in opt.param_groups for p in g["params"])
         if self._slot_ready_after is not None:  # a fault point: None in every real run
             self._steps_here += 1
             if self._steps_here >= self._slot_ready_after:

@@ -7,7 +7,8 @@ Phases:
   needs its ``NEAR_STEPS`` iterations and clean ones before the next). After
   ``WARMUP_STEPS``, profiling checkpoints ("probes") are taken every ``gap`` steps: a warm-up
   one that pays the one-time costs (model discovery, slot allocation, the agent's first
-  connection), then two per snapshot mode (background copy, inline copy), alternating. A
+  connection), then two per snapshot mode (background copy, inline copy), alternating (with
+  the state on a GPU two of the background copy only: :data:`PROBE_MODES_CUDA`). A
   probe's cost is what the ``NEAR_STEPS`` iterations after it (and any later one it kept in
   flight) took beyond the baseline: the stall, the background copy and the persist agent's
   competition for cores, memory bandwidth and caches. The baseline is the median of the clean
@@ -76,6 +77,21 @@ PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
 allocation), then two per snapshot mode, alternating (a drift of the machine hits both). Each
 probe checkpoints far more often than the chosen interval will: on a 2-core machine the five
 cost ~0.4 s, 0.5% of a 1000-step job (seven cost up to 0.8 s)."""
+PROBE_MODES_CUDA = ("warmup", "thread", "thread")
+"""The probes when the state is on a GPU: there ``inline`` is never chosen (its stall is the
+whole device-to-host copy, the background mode's only the part the next forward and backward
+do not hide, and their interference is pooled: :meth:`Tuner.probe_costs`), so its probes
+would only cost the run (on an H200, 4.4 GB: inline probes stalled 102-104 ms, background ones
+13-27 ms, and each probe cost 100-160 ms of step time)."""
+
+
+def probe_modes(probes: int) -> tuple[str, ...]:
+    """The snapshot mode of each of ``probes`` profiling checkpoints (every rank derives them
+    from the number of probe steps rank 0 planned): :data:`PROBE_MODES_CUDA` for 3,
+    :data:`PROBE_MODES` otherwise."""
+    return PROBE_MODES_CUDA if probes == len(PROBE_MODES_CUDA) else PROBE_MODES
+
+
 PROFILE_MAX_STEPS = 50
 PLAN_AHEAD_STEPS = 2
 """A plan rank 0 publishes in its hook of step ``s`` applies from step ``s + 2``: followers read
@@ -140,6 +156,9 @@ class Tuner:
         self.base_step = 0
         self.k_min = 1
         self.mode = "thread"
+        self.cuda_state = False
+        """Rank 0: the state is on a GPU (set by the boundary before the first step's
+        :meth:`on_step`): profiling probes :data:`PROBE_MODES_CUDA`."""
         self.profile_steps = PROFILE_MAX_STEPS
         self._gap = 0
         self._last_t: float | None = None
@@ -256,10 +275,11 @@ class Tuner:
             self._publish(step, "profiling", "profiling: measuring the checkpoint costs", None)
         elif self._plan_from is None:  # the cached decision, for this attempt's ranks
             self._publish(step, "cache", self._cache_reason, None)
+        modes = probe_modes(len(self._probe_steps))
         if (self.phase == "profiling" and self._profile
-                and len(self._taken) == len(PROBE_MODES)
+                and len(self._taken) == len(modes)
                 and step >= max(self._taken) + self._gap
-                and (len(self._profile) == len(PROBE_MODES) - 1
+                and (len(self._profile) == len(modes) - 1
                      or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
             self._decide(step)
         elif self.phase == "tuned":
@@ -270,11 +290,13 @@ class Tuner:
 
     def _plan_probes(self, start: int) -> None:
         """Probe steps, the same on every rank (steps alone): after ``WARMUP_STEPS``, one probe
-        every ``gap`` steps, each followed by at least 2 clean iterations."""
+        every ``gap`` steps, each followed by at least 2 clean iterations; three probes when the
+        state is on a GPU (:data:`PROBE_MODES_CUDA`), five otherwise."""
         steps = PROFILE_MAX_STEPS
         first = start + WARMUP_STEPS + 1
-        self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(PROBE_MODES))
-        self._probe_steps = [first + i * self._gap for i in range(len(PROBE_MODES))]
+        modes = PROBE_MODES_CUDA if self.cuda_state else PROBE_MODES
+        self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(modes))
+        self._probe_steps = [first + i * self._gap for i in range(len(modes))]
         self.profile_steps = self._probe_steps[-1] + self._gap
         self._taken = {}  # a re-profile's checkpoint at its state-size check is no probe
 
@@ -291,7 +313,8 @@ class Tuner:
             # the next probe at its planned step, or later when a probe was deferred (one
             # rank, previous persist still in flight), but always ``gap`` steps after the last
             n = len(self._taken)
-            if not self._probe_steps or n >= len(PROBE_MODES) or step < self._probe_steps[n]:
+            if not self._probe_steps or n >= len(self._probe_steps) \
+                    or step < self._probe_steps[n]:
                 return False
             return not self._taken or step >= max(self._taken) + self._gap
         if interval <= 0 or step < base:
@@ -314,7 +337,8 @@ class Tuner:
         self._ckpts.append(step)
         if self._plan_at(step)[0] != "profiling":  # a re-profile's plan not yet in force
             return self.mode
-        mode = PROBE_MODES[min(len(self._taken), len(PROBE_MODES) - 1)]
+        modes = probe_modes(len(self._probe_steps))
+        mode = modes[min(len(self._taken), len(modes) - 1)]
         self._taken[step] = mode
         return "thread" if mode == "warmup" else mode
 

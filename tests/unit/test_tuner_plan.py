@@ -135,3 +135,41 @@ def test_a_fixed_interval_has_no_quiet_steps(tmp_path) -> None:
     jd.create()
     t = Tuner(jd, rank=0, world_size=1, budget=0.035, fixed_interval=10, mtbf_s=None, key="k")
     assert [s for s in range(1, 101) if t.due(s)] == list(range(10, 101, 10))
+
+
+@pytest.mark.parametrize("cuda_state, modes", [
+    (True, ["warmup", "thread", "thread"]),
+    (False, ["warmup", "thread", "inline", "thread", "inline"]),
+], ids=["gpu", "cpu"])
+def test_profiling_probes_no_inline_copy_when_the_state_is_on_a_gpu(tmp_path, cuda_state,
+                                                                     modes):
+    """Issue 23: on a GPU the inline mode is never the cheaper one (its stall is the whole
+    device-to-host copy, 102-104 ms for 4.4 GB on an H200 against 13-27 ms in the
+    background), so its two probes only cost the run: rank 0 with its state on a GPU plans
+    three probes, the follower takes the same three in the same modes (it knows them by their
+    number), and both decide alike. On a CPU the five probes stay."""
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    ranks = _ranks(jd, attempt=0)
+    ranks[0].cuda_state = cuda_state
+    seen: list[tuple[int, str, str]] = []
+    for step in range(1, 200):
+        for t in ranks:
+            t.on_step(step, None)
+        due = [t.due(step) for t in ranks]
+        assert due[0] == due[1], step
+        if due[0]:
+            got = [t.mode_for(step) for t in ranks]
+            seen.append((step, ranks[0]._taken[step], ranks[1]._taken[step]))
+            assert got[0] == got[1], (step, got)
+            if step == seen[0][0]:
+                for t in ranks:
+                    t.check_state_bytes(1000)
+            ranks[0].on_checkpoint_done(step, RECORD)
+        if ranks[0].phase == "tuned" and ranks[1].phase == "tuned":
+            break
+    assert [m0 for _, m0, _ in seen] == [m1 for _, _, m1 in seen] == modes, seen
+    assert ranks[0].done_profiling and ranks[1].done_profiling, seen
+    assert ranks[0].mode == ranks[1].mode == "thread"
+    profile = [e for e in jd.read_events() if e["event"] == "profile"]
+    assert [p["mode"] for p in profile[0]["probes"]] == modes
