@@ -325,7 +325,9 @@ def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_refer
 
 
 def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
-    run = run_cfrun(["--interval", "5", "--hang-timeout", "4", "--job-dir", "j", SLOW, "60",
+    # 8 s: with 4 s a quick-tier run on 2 loaded cores once took two steps of the resumed
+    # attempt 4 s apart (its first checkpoint), and that attempt was killed as hung too
+    run = run_cfrun(["--interval", "5", "--hang-timeout", "8", "--job-dir", "j", SLOW, "60",
                      "j.pt", "0.03", "17"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(run.events("hang")) == 1
