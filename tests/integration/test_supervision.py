@@ -325,8 +325,8 @@ def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_refer
 
 
 def test_hung_rank_is_killed_and_the_job_restarts(reference, tmp_path):
-    # 8 s: with 4 s a quick-tier run on 2 loaded cores once took two steps of the resumed
-    # attempt 4 s apart (its first checkpoint), and that attempt was killed as hung too
+    # 8 s: with 4 s, a quick-tier run on 2 loaded cores once went 4 s without a step in the
+    # resumed attempt too, and killed it as hung a second time
     run = run_cfrun(["--interval", "5", "--hang-timeout", "8", "--job-dir", "j", SLOW, "60",
                      "j.pt", "0.03", "17"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
