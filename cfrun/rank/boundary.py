@@ -596,6 +596,7 @@ class Boundary:
             self._snap.wait_idle()
         t_trigger = time.time()
         tree, tensors, async_ids = self._capture.capture(frame, data, final=final)
+        capture_s = time.perf_counter() - t0
         meta = {
             "step": step,
             "mode": self.mode,
@@ -612,7 +613,8 @@ class Boundary:
             self._checked_bytes = True
             self._tuner.check_state_bytes(int(tree["model_bytes"]))
         self._snap.use_mode(self._tuner.mode_for(step))  # also records the step for the tuner
-        handle = self._snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0)
+        handle = self._snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0,
+                                  capture_s=capture_s)
         self._taken(step)
         if self._stall is not None and self._stall[1] <= step < self._stall[2]:
             time.sleep(self._stall[0])

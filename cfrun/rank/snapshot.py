@@ -461,7 +461,9 @@ class Snapshotter:
             ``t_trigger_unix_s`` (wall-clock time the snapshot started); with CUDA state also
             ``gate_device_s``, the seconds the training stream waited on the device for the
             copy at the next step (:func:`device_wait_s`), which ``stall_s`` includes (the
-            boundary's host time + the gate's host wait + that).
+            boundary's host time + the gate's host wait + that); and the boundary's host time
+            in two parts, ``capture_s`` (the state's capture) and ``enqueue_s`` (the slot,
+            the copy plan, the copies started), when the caller measured the first.
         on_lost: called (background thread) with a step whose hand-off failed because the agent
             was unreachable or died, or because the copy or hand-off raised; the next
             checkpoint reconnects.
@@ -632,7 +634,8 @@ class Snapshotter:
         return waited
 
     def start(self, step: int, tree: Any, tensors: list[torch.Tensor], async_ids: set[int],
-              meta: dict[str, Any], t_trigger: float, t_boundary: float) -> SnapshotHandle:
+              meta: dict[str, Any], t_trigger: float, t_boundary: float, *,
+              capture_s: float | None = None) -> SnapshotHandle:
         """Copy ``tensors`` into the slot and hand the checkpoint to the agent.
 
         Training thread, every rank, only when :meth:`busy` is False. Small tensors and those
@@ -640,7 +643,10 @@ class Snapshotter:
         the rest in the background. Returns without waiting for any of it, except in
         ``inline`` mode: the handle's ``wait()`` waits for the commit and re-raises an error of
         the background thread. Raises OSError/RuntimeError when the synchronous part fails
-        (the caller logs it).
+        (the caller logs it). ``t_boundary``: ``time.perf_counter()`` when the boundary's work
+        began; ``capture_s``: the seconds of it the caller spent capturing the state (the
+        ``checkpoint`` event then splits its stall: ``capture_s``, and ``enqueue_s`` for this
+        call's part: the slot, the copy plan, the copies started).
         """
         async_flags = [id(t) in async_ids for t in tensors]
         plan = self._plan_for(tensors, async_flags)
@@ -682,13 +688,19 @@ class Snapshotter:
         self._cancel_handoff = False
         with self._record_lock:
             self._record = {"step": step, "t_trigger_unix_s": t_trigger}
+            if capture_s is not None:
+                self._record["capture_s"] = capture_s
+                self._record["t_enqueue"] = t_boundary + capture_s
         handle = SnapshotHandle(step)
         self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
                                        args=(later_cpu, later_cuda, done_events, msg, handle,
                                              host_copy), daemon=True)
         self.thread.start()
         with self._record_lock:  # after every wait above: all of it is stall
-            self._record["boundary_s"] = time.perf_counter() - t_boundary
+            now = time.perf_counter()
+            self._record["boundary_s"] = now - t_boundary
+            if "t_enqueue" in self._record:
+                self._record["enqueue_s"] = now - self._record.pop("t_enqueue")
         return handle
 
     def _plan_for(self, tensors: list[torch.Tensor], async_flags: list[bool]) -> CopyPlan:
@@ -965,6 +977,8 @@ class Snapshotter:
                 device_s = device_wait_s(rec.get("gate_events") or [])
                 stall_s = rec["boundary_s"] + rec["gate_s"] + (device_s or 0.0)
                 more = {} if device_s is None else {"gate_device_s": round(device_s, 6)}
+                more.update({k: round(rec[k], 6) for k in ("capture_s", "enqueue_s")
+                             if k in rec})
                 self.emit({"step": rec["step"], "bytes": rec["bytes"],
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],
