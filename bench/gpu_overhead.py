@@ -64,7 +64,8 @@ IDLE_INTERVAL = 100_000
 """``cfrun_idle``'s interval: no checkpoint in the run."""
 ROW_FIELDS = ("name", "kind", "k", "ok", "mean_ms", "median_ms", "p99_ms", "overhead", "checkpoints",
               "stall_first_s", "stall_rest_median_s", "stall_rest_max_s", "deferred",
-              "snapshot_s", "persist_s", "snapshot_over_copy_floor", "persist_over_disk_floor")
+              "snapshot_s", "persist_s", "snapshot_over_copy_floor", "persist_over_disk_floor",
+              "stall_parts")
 """Every row of the JSON has these (None where a contender has no such figure)."""
 
 
@@ -108,7 +109,7 @@ def row(name: str, kind: str, k: int, result: dict | None, error: str, stall_s: 
         "snapshot_s": snap, "persist_s": pers,
         "snapshot_over_copy_floor": snap / floors["copy_s"] if snap else None,
         "persist_over_disk_floor": pers / floors["disk_s"] if pers else None,
-        "iter_ms": iters, "stall_s": stall_s,
+        "iter_ms": iters, "stall_s": stall_s, "stall_parts": None,
     }
 
 
@@ -126,6 +127,10 @@ def cfrun_row(name: str, k: int, args: list[str], model: str, size: str, steps: 
               [e["stall_s"] for e in ckpts], [e["snapshot_s"] for e in ckpts],
               [e["persist_s"] for e in ckpts], deferred, plain_mean_ms, floors)
     out["events"] = evs  # the job's events.jsonl, raw: the policy's plans, the deferrals
+    # where the stall went (median seconds over the checkpoints after the first): the capture
+    # and the copies' start at the boundary, and the device's wait at the next step (CUDA)
+    out["stall_parts"] = {k: median([e[k] for e in ckpts[1:] if e.get(k) is not None])
+                          for k in ("capture_s", "enqueue_s", "gate_device_s")}
     return out
 
 
@@ -242,6 +247,10 @@ def report(result: dict) -> None:
               f"{'-' if r['deferred'] is None else r['deferred']:>5} "
               f"{_fmt(r['snapshot_over_copy_floor']):>8} {_fmt(r['persist_over_disk_floor']):>8}"
               + ("" if r["ok"] else f"  FAILED {r['error'][:80]}"))
+    for r in result["rows"]:
+        if r.get("stall_parts"):
+            print(f"  {r['name']}: stall parts (median after the first, ms): " + ", ".join(
+                f"{k[:-2]} {_fmt(v, 1e3, '.2f')}" for k, v in r["stall_parts"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
