@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -490,6 +491,12 @@ class Snapshotter:
         on a SIGKILL of this rank no longer loses it (:meth:`Boundary.on_before_step` waits)."""
         self.handed_off.set()
         self.thread: threading.Thread | None = None
+        """The snapshot thread (``cfrun-snapshot``): one for the process's life, started ahead
+        of the first checkpoint (:meth:`prepare_bytes`), serving one checkpoint at a time
+        (:meth:`_serve`). Starting a thread per checkpoint held the training thread 4-7 ms
+        on a 2-core machine: ``Thread.start()`` waits until the new thread runs, and the new
+        thread then keeps the GIL for up to a switch interval (issue 23)."""
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self.mode = os.environ.get(ENV_SNAPSHOT_MODE, "thread")
         self.mode_is_forced = ENV_SNAPSHOT_MODE in os.environ
         self._inflight = -1
@@ -592,6 +599,7 @@ class Snapshotter:
         (being) prepared at least this large already. Returns the bytes asked for, or 0."""
         nbytes += max(PREPARE_HEADROOM_MIN_BYTES, int(nbytes * PREPARE_HEADROOM))
         nbytes = -(-nbytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        self._ensure_thread()
         if self.busy() or nbytes <= self.slot.prepared_bytes:
             return 0
         self.slot.prepare(nbytes, pin=bool(devices), device=devices[0] if devices else None)
@@ -692,16 +700,32 @@ class Snapshotter:
                 self._record["capture_s"] = capture_s
                 self._record["t_enqueue"] = t_boundary + capture_s
         handle = SnapshotHandle(step)
-        self.thread = threading.Thread(target=self._background, name="cfrun-snapshot",
-                                       args=(later_cpu, later_cuda, done_events, msg, handle,
-                                             host_copy), daemon=True)
-        self.thread.start()
+        self._ensure_thread()
+        self._jobs.put((later_cpu, later_cuda, done_events, msg, handle, host_copy))
         with self._record_lock:  # after every wait above: all of it is stall
             now = time.perf_counter()
             self._record["boundary_s"] = now - t_boundary
             if "t_enqueue" in self._record:
                 self._record["enqueue_s"] = now - self._record.pop("t_enqueue")
         return handle
+
+    def _ensure_thread(self) -> None:
+        """Start the snapshot thread if it is not running (the first call, or after it died:
+        it never should, :meth:`_background` catches everything)."""
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self._serve, name="cfrun-snapshot",
+                                           daemon=True)
+            self.thread.start()
+
+    def _serve(self) -> None:
+        """The snapshot thread: each checkpoint :meth:`start` queues, in turn (at most one is
+        in flight), until :meth:`close` queues None."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._background(*job)
+            del job  # no reference to the sources and the slot views until the next one
 
     def _plan_for(self, tensors: list[torch.Tensor], async_flags: list[bool]) -> CopyPlan:
         """The copy plan of this state's layout: the last one when the layout, the mode and
@@ -987,9 +1011,11 @@ class Snapshotter:
                            "t_trigger_unix_s": round(rec["t_trigger_unix_s"], 6), **more})
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """At exit: let the last hand-off and persist finish, then free the slot."""
-        if self.thread is not None:
-            self.thread.join(timeout_s)
+        """At exit: let the last hand-off and persist finish, then free the slot and end the
+        snapshot thread."""
+        self.wait_idle(timeout_s)
+        if self.thread is not None and not self.busy():
+            self._jobs.put(None)
         self.slot.wait_prepared()
         self.gate()
         if not self.busy():

@@ -130,9 +130,8 @@ class Rank:
         return time.perf_counter() - t0
 
     def wait(self) -> None:
-        assert self.snap.thread is not None
-        self.snap.thread.join(60)
-        assert not self.snap.busy()
+        assert self.snap.thread is not None and self.snap.thread.is_alive()
+        assert self.snap.wait_idle(60)
 
     def committed(self, step: int) -> dict[str, torch.Tensor]:
         state, _ = load_shard(self.job_dir / "checkpoints" / step_dir_name(step), 0)
