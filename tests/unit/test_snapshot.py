@@ -580,3 +580,27 @@ def test_a_slot_off_tmpfs_is_not_page_locked_and_not_tried_again(tmp_path, monke
     finally:
         slot.release()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_slot_views_are_each_entrys_bytes_whatever_the_dtype_shape_and_offset():
+    """The slot views (one ``as_strided`` per tensor over the slot viewed once per dtype) are
+    exactly the byte ranges the layout gives, contiguous, in the tensor's dtype and shape:
+    0-d, empty, bool, bfloat16, float64 and a transposed source, at slot offset 0 and at a
+    page-aligned offset into a larger mapping. A copy through them lands where the file's
+    reader looks."""
+    from cfrun.codec.format import plan_layout
+
+    tensors = [torch.randn(3, 5), torch.randn(()), torch.zeros(0, 4),
+               torch.randn(7).to(torch.bfloat16), torch.randn(2, 3, 4).double(),
+               torch.ones(5, dtype=torch.bool), torch.randn(4, 4).t()]
+    entries, total = plan_layout(tensors)
+    like = [(t.dtype, t.shape) for t in tensors]
+    mapping = torch.zeros(total + 8192, dtype=torch.uint8)
+    for buf in (mapping[:total], mapping[4096:4096 + total]):
+        buf.zero_()
+        views = S._views(buf, entries, like)
+        for v, t, e in zip(views, tensors, entries):
+            assert (v.dtype, v.shape) == (t.dtype, t.shape) and v.is_contiguous()
+            v.copy_(t)
+            raw = buf[e.offset:e.offset + e.nbytes]
+            assert torch.equal(raw, t.contiguous().reshape(-1).view(torch.uint8)), e
