@@ -1067,9 +1067,9 @@ def _timing_event(stream: Any) -> Any:
 
 def device_wait_s(pairs: list[tuple[Any, Any]]) -> float | None:
     """Seconds the training streams sat at the step gate after a checkpoint (issue 23: on an
-    H200 the step after a checkpoint took 33 ms longer while the host-side stall said 15-27
-    ms; the rest was the device waiting for the part of the copy the forward and backward did
-    not hide). ``pairs``: per device, CUDA timing events recorded on the training stream just
+    H200 the step after a checkpoint took 33 ms longer than the others while the host-side
+    stall said 15-27 ms; a device-side wait is one part of the difference no host clock
+    sees). ``pairs``: per device, CUDA timing events recorded on the training stream just
     before and just after its ``wait_event`` on the copy (:meth:`Snapshotter.gate`); the
     elapsed time between them is the wait (about 0 when the copy was done by then). Summed
     over devices. None when there is no pair, or when one has not completed yet (this never
