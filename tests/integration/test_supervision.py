@@ -24,6 +24,7 @@ from conftest import (
 
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
+from cfrun.contract.jobdir import JobDir
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
 SLOW = str(SCRIPTS / "slow_steps.py")
@@ -176,7 +177,12 @@ def test_a_stop_while_cfrun_starts_exits_75_and_the_job_resumes_exactly(referenc
     env = faults.arm({}, **{"supervisor.start_delay_s": 3.0})
     proc = _start(["--interval", "5", "--job-dir", "j", SLOW, "60", "j.pt", "0.05"], tmp_path,
                   env)
-    time.sleep(1.0)
+    # the signal lands in the slow start: once the job dir is locked (cfrun's first line has
+    # run long before), not after a fixed second (a loaded machine took longer to get there)
+    deadline = time.time() + 60
+    while not JobDir(tmp_path / "j").lock_path.exists() and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     run = Run(proc.returncode, out, err, tmp_path / "j")
