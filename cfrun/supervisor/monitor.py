@@ -266,7 +266,8 @@ class Monitor:
     def progress(self, started_unix_s: float) -> None:
         """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
         steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
-        ``write``, so it never cuts into a line of the script's own output."""
+        ``write``, and a rank on a terminal writes each of its lines in one
+        (:func:`cfrun.rank.install.line_buffer_terminals`), so neither cuts into the other."""
         now = time.monotonic()
         if not self.progress_s or now - self._progress_at < self.progress_s:
             return
