@@ -120,6 +120,30 @@ def plain_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return p
 
 
+def run_on_a_terminal(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> bytes:
+    """Run ``argv`` with a pseudo-terminal as its stdin, stdout and stderr (``pty.fork``),
+    until it exits; everything it wrote to the terminal."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: nothing but exec (or exit) from here
+        if cwd is not None:
+            os.chdir(cwd)
+        os.execvpe(argv[0], argv, env)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    os.close(fd)
+    return out
+
+
 def assert_bit_identical(a: object, b: object, path: str = "") -> None:
     """Nested dicts/lists of tensors and scalars are equal bit for bit."""
     if isinstance(a, torch.Tensor):

@@ -359,7 +359,6 @@ def warm(frames: list[types.FrameType]) -> int:
         try:
             code = frame.f_code
             path, name = os.path.realpath(code.co_filename), code.co_name
-            key = (code.co_firstlineno, tuple(code.co_freevars))
             lines = {frame.f_lineno}
             found = _followable(path, name, code.co_firstlineno)
             if found is not None:
@@ -367,7 +366,7 @@ def warm(frames: list[types.FrameType]) -> int:
                     lines.update(range(loop.lineno, _header_end(loop) + 1))
                     lines.add(loop.body[0].lineno)
             for line in sorted(lines):
-                _live_at(path, name, key[0], line, key[1])
+                _live_at(path, name, code.co_firstlineno, line, tuple(code.co_freevars))
                 count += 1
         except Exception:  # the first checkpoint works it out instead
             continue

@@ -656,14 +656,15 @@ class Snapshotter:
         """
         t0 = time.perf_counter()
         first = "gate_s" not in self._record and bool(self._record)
-        gates, self._cuda_gates = self._cuda_gates, []
         timed: list[tuple[Any, Any]] = []
-        for device, event in gates:
-            stream = torch.cuda.current_stream(device)
-            before = _timing_event(stream) if first else None
-            stream.wait_event(event)
-            if before is not None:
-                timed.append((before, _timing_event(stream)))
+        if self._cuda_gates:  # only at the step after a checkpoint of CUDA state
+            for device, event in self._cuda_gates:
+                stream = torch.cuda.current_stream(device)
+                before = _timing_event(stream) if first else None
+                stream.wait_event(event)
+                if before is not None:
+                    timed.append((before, _timing_event(stream)))
+            self._cuda_gates = []
         if not self.copy_done.is_set():  # set at nearly every step: no lock taken then
             self.copy_done.wait()
         waited = time.perf_counter() - t0
@@ -728,15 +729,11 @@ class Snapshotter:
             self._record = {"step": step, "t_trigger_unix_s": t_trigger}
             if capture_s is not None:
                 self._record["capture_s"] = capture_s
-                self._record["t_enqueue"] = t_boundary + capture_s
         handle = SnapshotHandle(step)
         self._ensure_thread()
         self._jobs.put((later_cpu, later_cuda, done_events, msg, handle, host_copy))
         with self._record_lock:  # after every wait above: all of it is stall
-            now = time.perf_counter()
-            self._record["boundary_s"] = now - t_boundary
-            if "t_enqueue" in self._record:
-                self._record["enqueue_s"] = now - self._record.pop("t_enqueue")
+            self._record["boundary_s"] = time.perf_counter() - t_boundary
         return handle
 
     def _ensure_thread(self) -> None:
@@ -1031,8 +1028,9 @@ class Snapshotter:
                 device_s = device_wait_s(rec.get("gate_events") or [])
                 stall_s = rec["boundary_s"] + rec["gate_s"] + (device_s or 0.0)
                 more = {} if device_s is None else {"gate_device_s": round(device_s, 6)}
-                more.update({k: round(rec[k], 6) for k in ("capture_s", "enqueue_s")
-                             if k in rec})
+                if "capture_s" in rec:  # the boundary's host time: capture, then the rest
+                    more["capture_s"] = round(rec["capture_s"], 6)
+                    more["enqueue_s"] = round(rec["boundary_s"] - rec["capture_s"], 6)
                 self.emit({"step": rec["step"], "bytes": rec["bytes"],
                            "stall_s": round(stall_s, 6), "snapshot_s": round(rec["snapshot_s"], 6),
                            "persist_s": rec["persist_s"], "pgt_s": rec["pgt_s"],

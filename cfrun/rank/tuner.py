@@ -275,11 +275,11 @@ class Tuner:
             self._publish(step, "profiling", "profiling: measuring the checkpoint costs", None)
         elif self._plan_from is None:  # the cached decision, for this attempt's ranks
             self._publish(step, "cache", self._cache_reason, None)
-        modes = probe_modes(len(self._probe_steps))
+        probes = len(self._probe_steps)
         if (self.phase == "profiling" and self._profile
-                and len(self._taken) == len(modes)
+                and len(self._taken) == probes
                 and step >= max(self._taken) + self._gap
-                and (len(self._profile) == len(modes) - 1
+                and (len(self._profile) == probes - 1
                      or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
             self._decide(step)
         elif self.phase == "tuned":

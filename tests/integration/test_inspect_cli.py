@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, cfrun_in_process, run_cfrun, shared_run
+from conftest import SCRIPTS, cfrun_in_process, run_cfrun, run_on_a_terminal, shared_run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -194,7 +194,6 @@ def test_progress_lines_on_a_terminal_only(tmp_path, tmp_path_factory):
     """Under a pseudo-terminal cfrun logs whole progress lines with the overhead against the
     budget, never cutting into the script's lines; piped, it stays quiet."""
     import os
-    import pty
     import re
     import sys
 
@@ -202,21 +201,7 @@ def test_progress_lines_on_a_terminal_only(tmp_path, tmp_path_factory):
             str(SCRIPTS / "slow_steps.py"), "40", "o.pt", "0.05"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CFRUN_")}
     env["CFRUN_PROGRESS_S"] = "0.5"
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(tmp_path)
-        os.execvpe(args[0], args, env)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.waitpid(pid, 0)
-    text = out.decode(errors="replace")
+    text = run_on_a_terminal(args, env, cwd=tmp_path).decode(errors="replace")
     lines = text.splitlines()
     progress = [l for l in lines if "steps/s" in l]
     assert progress and all("newest checkpoint step" in l for l in progress)

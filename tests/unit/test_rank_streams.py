@@ -7,11 +7,10 @@ rank now. A pipe, and a ``PYTHONUNBUFFERED`` the user set, keep what they had.""
 from __future__ import annotations
 
 import os
-import pty
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_on_a_terminal
 
 CHILD = ("import sys\n"
          "from cfrun.rank.install import line_buffer_terminals\n"
@@ -29,19 +28,7 @@ def _env(**more: str) -> dict[str, str]:
 
 
 def _on_a_terminal(env: dict[str, str]) -> str:
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execvpe(sys.executable, [sys.executable, "-u", "-c", CHILD], env)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.waitpid(pid, 0)
+    out = run_on_a_terminal([sys.executable, "-u", "-c", CHILD], env)
     return next(line for line in out.decode().splitlines() if line.startswith("STATE"))
 
 
