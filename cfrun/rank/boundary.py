@@ -173,8 +173,10 @@ class Boundary:
         """(due step, step in flight) of the checkpoint being deferred, if any."""
         self._due_passed = 0
         """Further due steps the deferred checkpoint stands for (skipped)."""
-        self._deferred_info: dict[int, dict[str, int]] = {}
-        """Rank 0: step -> its ``checkpoint`` event's deferral fields (read at its commit)."""
+        self._ckpt_fields: dict[int, dict[str, Any]] = {}
+        """Rank 0: step -> the fields its ``checkpoint`` event adds at its commit, as they were
+        at its boundary: the deferral's, and the loader's ``progress`` (read at the commit,
+        the boundary's own was sometimes a later one's: step 80 said 92 batches done)."""
         self._prepared = False
         """The snapshot slot was prepared (:meth:`Snapshotter.prepare`)."""
         self._done_records: list[dict[str, Any]] = []
@@ -698,9 +700,15 @@ class Boundary:
         """A checkpoint of ``step`` started: it is the one in flight now. When it was due
         earlier, its ``checkpoint`` event will say since when (``deferred_from``) and how many
         further due steps it stands for (``due_passed``)."""
-        if self._deferred is not None and self.s.rank == 0:
-            self._deferred_info[step] = {"deferred_from": self._deferred[0],
-                                         "due_passed": self._due_passed}
+        if self.s.rank == 0:
+            fields: dict[str, Any] = {"progress": self._progress} if self._progress else {}
+            if self._deferred is not None:
+                fields.update(deferred_from=self._deferred[0], due_passed=self._due_passed)
+            for older in list(self._ckpt_fields):  # list(): the snapshot thread pops too
+                if older < step:  # a checkpoint that failed or was lost
+                    self._ckpt_fields.pop(older, None)
+            if fields:
+                self._ckpt_fields[step] = fields
         self._deferred, self._due_passed = None, 0
         self._last_taken, self._idle_from = step, None
         if self.s.rank == 0 and self.s.world_size > 1:  # no record of an earlier run counts
@@ -753,10 +761,9 @@ class Boundary:
             return
         self._done_records.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
-            progress = {"progress": self._progress} if self._progress else {}
-            deferred = self._deferred_info.pop(int(fields["step"]), {})
+            extra = self._ckpt_fields.pop(int(fields["step"]), {})
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,
-                                   persist="agent", **fields, **progress, **deferred)
+                                   persist="agent", **fields, **extra)
         elif os.environ.get(E.EVENTS_ALL_RANKS) == "1":  # per-rank figures (benchmarks)
             self.jobdir.emit_event("checkpoint_rank", rank=self.s.rank, attempt=self.s.attempt,
                                    **fields)

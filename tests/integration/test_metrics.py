@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 from conftest import SCRIPTS, cfrun_in_process, clean_env
 
+from cfrun.contract import faults
 from cfrun.contract.checkpoints import committed_steps
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,20 +111,31 @@ def test_status_watch_follows_a_running_job_until_it_ends(tmp_path):
     assert "None" not in watch.stdout
 
 
+def run_events(job, kind: str) -> list[dict]:
+    return [e for e in (json.loads(line) for line in (job / "events.jsonl").read_text()
+                        .splitlines() if line.strip()) if e["event"] == kind]
+
+
 def test_status_estimates_progress_over_a_range_epoch_loop_and_the_eta(tmp_path):
     """A loader of known length under ``for epoch in range(...)``: the checkpoint events carry
-    the batches done and in all, status --json shows them, and --watch's ETA follows."""
+    the batches done and in all, each as it was at its own boundary, status --json shows them,
+    and --watch's ETA follows."""
     from cfrun.cli.app import _eta_s, _fmt_duration
 
+    # commits 0.3 s late: a checkpoint's event is written after later boundaries (its
+    # progress once came from one of them: step 80 said 92 batches done)
     run = subprocess.run([sys.executable, "-m", "cfrun", "--interval", "10", "--job-dir", "j",
                           str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "o.pt"],
-                         cwd=tmp_path, env=clean_env(), text=True, capture_output=True,
+                         cwd=tmp_path, env=clean_env(faults.arm({}, **{
+                             "agent.commit_delay_s": 0.3})), text=True, capture_output=True,
                          timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     st = json.loads(cfrun_in_process(["status", "j", "--json"], cwd=tmp_path).stdout)
     p = st["progress"]
     assert p["total_batches"] == 4 * 23  # train_tiny: 23 batches per epoch
     assert p["done_batches"] == p["step"] and 0 < p["step"] <= 92  # one step per batch
+    for e in run_events(tmp_path / "j", "checkpoint"):  # each its own boundary's progress
+        assert e["progress"]["done_batches"] == e["step"], e
     st["current_step"] = p["step"]
     assert _eta_s(st, 2.0) == pytest.approx((92 - p["step"]) / 2.0)
     assert _eta_s({**st, "progress": None}, 2.0) is None
