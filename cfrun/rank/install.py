@@ -308,30 +308,12 @@ def when_torch_imported(then: Callable[[], None]) -> None:
     when_imported("torch", then)
 
 
-def line_buffer_terminals() -> None:
-    """A rank's stdout and stderr on a terminal are line-buffered, as ``python script.py`` has
-    them. torchrun starts ranks with ``python -u``, under which ``print`` writes its text and
-    its newline in separate ``write`` calls, so a line cfrun writes to the same terminal (the
-    supervisor's progress line) could land between them and join the script's line. A
-    ``PYTHONUNBUFFERED`` the user set, and output to a pipe or a file, are left as they are.
-    Rank processes only, at interpreter start; never raises."""
-    if os.environ.get("PYTHONUNBUFFERED"):
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream.isatty() and getattr(stream, "write_through", False):
-                stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
-        except (AttributeError, OSError, ValueError):
-            continue
-
-
 def arm() -> None:
     """Install now if torch is already imported, else as soon as the script imports it; a
     failure of the script before that is recorded all the same (:mod:`cfrun.rank.early`)."""
     from cfrun.rank import early
 
     early.install()
-    line_buffer_terminals()
     if "torch" in sys.modules:
         install()
     elif not any(isinstance(f, _TorchWatcher) and f.name == "torch" for f in sys.meta_path):

@@ -266,8 +266,9 @@ class Monitor:
     def progress(self, started_unix_s: float) -> None:
         """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
         steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
-        ``write``, and a rank on a terminal writes each of its lines in one
-        (:func:`cfrun.rank.install.line_buffer_terminals`), so neither cuts into the other."""
+        ``write``, so it never cuts into a line of the script's own output (a script line
+        written in two parts, as ``print`` under ``python -u`` does, can still have a progress
+        line land between them)."""
         now = time.monotonic()
         if not self.progress_s or now - self._progress_at < self.progress_s:
             return
