@@ -11,7 +11,8 @@
 # Knobs (environment): T_TESTS (seconds), WORKLOADS ("NAME:SECONDS ..."), MULTIPLES,
 # BASELINES, STEPS, POLICY_STEPS, IDLE (default --idle: the torchrun_plain and cfrun_idle rows
 # that split the ~0.6 ms per-step slowdown between the launcher and cfrun's hooks; empty: off),
-# SIZE (small: a CPU dry run of this script).
+# SIZE (small: a CPU dry run of this script), PIN (0: skip pin_stall), ROUNDS (each CUDA
+# exactness test this many times, default 5: issue 33), WORKERS (pytest-xdist workers, default 8).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -29,14 +30,14 @@ stamp env
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
   df -hT / /tmp /dev/shm "$PWD"; nproc; free -g; } > "$OUT/env.txt" 2>&1
 
-if [ "$SIZE" = full ]; then
+if [ "$SIZE" = full ] && [ "${PIN:-1}" != 0 ]; then
   stamp pin-stall
   timeout 90 "$PY" bench/pin_stall.py --gb 4 > "$OUT/pin_stall.txt" 2>&1
   stamp "pin-stall exit $?"
 fi
 
 stamp pytest-gpu
-timeout "$T_TESTS" "$PY" -m pytest -m gpu -n 6 -p no:cacheprovider -q -rA --durations=15 \
+CFRUN_GPU_ROUNDS=${ROUNDS:-5} timeout "$T_TESTS" "$PY" -m pytest -m gpu -n "${WORKERS:-8}" -p no:cacheprovider -v -rA --durations=15 \
   tests/unit/test_snapshot.py tests/integration/test_cuda_resume.py \
   tests/integration/test_unsupported_layouts.py > "$OUT/pytest_gpu.txt" 2>&1
 stamp "pytest-gpu exit $?"
