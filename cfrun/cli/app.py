@@ -37,6 +37,7 @@ from cfrun.cli.options import (
     MasterAddrOption,
     MasterPortOption,
     MaxRestartsOption,
+    ModuleOption,
     NprocPerNodeOption,
     RdzvBackendOption,
     RdzvConfOption,
@@ -265,6 +266,7 @@ def run_cmd(
     ctx: typer.Context,
     script: ScriptArgument,
     script_args: ScriptArgsArgument = None,
+    module: ModuleOption = False,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job directory (checkpoints, events, config). Default: "
@@ -383,7 +385,7 @@ def run_cmd(
                         peer_streams=peer_streams, persist_to=persist_to, nnodes=nnodes,
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher, metrics=metrics,
-                        local_addr=local_addr)
+                        local_addr=local_addr, module=module)
     cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
                               job_key_file=_job_key_path(job_key_file), reshard=reshard)
     if dry_run:
@@ -479,8 +481,22 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
                   persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                   job_name: str | None = None, launcher: str = "torchrun",
-                  metrics: str | None = None, local_addr: str | None = None) -> RunConfig:
-    script_path = _resolve_script(script)
+                  metrics: str | None = None, local_addr: str | None = None,
+                  module: bool = False) -> RunConfig:
+    """The run's :class:`RunConfig` from the command line's words; ``module`` (``-m``):
+    ``script`` is a module name, whose file is found without running it
+    (:func:`cfrun.contract.pymodule.find_module_file`). Checks everything before anything is
+    created.
+
+    Raises:
+        BadInputError: a value is invalid (one line naming it and the fix).
+    """
+    if module:
+        from cfrun.contract.pymodule import find_module_file
+
+        script_path = find_module_file(script, Path.cwd())
+    else:
+        script_path = _resolve_script(script)
     option = "--job-name"
     if job_name is None and E.get_str(E.PEER_JOB):  # the older name of CFRUN_JOB_NAME
         job_name, option = E.get_str(E.PEER_JOB), E.PEER_JOB
@@ -490,7 +506,8 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
     nproc_n = parse_positive_int("--nproc-per-node", nproc_per_node, minimum=1)
     nnodes_n = parse_positive_int("--nnodes", nnodes, minimum=1)
     jd = Path(job_dir).expanduser().absolute() if job_dir else \
-        default_job_dir(script, cwd, script_args or [], nproc_n, nnodes_n)
+        default_job_dir(str(script_path), cwd, script_args or [], nproc_n, nnodes_n,
+                        module=script if module else None)
     parse_inject_crash(inject_crash)  # validate now: the ranks parse it again
     grace_s = _parse_seconds("--grace", grace, "25")
     hang_timeout_s = _parse_seconds("--hang-timeout", hang_timeout, "600")
@@ -544,6 +561,7 @@ def _build_config(script: str, script_args: list[str] | None, job_dir: str | Non
         metrics=metrics or None,
         local_addr=local_addr or None,
         env=_recorded_env(),
+        module=script if module else None,
     )
     return cfg
 
@@ -584,6 +602,7 @@ def _plan_phase(strategy: Path) -> str | None:
 def profile_cmd(
     script: ScriptArgument,
     script_args: ScriptArgsArgument = None,
+    module: ModuleOption = False,
     job_dir: Annotated[str | None, typer.Option(
         "--job-dir", metavar="PATH", envvar=E.JOB_DIR,
         help="Job dir to profile into (default ./cfrun-jobs/<script name>-<hash>, the one "
@@ -612,7 +631,7 @@ def profile_cmd(
     from cfrun.supervisor.core import Supervisor
 
     cfg = _build_config(script, script_args, job_dir, None, overhead, nproc_per_node, "0", "2",
-                        "25", mtbf, "1800", "0", "", profile_only=True)
+                        "25", mtbf, "1800", "0", "", profile_only=True, module=module)
     jd = JobDir(cfg.job_dir)
     if committed_steps(jd.checkpoints):
         raise BadInputError(f"job dir {cfg.job_dir!r} already has checkpoints; profile into a "
@@ -636,7 +655,7 @@ def profile_cmd(
     st = json.loads(strategy.read_text())
     prof = json.loads(jd.profile_path(st["fingerprint"]).read_text())
     c, d = prof["costs"], prof["decision"]
-    table = Table("measured", "value", title=f"cfrun profile: {Path(cfg.script).name}")
+    table = Table("measured", "value", title=f"cfrun profile: {cfg.shown}")
     for name, value in [
         ("iteration time", f"{c['iter_s'] * 1e3:.2f} ms"),
         ("optimizer step time", f"{prof.get('opt_step_s', 0) * 1e3:.2f} ms"),
@@ -668,6 +687,7 @@ def verify_cmd(
     ctx: typer.Context,
     script: ScriptArgument,
     script_args: ScriptArgsArgument = None,
+    module: ModuleOption = False,
     steps: Annotated[str | None, typer.Option(
         "--steps", metavar="INTEGER",
         help="Optimizer steps each run makes before it stops (default: the first epoch of "
@@ -703,7 +723,7 @@ def verify_cmd(
     cfg = _build_config(script, script_args, None, interval or str(V.DEFAULT_INTERVAL), "3.5%",
                         nproc_per_node, max_restarts, "2", grace, None, hang_timeout,
                         crash_loop, "", profile_only=False, launcher=launcher,
-                        local_addr=local_addr)
+                        local_addr=local_addr, module=module)
     restore = V.json_stdout_guard()[1] if as_json else None
     try:
         rep = V.verify(cfg, steps=steps_n, kills=kills_n, against_plain=against_plain,
@@ -717,7 +737,7 @@ def verify_cmd(
     if as_json:
         print(json.dumps(rep, indent=1))
     else:
-        print(f"cfrun verify: {Path(cfg.script).name} {' '.join(cfg.script_args)}".rstrip()
+        print(f"cfrun verify: {cfg.shown} {' '.join(cfg.script_args)}".rstrip()
               + f", {rep['steps']} steps, checkpoint every {rep['interval']} steps")
         print(V.format_report(rep))
     raise typer.Exit(V.exit_code(rep))
@@ -797,7 +817,16 @@ def resume_cmd(
         raise BadInputError(f"the recorded working directory {cfg.cwd!r} no longer exists; "
                             "recreate it, or start the job again with cfrun SCRIPT from "
                             "another directory") from None
-    if not Path(cfg.script).is_file():
+    if cfg.module:  # found again as the ranks' python -m will find it
+        from cfrun.contract.pymodule import find_module_file
+
+        try:
+            found = find_module_file(cfg.module, Path(cfg.cwd))
+        except BadInputError as e:
+            raise BadInputError(f"the recorded module cannot be run: {e}; restore it, or start "
+                                "the job again with cfrun -m MODULE") from None
+        cfg = dataclasses.replace(cfg, script=str(found))
+    elif not Path(cfg.script).is_file():
         raise BadInputError(f"the recorded script {cfg.script!r} no longer exists; restore "
                             "it, or start the job again with cfrun SCRIPT") from None
     cfg = dataclasses.replace(cfg, job_dir=str(jd), reshard=reshard)
@@ -828,7 +857,8 @@ def resume_cmd(
                                 f"{E.PERSIST_TO}=URL {resume_command(jd, node)}")
         cfg = dataclasses.replace(cfg, persist_to=given)
     # what config.json chooses besides the command, in sight before anything runs
-    print(f"cfrun: resuming: {shlex.join([cfg.script, *cfg.script_args])} in {cfg.cwd} "
+    shown = ["-m", cfg.module] if cfg.module else [cfg.script]
+    print(f"cfrun: resuming: {shlex.join([*shown, *cfg.script_args])} in {cfg.cwd} "
           f"(job dir {jd}, {cfg.nproc_per_node} rank(s) per node, persist-to "
           f"{redact_url(cfg.persist_to) or 'none'}, peer {cfg.peer or 'none'})",
           file=sys.stderr, flush=True)
@@ -1208,7 +1238,7 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
     # (cfrun.contract.settings.node_suffix)
     os.environ[E.NODE_RANK] = str(cfg.node_rank)
     os.environ[E.NNODES] = str(cfg.nnodes)
-    log.info("cfrun %s: %s -> job dir %s (%s)", __version__, Path(cfg.script).name, cfg.job_dir,
+    log.info("cfrun %s: %s -> job dir %s (%s)", __version__, cfg.shown, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
     try:
         code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun).run()
@@ -1239,6 +1269,29 @@ def _refuse_dropped(run: Any, words: list[str]) -> None:
         i += 2 if words[i] in takes_value else 1
 
 
+def _module_words(command: Any, words: list[str]) -> list[str]:
+    """``words`` (a job command's options, then SCRIPT and its arguments) with ``-mMODULE`` and
+    ``--module=MODULE`` among the options split into ``-m MODULE`` (Python's and argparse's
+    spellings; cfrun's ``-m``/``--module`` is a flag that makes SCRIPT a module name, as
+    torchrun's is). The words after SCRIPT are the script's: never looked at."""
+    takes_value = {name for p in command.params if not getattr(p, "is_flag", True)
+                   for name in (*p.opts, *p.secondary_opts)}
+    out = list(words)
+    i = 0
+    while i < len(out) and out[i].startswith("-") and out[i] != "--":
+        word = out[i]
+        if word.startswith("--module="):
+            out[i:i + 1] = ["--module", word.split("=", 1)[1]]
+            break  # the module's name is SCRIPT: the rest is its arguments
+        if word.startswith("-m") and not word.startswith("--") and len(word) > 2:
+            out[i:i + 1] = ["-m", word[2:]]
+            break
+        if word in ("-m", "--module"):
+            break
+        i += 2 if word in takes_value else 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``cfrun`` console script. Exits the process with cfrun's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -1259,6 +1312,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         debug = E.get_flag(E.DEBUG)
         faults.check()
+        if args[0] in ("run", "profile", "verify"):
+            job_command = command.commands[args[0]]  # type: ignore[attr-defined]
+            args = [args[0], *_module_words(job_command, args[1:])]
         if args[0] == "run":
             _refuse_dropped(command.commands["run"], args[1:])  # type: ignore[attr-defined]
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False,

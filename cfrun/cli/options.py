@@ -11,7 +11,13 @@ import typer
 from cfrun.contract import settings as E
 
 ScriptArgument = Annotated[str, typer.Argument(
-    metavar="SCRIPT", help="The training script, run unchanged.")]
+    metavar="SCRIPT", help="The training script, run unchanged (a module name with -m).")]
+
+ModuleOption = Annotated[bool, typer.Option(
+    "--module", "-m",
+    help="SCRIPT is a module name, run as python -m SCRIPT runs it (torchrun's -m): the "
+         "working directory first on sys.path, a package's __main__; its file is recorded "
+         "and hashed like a script's.")]
 
 ScriptArgsArgument = Annotated[list[str] | None, typer.Argument(
     metavar="[ARGS]...", help="Arguments for the script, passed through untouched.")]

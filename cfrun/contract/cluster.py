@@ -177,10 +177,6 @@ DROPPED_TORCHRUN_OPTIONS = {
     "--run_path": "it runs the script as python SCRIPT does",
     "--start-method": "torchrun starts each rank as its own process (spawn)",
     "--start_method": "torchrun starts each rank as its own process (spawn)",
-    "-m": "it runs a script file, which it records and hashes for an exact resume; give the "
-          "module's file instead, e.g. cfrun pkg/train.py",
-    "--module": "it runs a script file, which it records and hashes for an exact resume; give "
-                "the module's file instead, e.g. cfrun pkg/train.py",
 }
 """torchrun options that have no meaning under cfrun -> why (``drop X: cfrun does it
 because ...``, exit 2)."""

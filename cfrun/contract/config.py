@@ -144,7 +144,7 @@ class RunConfig:
     """
 
     script: str
-    """Path of the training script, absolute."""
+    """Path of the training script, absolute (with :attr:`module`, the module's file)."""
     script_args: list[str]
     """Arguments passed to the script unchanged."""
     job_dir: str
@@ -223,6 +223,15 @@ class RunConfig:
     the ``metrics.prom`` textfile in the job dir (:mod:`cfrun.supervisor.metrics`)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables recorded for ``cfrun resume`` (CFRUN_*, CUDA_*, OMP_*, PYTHON*)."""
+    module: str | None = None
+    """``-m MODULE``: the ranks run ``python -m MODULE`` (torchrun ``--module``); :attr:`script`
+    is the module's file (:func:`cfrun.contract.pymodule.find_module_file`), recorded and
+    hashed like a script's. None: :attr:`script` runs as ``python SCRIPT``."""
+
+    @property
+    def shown(self) -> str:
+        """The script as the user named it: ``-m pkg.train``, else the script's file name."""
+        return f"-m {self.module}" if self.module else Path(self.script).name
 
     def __post_init__(self) -> None:
         if self.interval is not None and self.interval < 1:
@@ -231,6 +240,11 @@ class RunConfig:
             raise BadInputError(f"overhead {self.overhead} must lie in (0, 1)")
         if self.nproc_per_node < 1:
             raise BadInputError(f"--nproc-per-node {self.nproc_per_node} must be at least 1")
+        if self.module is not None and not (
+                isinstance(self.module, str) and self.module
+                and all(p.isidentifier() for p in self.module.split("."))):
+            raise BadInputError(f"module {self.module!r} is not a module name; give e.g. "
+                                "-m pkg.train")
         if self.launcher not in LAUNCHERS:
             raise BadInputError(f"--launcher {self.launcher!r} must be one of "
                                 f"{', '.join(LAUNCHERS)}")
@@ -292,7 +306,7 @@ def redact_url(url: str | None) -> str | None:
 
 
 def default_job_dir(script: str, cwd: Path, script_args: Sequence[str] = (),
-                    nproc_per_node: int = 1, nnodes: int = 1) -> Path:
+                    nproc_per_node: int = 1, nnodes: int = 1, module: str | None = None) -> Path:
     """``./cfrun-jobs/<script stem>-<8 hex digits>`` under ``cwd``: one job dir per command.
 
     The digits are the first of a SHA-256 of the script's absolute path (links resolved), its
@@ -305,9 +319,15 @@ def default_job_dir(script: str, cwd: Path, script_args: Sequence[str] = (),
     A script run with no arguments on one rank keeps the name cfrun gave every job dir before
     arguments counted (the hash of the path alone); so does any command whose job dir of that
     name already holds its job (``identity.json`` with these arguments and world size), so a
-    job started by an older cfrun resumes there."""
+    job started by an older cfrun resumes there.
+
+    ``module`` (``-m MODULE``, ``script`` its file): ``./cfrun-jobs/<module>-<8 hex digits>``,
+    the module's name hashed too."""
     path = (cwd / script).resolve()
     jobs = cwd / "cfrun-jobs"
+    if module:
+        doc = json.dumps([str(path), list(script_args), nproc_per_node, nnodes, module])
+        return jobs / f"{module}-{_hex8(doc)}"
     path_only = jobs / f"{path.stem}-{_hex8(str(path))}"
     args = list(script_args)
     if (not args and nproc_per_node == nnodes == 1) or \
@@ -380,6 +400,8 @@ class Command:
     """Arguments passed to the script."""
     world_size: int
     """Ranks in the job (``nproc_per_node * nnodes``)."""
+    module: str | None = None
+    """``-m MODULE``: the module's name (:attr:`script` is its file); None: a script file."""
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Command:
@@ -393,13 +415,16 @@ class Command:
         except OSError as e:
             raise BadInputError(f"script {cfg.script!r} cannot be read ({e.strerror}); give a "
                                 "readable training script") from None
-        return cls(cfg.script, sha, tuple(cfg.script_args), cfg.nproc_per_node * cfg.nnodes)
+        return cls(cfg.script, sha, tuple(cfg.script_args), cfg.nproc_per_node * cfg.nnodes,
+                   cfg.module or None)
 
     @property
     def fingerprint(self) -> str:
         """Hex SHA-256 of the script's hash, the arguments and the world size (not the script's
-        path: a moved script with the same bytes is the same command)."""
-        doc = json.dumps([self.script_sha256, list(self.script_args), self.world_size])
+        path: a moved script with the same bytes is the same command), and the module's name
+        for ``-m MODULE`` (its ``__package__`` and relative imports depend on it)."""
+        doc = json.dumps([self.script_sha256, list(self.script_args), self.world_size,
+                          *([self.module] if self.module else [])])
         return hashlib.sha256(doc.encode()).hexdigest()
 
 
@@ -476,6 +501,7 @@ class Identity:
         return {"format": IDENTITY_FORMAT, "job_id": self.job_id, "job_name": self.job_name,
                 "script": self.command.script, "script_sha256": self.command.script_sha256,
                 "script_args": list(self.command.script_args),
+                **({"module": self.command.module} if self.command.module else {}),
                 "world_size": self.command.world_size, "fingerprint": self.command.fingerprint,
                 "fingerprints": list(self.fingerprints), "changes": list(self.changes),
                 "created_unix_s": self.created_unix_s, "nnodes": self.nnodes,
@@ -494,8 +520,11 @@ class Identity:
             args = d["script_args"]
             if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                 raise TypeError("script_args is not a list of strings")
+            module = d.get("module")
+            if module is not None and not isinstance(module, str):
+                raise TypeError("module is not a string")
             command = Command(str(d["script"]), str(d["script_sha256"]), tuple(args),
-                              int(d["world_size"]))
+                              int(d["world_size"]), module or None)
             prints = d["fingerprints"]
             if not isinstance(prints, list) or not all(isinstance(p, str) for p in prints):
                 raise TypeError("fingerprints is not a list of strings")
@@ -568,6 +597,9 @@ def describe_changes(old: Identity, new: Command, job_name: str | None) -> list[
     ``world size 2 -> 4``, ``job name a -> b`` (``job_name``: given by ``--job-name``)."""
     out: list[str] = []
     was = old.command
+    if was.module != new.module:
+        out.append(f"{'-m ' + was.module if was.module else 'script'} -> "
+                   f"{'-m ' + new.module if new.module else 'script'}")
     if Path(was.script) != Path(new.script):
         same = was.script_sha256 == new.script_sha256
         out.append(f"script {was.script} -> {new.script}"

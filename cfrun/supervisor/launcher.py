@@ -61,7 +61,8 @@ def module_argv(module: str, *args: str, python: str = sys.executable) -> list[s
     is built in), puts cfrun's own tree first, then runs the module as ``-m`` would
     (:func:`runpy.run_module`, ``sys.argv[0]`` its file). ``-P`` would do the first part, from
     Python 3.11 only. The ranks are not started this way: they run the user's script as
-    ``python SCRIPT`` does, its own directory first on ``sys.path``.
+    ``python SCRIPT`` does, its own directory first on ``sys.path`` (``python -m MODULE`` with
+    ``-m``: the working directory first, as Python puts it).
     """
     pkg_parent = str(Path(cfrun.__file__).resolve().parent.parent)
     return [python, "-c", _RUN_MODULE, pkg_parent, module, *args]
@@ -79,7 +80,9 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
     output stays on the console); ``log_dir``: torchrun's ``--log-dir`` (else it leaves a
     ``torchelastic_*`` directory in /tmp per attempt). Each of torchrun's options is one word
     (``--name=value``): the first word that is no option is the script
-    (:func:`cfrun.supervisor.torchrun_log.split_script`).
+    (:func:`cfrun.supervisor.torchrun_log.split_script`). With ``-m MODULE``
+    (:attr:`RunConfig.module`) torchrun's own ``--module`` flag precedes the module's name:
+    each rank runs ``python -m MODULE ARGS``.
     """
     if cfg.nnodes > 1:
         # node 0 hosts the rendezvous store: torchrun's own guess (the endpoint names this
@@ -97,16 +100,18 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
         "--monitor-interval=0.1",
         *([f"--log-dir={log_dir}"] if log_dir is not None else []),
         *([f"--local-addr={cfg.local_addr}"] if cfg.local_addr else []),
-        cfg.script, *cfg.script_args, python=python)
+        *(["--module", cfg.module] if cfg.module else [cfg.script]), *cfg.script_args,
+        python=python)
 
 
 def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable,
                       log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The command of one attempt (no I/O): :func:`build_torchrun_argv`, or with
-    ``--launcher python`` the script itself, ``python SCRIPT ARGS``, as its user would run it
-    (one process; :class:`RunConfig` refuses it with several ranks or nodes)."""
+    ``--launcher python`` the script itself, ``python SCRIPT ARGS`` (``python -m MODULE ARGS``
+    with ``-m``), as its user would run it (one process; :class:`RunConfig` refuses it with
+    several ranks or nodes)."""
     if cfg.launcher == "python":
-        return [python, cfg.script, *cfg.script_args]
+        return [python, *(["-m", cfg.module] if cfg.module else [cfg.script]), *cfg.script_args]
     return build_torchrun_argv(cfg, python=python, log_path=log_path, log_dir=log_dir)
 
 

@@ -49,7 +49,11 @@ REFUSED = [
     ("torchrun --no-python train.py", "--no-python"),
     ("torchrun --run-path train.py", "--run-path"),
     ("torchrun --start-method=spawn train.py", "--start-method"),
-    ("torchrun --standalone -m train", "-m"),
+]
+
+MODULE_LINES = [  # torchrun's -m/--module: the script argument is a module name (issue 34)
+    "torchrun --standalone -m train",
+    "torchrun --standalone --nproc-per-node=2 --module train --arg1",
 ]
 
 
@@ -81,6 +85,19 @@ def test_torchrun_line_resolves(line, cwd):
         assert f"--rdzv-endpoint={endpoint}" in launch[:script_at]
     if "--arg1" in line:
         assert launch[script_at + 1:] == ["--arg1"]
+
+
+@pytest.mark.parametrize("line", MODULE_LINES)
+def test_torchrun_module_line_resolves(line, cwd):
+    run = cfrun_in_process(["--dry-run", *_as_cfrun(line)], cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["config"]["module"] == "train"
+    assert doc["config"]["script"] == str((cwd / "train.py").resolve())
+    launch = doc["launch"]
+    at = launch.index("--module")
+    assert "--standalone" in launch[:at]
+    assert launch[at + 1:] == ["train", *(["--arg1"] if "--arg1" in line else [])]
 
 
 @pytest.mark.parametrize(("line", "flag"), REFUSED)
