@@ -941,7 +941,8 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
     row of ``--watch``."""
     rows = [
         ("state", st["state"]),
-        ("script", str(st["script"] or "unknown (no config.json)")),
+        ("script", str(st["script"] or "unknown (no config.json)")
+         + (f" (-m {st['module']})" if st.get("module") else "")),
         ("current step", _or(st["current_step"], "no step seen yet")
          + (f" ({rate})" if rate else "")),
         ("last committed step", _or(st["last_committed_step"], "none yet")),

@@ -158,15 +158,18 @@ def find_jobs(path: str | None, cwd: Path) -> JobDir | list[JobDir]:
 def summary(jd: JobDir, config: dict[str, Any] | None = None,
             events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A job's one-line facts (``cfrun status`` of several jobs, and the head of
-    :func:`status`): job_dir, script, state, is_running, current_step, last_committed_step,
-    resume_command (the ``cfrun resume`` line that goes on with a stopped, failed, fatal,
-    preempted or dead job; None while it runs or after it succeeded)."""
+    :func:`status`): job_dir, script, module (``-m MODULE``; None: a script file), state,
+    is_running, current_step, last_committed_step, resume_command (the ``cfrun resume`` line
+    that goes on with a stopped, failed, fatal, preempted or dead job; None while it runs or
+    after it succeeded)."""
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES) if config is None else config
     events = _read_events(jd) if events is None else events
     states = [e for e in events if e.get("event") == "state"]
     running, state = _liveness(jd, config, states[-1]["state"] if states else None)
     node = config.get("node_rank")
-    return {"job_dir": str(jd.root), "script": config.get("script"), "state": state,
+    module = config.get("module")
+    return {"job_dir": str(jd.root), "script": config.get("script"),
+            "module": module if isinstance(module, str) else None, "state": state,
             "is_running": running, "current_step": co.newest_heartbeat_step(jd.root),
             "last_committed_step": _newest_readable(jd),
             "resume_command": None if running or state == "succeeded"

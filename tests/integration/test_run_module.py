@@ -122,6 +122,8 @@ def test_module_run_one_rank_killed_resumes_bit_identical(package: Path) -> None
     assert config["script"] == str((package / "pkg" / "train.py").resolve())
     identity = json.loads((package / "j" / "identity.json").read_text())
     assert identity["module"] == "pkg.train" and identity["script"] == config["script"]
+    status = run_cfrun(["status", "j", "--json"], cwd=package)
+    assert json.loads(status.stdout)["module"] == "pkg.train", status.stderr
 
 
 @pytest.mark.torchrun
