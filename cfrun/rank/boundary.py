@@ -525,6 +525,7 @@ class Boundary:
             self._pending = None
             self._preemption.stop_now(self.step, lambda: self.checkpoint(self.step, frame, data))
         if persist_kill and self._verify is not None:
+            self._snap.give_verdict()  # the rank waits from here on: it writes nothing
             self._verify.kill_after_handoff(self._snap.handed_off, step)
         if kill:
             kill_self(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
@@ -770,7 +771,10 @@ class Boundary:
 
     def on_lost(self, step: int, error: str) -> None:
         """A checkpoint's copy or hand-off failed (the agent was unreachable or died)."""
-        say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")
+        if "copied at the step from now on" in error:  # Snapshotter.give_verdict
+            say(f"cfrun: checkpoint step {step} not taken: {error}")
+        else:
+            say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")
         self.jobdir.emit_event("persist_lost", step=step, rank=self.s.rank, error=error)
 
 

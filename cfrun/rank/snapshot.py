@@ -336,6 +336,9 @@ class SnapshotHandle:
         self._finished = threading.Event()
         self._committed = False
         self._error: BaseException | None = None
+        self._before_wait: Callable[[], Any] | None = None
+        """Gives the checkpoint's verdict first when the training thread waits
+        (:meth:`Snapshotter.give_verdict`)."""
 
     def done(self) -> bool:
         """True once the background work of this checkpoint has ended, however it ended."""
@@ -352,6 +355,8 @@ class SnapshotHandle:
             Exception: what ended the copy or the hand-off in the background thread (e.g.
                 ``ConnectionError``/``OSError``: no persist agent), re-raised here.
         """
+        if self._before_wait is not None:
+            self._before_wait()
         if not self._finished.wait(timeout_s):
             return False
         if self._error is not None:
@@ -536,6 +541,21 @@ class Snapshotter:
         """(device, stream handle) -> an event recorded there after the last optimizer step
         that ran on that stream (:meth:`after_step`): the side stream waits for all of them."""
         self._cancel_handoff = False
+        self._watch: list[tuple[int, torch.Tensor, int]] | None = None
+        """(position, live tensor, its version counter at the boundary) of each tensor the
+        in-flight checkpoint copies after the boundary, until :meth:`give_verdict` checks them
+        (issue 33)."""
+        self._verdict = threading.Event()
+        """Set once :meth:`give_verdict` has checked the in-flight checkpoint's late copies; the
+        snapshot thread hands the checkpoint off only then."""
+        self._verdict.set()
+        self._torn: list[int] = []
+        """Positions of the late-copied tensors the script wrote before the copy was known to
+        be complete (the in-flight checkpoint is dropped)."""
+        self.written_positions: set[int] = set()
+        """Positions (in the capture's tensor list) of tensors the script writes between a
+        checkpoint's boundary and the next step's gate: copied at the boundary from then on."""
+        self._training_thread: int | None = None
         self._plan: tuple[tuple[Any, ...], CopyPlan] | None = None
         """(key, plan) of the last checkpoint's layout (:meth:`_plan_for`)."""
         self._record: dict[str, Any] = {}
@@ -602,12 +622,15 @@ class Snapshotter:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` seconds (None: no limit) until no checkpoint is in flight,
         however the last one ended (errors were reported through ``on_lost``). Returns True
-        when idle. Any thread."""
+        when idle. Any thread; on the training thread it first gives the in-flight
+        checkpoint's verdict (:meth:`give_verdict`: the script writes nothing while it waits)."""
+        self._verdict_if_training_thread()
         return self.persist_done.wait(timeout_s)
 
     def wait_copied(self, timeout_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` seconds until no host-thread copy reads the live tensors
         (what :meth:`gate` waits for). Returns True when none does."""
+        self._verdict_if_training_thread()
         return self.copy_done.wait(timeout_s)
 
     def prepare(self, tensors: list[torch.Tensor]) -> int:
@@ -655,6 +678,8 @@ class Snapshotter:
         host-thread copy blocks the host.
         """
         t0 = time.perf_counter()
+        if self._watch is not None:  # only at the step after a checkpoint
+            self.give_verdict()
         first = "gate_s" not in self._record and bool(self._record)
         timed: list[tuple[Any, Any]] = []
         if self._cuda_gates:  # only at the step after a checkpoint of CUDA state
@@ -672,6 +697,39 @@ class Snapshotter:
             self._finish(gate_s=waited, gate_events=timed)
         return waited
 
+    def give_verdict(self) -> list[int]:
+        """Check that the script wrote none of the tensors the in-flight checkpoint copies
+        after its boundary (parameters and optimizer state, which only ``optimizer.step()`` is
+        expected to change) before the copy is known to be complete, and let the snapshot
+        thread hand the checkpoint off, or drop it (DESIGN 9b; issue 33: weights clamped or
+        decayed under ``no_grad`` after the step, an EMA written into the model, a manual
+        update of a parameter).
+
+        Training thread only, at the next ``optimizer.step()``'s gate or whenever it waits for
+        the checkpoint (:meth:`wait_idle`, :meth:`wait_copied`, :meth:`quiesce`,
+        :meth:`close`): every write the script made since the boundary has been issued by
+        then. A write is seen through the tensor's version counter (``Tensor._version``, which
+        every in-place op bumps; on CUDA at the moment the kernel is queued, so a write queued
+        before the side stream's copy ran is seen too). A write through ``.data`` bumps no
+        counter and is not seen (README, "Resume semantics"). The written tensors are copied
+        at the boundary from the next checkpoint on (:attr:`written_positions`). Returns the
+        positions found written (empty: the checkpoint is exact)."""
+        watch, self._watch = self._watch, None
+        torn: list[int] = []
+        if watch is not None:
+            torn = [i for i, t, version in watch if t._version != version]
+            self.written_positions.update(torn)
+        self._torn = torn
+        self._verdict.set()
+        return torn
+
+    def _on_training_thread(self) -> bool:
+        return self._training_thread in (None, threading.get_ident())
+
+    def _verdict_if_training_thread(self) -> None:
+        if self._watch is not None and self._on_training_thread():
+            self.give_verdict()
+
     def start(self, step: int, tree: Any, tensors: list[torch.Tensor], async_ids: set[int],
               meta: dict[str, Any], t_trigger: float, t_boundary: float, *,
               capture_s: float | None = None) -> SnapshotHandle:
@@ -687,7 +745,9 @@ class Snapshotter:
         ``checkpoint`` event then splits its stall: ``capture_s``, and ``enqueue_s`` for this
         call's part: the slot, the copy plan, the copies started).
         """
-        async_flags = [id(t) in async_ids for t in tensors]
+        written = self.written_positions
+        async_flags = [id(t) in async_ids and not (written and i in written)
+                       for i, t in enumerate(tensors)]
         plan = self._plan_for(tensors, async_flags)
         devices = plan.devices
         buf = self.slot.ensure(plan.total, pin=bool(devices),
@@ -720,6 +780,14 @@ class Snapshotter:
         msg = messages.PersistRequest(step, self.rank, self.world_size, str(self.slot.path),
                                       total, doc, t_trigger).to_json()
         self._inflight = step
+        self._training_thread = threading.get_ident()
+        late = plan.later_cpu + ([] if inline else plan.later_cuda)
+        if late:  # checked at the next step's gate (give_verdict) before the hand-off
+            self._watch = [(i, tensors[i], tensors[i]._version) for i in late]
+            self._verdict.clear()
+        else:
+            self._watch = None
+            self._verdict.set()
         self.persist_done.clear()
         self.handed_off.clear()
         if later_cpu or (host_copy and later_cuda):
@@ -730,6 +798,7 @@ class Snapshotter:
             if capture_s is not None:
                 self._record["capture_s"] = capture_s
         handle = SnapshotHandle(step)
+        handle._before_wait = self._verdict_if_training_thread
         self._ensure_thread()
         self._jobs.put((later_cpu, later_cuda, done_events, msg, handle, host_copy))
         with self._record_lock:  # after every wait above: all of it is stall
@@ -895,6 +964,8 @@ class Snapshotter:
         off: the next step may change the tensors under the copy, and a torn snapshot must not
         be committed (issue 18, item 2). Returns True when nothing was left to copy."""
         deadline = time.monotonic() + timeout_s
+        if self._watch is not None:
+            self.give_verdict()
         ok = self.copy_done.wait(timeout_s)
         gates, self._cuda_gates = self._cuda_gates, []
         for _, event in gates:
@@ -905,6 +976,15 @@ class Snapshotter:
         if not ok:
             self._cancel_handoff = True
         return ok
+
+    @staticmethod
+    def _describe(position: int, msg: dict[str, Any]) -> str:
+        """A tensor of the checkpoint by dtype and shape (for messages)."""
+        try:
+            entry = msg["doc"]["tensors"][position]
+            return f"a {entry.get('dtype')} tensor of shape {list(entry.get('shape', []))}"
+        except (KeyError, IndexError, TypeError):
+            return f"tensor {position}"
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -947,6 +1027,12 @@ class Snapshotter:
             _synchronize(done_events)
             cuda_pairs = []  # the side streams are done with the sources
             snapshot_s = time.perf_counter() - t0
+            self._verdict.wait()
+            if self._torn:
+                raise TornSnapshotError(
+                    f"the script wrote {len(self._torn)} of the tensors copied after step "
+                    f"{step}'s boundary (e.g. {self._describe(self._torn[0], msg)}) before "
+                    "the copy was complete: dropped; they are copied at the step from now on")
             if self._cancel_handoff:
                 raise RuntimeError("cfrun was turned off before this snapshot's copy finished "
                                    "(the next step may have changed it): dropped")
@@ -959,6 +1045,8 @@ class Snapshotter:
                                    f"{self.reply_timeout_s():.0f} s; counted as failed")
             elif stage == "hand-off" and isinstance(e, OSError):
                 self.last_error = f"persist agent unavailable: {e!r}"
+            elif isinstance(e, TornSnapshotError):
+                self.last_error = str(e)
             else:
                 self.last_error = f"snapshot {stage} of step {step} failed: {e!r}"
             if stage == "hand-off":
@@ -1041,6 +1129,8 @@ class Snapshotter:
     def close(self, timeout_s: float = 60.0) -> None:
         """At exit: let the last hand-off and persist finish, then free the slot and end the
         snapshot thread."""
+        if self._watch is not None:  # the script has ended: it writes nothing more
+            self.give_verdict()
         self.wait_idle(timeout_s)
         if self.thread is not None and not self.busy():
             self._jobs.put(None)
@@ -1048,6 +1138,11 @@ class Snapshotter:
         self.gate()
         if not self.busy():
             self.slot.release()
+
+
+class TornSnapshotError(RuntimeError):
+    """The script wrote a tensor between a checkpoint's boundary and the end of its background
+    copy (:meth:`Snapshotter.give_verdict`): the checkpoint is dropped, never committed."""
 
 
 def _armed_int(point: str, attempt: int) -> int | None:

@@ -180,7 +180,10 @@ def test_at_most_one_checkpoint_in_flight(tmp_path):
     """With a slow persist and a checkpoint due at every step, each snapshot starts only after
     the previous checkpoint committed; a checkpoint due meanwhile is put off, not queued."""
     run = run_cfrun(["--interval", "1", "--keep", "2", "--job-dir", "j", *ARGS, "--out", "got.pt"],
-                    cwd=tmp_path, env=faults.arm({}, **{"agent.commit_delay_s": 1.0}))
+                    cwd=tmp_path, env=faults.arm({}, **{"agent.commit_delay_s": 1.0,
+                                                        # 69 steps outlast several persists
+                                                        # (they took 1 s in all on 2 cores)
+                                                        "rank.step_delay_s": 0.06}))
     assert run.returncode == 0, run.stderr[-3000:]
     steps = 3 * 23  # 1500 samples, batch 64, drop_last, 3 epochs
     ckpts = run.events("checkpoint")
