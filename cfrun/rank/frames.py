@@ -33,14 +33,16 @@ import os
 import pathlib
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cfrun.codec.format import UnsupportedValueError, encode, resolve
+from cfrun.codec.format import TensorAlias, UnsupportedValueError, encode, has_aliases, resolve
 from cfrun.rank import liveness
+from cfrun.rank.aliases import AliasIndex, is_partial_view, storage_key
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +79,28 @@ class FrameCapture:
     """Values of script variables prepared for the checkpoint tree.
 
     ``records`` is a JSON-able list (tensors appended to the caller's tensor list by ``encode``);
-    ``skipped`` names variables that could not be stored (reported as inexact).
+    ``skipped`` names variables that could not be stored (reported as inexact); ``unknown``
+    those holding a tensor that shares its storage with one cfrun does not know (a slice of
+    some other tensor, or storage another stored variable shares): stored as values.
     """
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self.skipped: list[str] = []
+        self.unknown: list[str] = []
+
+
+AliasOf = Callable[[torch.Tensor], TensorAlias | None]
+"""A tensor of a script variable as an alias of a live model or optimizer tensor, or None
+(:meth:`cfrun.rank.aliases.AliasIndex.alias_of`)."""
 
 
 def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
-                  saved_modules: set[int]) -> tuple[str, Any] | None:
-    """``(kind, encoded)`` for a capturable value, ``None`` to ignore it silently.
+                  saved_modules: set[int], alias: AliasOf | None = None,
+                  kept: list[torch.Tensor] | None = None) -> tuple[str, Any] | None:
+    """``(kind, encoded)`` for a capturable value, ``None`` to ignore it silently. A tensor
+    ``alias`` recognises is stored as that alias; the others are cloned and appended to
+    ``kept`` (as the script holds them).
 
     Raises:
         UnsupportedValueError: the value matters but cannot be stored.
@@ -109,8 +122,10 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
     if isinstance(value, torch.Tensor):
         if isinstance(value, torch.nn.Parameter):
             return None
-        local = [value.detach().clone()]
-        return _with_tensors("value", {"__t__": 0}, local, tensors, budget)
+        got = _detach_tree(value, alias, kept)
+        if isinstance(got, TensorAlias):
+            return "value", encode(got, [])
+        return _with_tensors("value", {"__t__": 0}, [got], tensors, budget)
     if isinstance(value, io.IOBase) and not value.closed and not any(
             value is s for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__,
                                  sys.__stdout__, sys.__stderr__)):
@@ -120,11 +135,11 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
         attrs = {k: v for k, v in vars(value).items()  # a loader wrapper keeps its loader
                  if not isinstance(v, _SKIP_TYPES + (torch.nn.Module, torch.utils.data.DataLoader,
                                                      torch.optim.Optimizer))}
-        enc = encode(_detach_tree(attrs), local, typed=True)
+        enc = encode(_detach_tree(attrs, alias, kept), local, typed=True)
         return _with_tensors("object", enc, local, tensors, budget)
     if _is_plain(value):
         local = []
-        enc = encode(_detach_tree(value), local, typed=True)
+        enc = encode(_detach_tree(value, alias, kept), local, typed=True)
         if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
@@ -197,23 +212,33 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _detach_tree(value: Any) -> Any:
+def _detach_tree(value: Any, alias: AliasOf | None = None,
+                 kept: list[torch.Tensor] | None = None) -> Any:
+    """``value`` with its tensors cloned (the script may change them in place after the
+    checkpoint), or, those that ``alias`` recognises, as their :class:`TensorAlias`; the
+    tensors cloned are appended to ``kept``."""
     if isinstance(value, torch.Tensor):
+        got = alias(value) if alias is not None else None
+        if got is not None:
+            return got
+        if kept is not None:
+            kept.append(value)
         return value.detach().clone()
     if isinstance(value, list):
-        return [_detach_tree(v) for v in value]
+        return [_detach_tree(v, alias, kept) for v in value]
     if isinstance(value, tuple):  # a namedtuple keeps its type (stored by reference)
-        items = [_detach_tree(v) for v in value]
+        items = [_detach_tree(v, alias, kept) for v in value]
         if hasattr(type(value), "_fields"):
             return tuple.__new__(type(value), items)
         return tuple(items)
     if type(value) is collections.deque:
-        return collections.deque((_detach_tree(v) for v in value), maxlen=value.maxlen)
+        return collections.deque((_detach_tree(v, alias, kept) for v in value),
+                                 maxlen=value.maxlen)
     if isinstance(value, dict):
         out = value.copy() if type(value) in (collections.defaultdict, collections.Counter,
                                               collections.OrderedDict) else {}
         for k, v in value.items():
-            out[k] = _detach_tree(v)
+            out[k] = _detach_tree(v, alias, kept)
         return out
     return value
 
@@ -242,7 +267,8 @@ def _shift(tree: Any, base: int) -> Any:
 
 
 def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
-                   saved_modules: set[int], exclude: set[str] | None = None) -> FrameCapture:
+                   saved_modules: set[int], exclude: set[str] | None = None,
+                   known: Callable[[], AliasIndex] | None = None) -> FrameCapture:
     """Record the storable variables of ``frames`` (innermost first).
 
     Called on the training thread at a checkpoint boundary. Tensors are cloned (the script may
@@ -250,10 +276,22 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
     (``saved_modules``, by ``id``) are skipped, and so is a variable the script writes before
     reading it from every point where the resume puts the values back (dead there:
     :mod:`cfrun.rank.liveness`), when restoring it would only bind its name (a tensor, a
-    number, a container of them): not stored, never reported as not storable.
+    number, a container of them): not stored, never reported as not storable. A tensor that
+    shares its storage with a live model's or optimizer's (``known()``, called once, when a
+    variable first holds a tensor: :mod:`cfrun.rank.aliases`) is stored as an alias of it.
     """
     cap = FrameCapture()
     budget = [MAX_FRAME_TENSOR_BYTES]
+    index: list[AliasIndex] = []
+
+    def alias(t: torch.Tensor) -> TensorAlias | None:
+        if known is None:
+            return None
+        if not index:
+            index.append(known())
+        return index[0].alias_of(t)
+
+    owners: dict[Any, str] = {}  # storage of each tensor stored as values: its variable
     for frame in frames:
         values: dict[str, Any] = {}
         live = _live_names(frame)
@@ -262,15 +300,33 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
                 continue
             if live is not None and name not in live and _rebinds(value):
                 continue  # written before read from every resume point: nothing to store
+            kept: list[torch.Tensor] = []
             try:
-                got = _encode_value(value, tensors, budget, saved_modules)
+                got = _encode_value(value, tensors, budget, saved_modules, alias, kept)
             except (UnsupportedValueError, RuntimeError, ValueError, TypeError) as e:
                 cap.skipped.append(f"{frame.f_code.co_name}:{name} ({e})")
                 continue
             if got is not None:
                 values[name] = {"kind": got[0], "v": got[1]}
+                _note_unknown(f"{frame.f_code.co_name}:{name}", kept, owners, cap.unknown)
         cap.records.append({"code": code_key(frame.f_code), "values": values})
     return cap
+
+
+def _note_unknown(name: str, kept: list[torch.Tensor], owners: dict[Any, str],
+                  unknown: list[str]) -> None:
+    """Add ``name`` (and the variable it shares storage with) to ``unknown`` when a tensor of
+    ``kept`` (those it stores as values) is part of a larger storage or shares its storage
+    with another stored tensor: restored as values, it no longer aliases that other tensor."""
+    for t in kept:
+        key = storage_key(t)
+        other = owners.get(key) if key is not None else None
+        for n in ([name] if is_partial_view(t) or other is not None else []) + \
+                ([other] if other is not None and other != name else []):
+            if n not in unknown:
+                unknown.append(n)
+        if key is not None:
+            owners.setdefault(key, name)
 
 
 def _live_names(frame: types.FrameType) -> frozenset[str] | None:
@@ -298,7 +354,8 @@ def _locals_to_fast(frame: types.FrameType) -> None:
 
 def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                    frames: list[types.FrameType], *, in_tracer: bool = False,
-                   keep_invariants: bool = False) -> list[str]:
+                   keep_invariants: bool = False,
+                   aliases: Callable[[TensorAlias], torch.Tensor] | None = None) -> list[str]:
     """Put captured values back into the live ``frames`` with the same code identity.
 
     ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.codec.format.decode`). Objects
@@ -306,7 +363,9 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
     place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
     ``f_locals`` back itself on return. ``keep_invariants`` (a resume on another world size,
     :mod:`cfrun.rank.reshard`): a variable the frame holds already and its loops never assign
-    (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value.
+    (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value. ``aliases`` places a
+    stored alias of a model or optimizer tensor (:meth:`cfrun.rank.aliases.AliasIndex.place`,
+    on the loaded state); without it, a variable holding one is left for a later call.
     """
     restored = []
     live = {tuple(code_key(f.f_code)): f for f in reversed(frames)}
@@ -321,8 +380,12 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 continue
             kind, value = item["kind"], item["v"]
             current = f_locals.get(name)
+            if aliases is None and has_aliases(value):
+                continue  # placed once the models and optimizers are loaded
             try:
-                value = resolve(value)  # Enum members, namedtuples, dataclasses by reference
+                # Enum members, namedtuples, dataclasses by reference; aliases of the models'
+                # and optimizers' tensors as views of them
+                value = resolve(value, aliases)
                 if kind == "module":
                     if isinstance(current, torch.nn.Module):
                         current.load_state_dict(value)
