@@ -43,6 +43,7 @@ import torch
 from cfrun.codec.format import TensorAlias, UnsupportedValueError, encode, has_aliases, resolve
 from cfrun.rank import liveness
 from cfrun.rank.aliases import AliasIndex, is_partial_view, storage_key
+from cfrun.rank.log import say
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,12 @@ class FrameCapture:
 
     ``records`` is a JSON-able list (tensors appended to the caller's tensor list by ``encode``);
     ``skipped`` names variables that could not be stored (reported as inexact); ``unknown``
-    those holding a tensor that shares its storage with one cfrun does not know (a slice of
-    some other tensor, or storage another stored variable shares): stored as values.
+    those the loops assign (:func:`cfrun.rank.liveness.loop_assigned`) that hold a tensor
+    sharing its storage with one cfrun does not know (a slice of some other tensor, or storage
+    another stored variable shares): stored as values and marked ``shared``. So is such a
+    variable the loops never assign, or one the analysis cannot tell, without a name here:
+    the restarted script makes it again before the loop, and the resume keeps the script's own
+    when it holds the same bits, or says so (:func:`restore_frames`).
     """
 
     def __init__(self) -> None:
@@ -291,7 +296,9 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
             index.append(known())
         return index[0].alias_of(t)
 
-    owners: dict[Any, str] = {}  # storage of each tensor stored as values: its variable
+    owners: dict[Any, Any] = {}  # storage of each tensor stored as values: its variable
+    shared: list[tuple[types.FrameType, str]] = []
+    records: dict[int, dict[str, Any]] = {}
     for frame in frames:
         values: dict[str, Any] = {}
         live = _live_names(frame)
@@ -308,25 +315,35 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
                 continue
             if got is not None:
                 values[name] = {"kind": got[0], "v": got[1]}
-                _note_unknown(f"{frame.f_code.co_name}:{name}", kept, owners, cap.unknown)
+                shared.extend(_shares_storage((frame, name), kept, owners))
         cap.records.append({"code": code_key(frame.f_code), "values": values})
+        records[id(frame)] = values
+    for frame, name in shared:  # a variable that aliases one cfrun does not know
+        records[id(frame)][name]["shared"] = True
+        assigned = _loop_assigned(frame)
+        said = f"{frame.f_code.co_name}:{name}"
+        if assigned is not None and name in assigned and said not in cap.unknown:
+            cap.unknown.append(said)
     return cap
 
 
-def _note_unknown(name: str, kept: list[torch.Tensor], owners: dict[Any, str],
-                  unknown: list[str]) -> None:
-    """Add ``name`` (and the variable it shares storage with) to ``unknown`` when a tensor of
-    ``kept`` (those it stores as values) is part of a larger storage or shares its storage
-    with another stored tensor: restored as values, it no longer aliases that other tensor."""
+def _shares_storage(var: tuple[types.FrameType, str], kept: list[torch.Tensor],
+                    owners: dict[Any, Any]) -> list[tuple[types.FrameType, str]]:
+    """``var`` (and the variable it shares storage with) when a tensor of ``kept`` (those it
+    stores as values) is part of a larger storage or shares its storage with a tensor another
+    variable stores (``owners``: storage to variable, updated): restored as values, it no
+    longer aliases that other tensor."""
+    out = []
     for t in kept:
         key = storage_key(t)
         other = owners.get(key) if key is not None else None
-        for n in ([name] if is_partial_view(t) or other is not None else []) + \
-                ([other] if other is not None and other != name else []):
-            if n not in unknown:
-                unknown.append(n)
+        if is_partial_view(t) or other is not None:
+            out.append(var)
+        if other is not None and other != var:
+            out.append(other)
         if key is not None:
-            owners.setdefault(key, name)
+            owners.setdefault(key, var)
+    return out
 
 
 def _live_names(frame: types.FrameType) -> frozenset[str] | None:
@@ -401,6 +418,8 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 elif kind == "object":
                     if current is not None and type(current).__module__ == "__main__":
                         vars(current).update(_to_device_like(value, current))
+                elif item.get("shared") and _same_bits(value, current):
+                    pass  # the script's own (made again before the loop): its aliases stay
                 elif not _same_kind(value, current, name in f_locals):
                     logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
                                    "script has a %s", name, type(value).__name__,
@@ -408,6 +427,10 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                     continue
                 else:
                     f_locals[name] = _to_device_like(value, current)
+                    if item.get("shared") and aliases is not None:  # the last call of a resume
+                        say(f"WARNING: script variable {frame.f_code.co_name}:{name} shared its "
+                            "storage with a tensor cfrun cannot tell; it is restored as a "
+                            "copy of its values, no longer an alias")
             except Exception as e:  # a value that no longer fits: leave it, say so
                 logger.warning("cfrun: could not restore %s: %s", name, e)
                 continue
@@ -434,6 +457,27 @@ def _same_kind(value: Any, current: Any, live: bool) -> bool:
     if isinstance(value, _NUMBERS) and isinstance(current, _NUMBERS):
         return True
     return type(value) is type(current)
+
+
+def _same_bits(a: Any, b: Any, depth: int = 0) -> bool:
+    """``a`` (a restored value) and ``b`` (the live one) hold the same bits: tensors of one
+    dtype and shape (on any device), and lists, tuples and dicts of them and of equal
+    scalars."""
+    if isinstance(a, torch.Tensor):
+        if not (type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        raw_a = a.detach().to(b.device).contiguous().reshape(-1).view(torch.uint8)
+        return torch.equal(raw_a, b.detach().contiguous().reshape(-1).view(torch.uint8))
+    if depth > 8 or type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_bits(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_bits(a[k], b[k], depth + 1) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # an ambiguous comparison: not the same
+        return False
 
 
 def _to_device_like(value: Any, current: Any) -> Any:
