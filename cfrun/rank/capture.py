@@ -74,8 +74,8 @@ class Capture:
         opts = self.found.optimizers()
         self.found.hold()
         tensors: list[torch.Tensor] = []
-        modules, modules_hit = self._modules.encode(
-            [m.state_dict(keep_vars=True) for m in roots], tensors)
+        sds = [m.state_dict(keep_vars=True) for m in roots]
+        modules, modules_hit = self._modules.encode(sds, tensors)
         optimizers = []
         opts_hit = True
         for i, o in enumerate(opts):
@@ -120,7 +120,7 @@ class Capture:
         frames = F.script_frames(frame, self.s.script)
         saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
         saved |= {id(m) for m in self.found.outer_modules()}  # `model = DDP(net)` is saved
-        cap = F.capture_frames(frames, tensors, saved, known=lambda: AliasIndex(roots, opts))
+        cap = F.capture_frames(frames, tensors, saved, known=lambda: AliasIndex(roots, opts, sds))
         for name in cap.skipped:
             self._flag(f"script variable {name} cannot be stored")
         for name in cap.unknown:
