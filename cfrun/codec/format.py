@@ -21,6 +21,7 @@ import enum
 import math
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,9 +44,10 @@ from cfrun.contract.shard import (
 )
 
 __all__ = ["ALIGN_BYTES", "DTYPE_ITEMSIZE", "FILE_PAD_BYTES", "FORMAT_VERSION", "MAX_DIM",
-           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorEntry", "TypeRef",
-           "UnsupportedValueError", "check_layout", "decode", "dumps_json", "encode", "loads_doc",
-           "meta_tensor", "plan_layout", "resolve", "tensor_bytes", "tensor_from_buffer"]
+           "MAX_DOC_BYTES", "MAX_NDIM", "MAX_TREE_DEPTH", "TensorAlias", "TensorEntry", "TypeRef",
+           "UnsupportedValueError", "check_layout", "decode", "dumps_json", "encode",
+           "has_aliases", "loads_doc", "meta_tensor", "plan_layout", "resolve", "tensor_bytes",
+           "tensor_from_buffer"]
 
 _NP_KINDS = "biuf"
 
@@ -64,7 +66,7 @@ if any(DTYPE_ITEMSIZE.get(k) != d.itemsize for k, d in _DTYPES.items()):  # prag
     raise ImportError("cfrun.contract.shard.DTYPE_ITEMSIZE disagrees with this torch")
 
 _RESERVED = ("__t__", "__dt__", "__tuple__", "__dict__", "__nd__", "__np__", "__enum__",
-             "__nt__", "__dc__", "__coll__", "__time__", "__path__")
+             "__nt__", "__dc__", "__coll__", "__time__", "__path__", "__alias__")
 
 _FACTORIES: dict[str, type] = {t.__name__: t for t in (list, int, float, dict, str, tuple)}
 """``defaultdict`` factories stored by name (a lambda or a custom factory is not stored)."""
@@ -86,6 +88,52 @@ class TypeRef:
     module: str
     qualname: str
     payload: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorAlias:
+    """A tensor of a script variable that shares its storage with a tensor of the live model or
+    optimizer (:mod:`cfrun.rank.aliases`), stored as where it lies in that tensor's storage
+    instead of its values: put back, it is a view of the restored tensor (or, ``same``, that
+    tensor itself), so that ``sd = model.state_dict()`` goes on following the model.
+
+    ``ref``: the tensor it aliases (``["model", i, key]``, ``["param", j, k]``,
+    ``["opt", j, k, key]``); ``offset``: its storage offset in bytes from that tensor's;
+    ``grad``: it required grad (a view with its graph, not a detached one)."""
+
+    ref: tuple[str | int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    grad: bool
+    same: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ref": list(self.ref), "dtype": self.dtype, "shape": list(self.shape),
+                "stride": list(self.stride), "offset": self.offset, "grad": self.grad,
+                "same": self.same}
+
+    @classmethod
+    def from_json(cls, d: Any) -> TensorAlias:
+        """Raises:
+            ValueError: a tree :meth:`to_json` does not write."""
+        if not isinstance(d, dict) or set(d) != {"ref", "dtype", "shape", "stride", "offset",
+                                                 "grad", "same"}:
+            raise ValueError("a tensor alias is not {ref, dtype, shape, stride, offset, ...}")
+        ref, shape, stride = d["ref"], d["shape"], d["stride"]
+        if not (isinstance(ref, list) and 0 < len(ref) <= 4
+                and all(type(r) in (int, str) and len(str(r)) <= _MAX_NAME for r in ref)):
+            raise ValueError(f"tensor alias reference {str(ref)[:60]!r} is not one cfrun writes")
+        if d["dtype"] not in _DTYPES or not isinstance(stride, list) \
+                or not all(type(n) is int for n in stride) or type(d["offset"]) is not int \
+                or type(d["grad"]) is not bool or type(d["same"]) is not bool:
+            raise ValueError("a tensor alias's dtype, stride, offset or flags")
+        shape = check_shape(shape)
+        if len(stride) != len(shape):
+            raise ValueError("a tensor alias's stride does not match its shape")
+        return cls(tuple(ref), d["dtype"], tuple(shape), tuple(stride), d["offset"], d["grad"],
+                   d["same"])
 
 
 class UnsupportedValueError(TypeError):
@@ -114,6 +162,8 @@ def encode(obj: Any, tensors: list[torch.Tensor], *, typed: bool = False) -> Any
         return {"__enum__": [cls.__module__, cls.__qualname__, obj.name]}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
+    if isinstance(obj, TensorAlias):
+        return {"__alias__": obj.to_json()}
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):  # its local shard, with the metadata to place it again (issue 25)
             tensors.append(local_of(obj))
@@ -212,6 +262,8 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return LocalShard(local, check_meta(tree["meta"]))
     if "__tuple__" in tree and len(tree) == 1:
         return tuple(decode(v, tensors) for v in tree["__tuple__"])
+    if "__alias__" in tree and len(tree) == 1:
+        return TensorAlias.from_json(tree["__alias__"])
     if "__dict__" in tree and len(tree) == 1:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in tree["__dict__"]}
     if "__nd__" in tree:
@@ -293,8 +345,9 @@ def _decode_time(kind: Any, value: Any, fold: Any) -> Any:
     return out.replace(fold=fold) if cls is not datetime.date else out
 
 
-def resolve(value: Any) -> Any:
-    """``value`` with each :class:`TypeRef` inside replaced by the object it names.
+def resolve(value: Any, aliases: Callable[[TensorAlias], torch.Tensor] | None = None) -> Any:
+    """``value`` with each :class:`TypeRef` inside replaced by the object it names, and each
+    :class:`TensorAlias` by ``aliases(alias)`` (the view of the live tensor it aliases).
 
     Called on the training thread when script variables are put back (the script's classes
     exist by then). Types are looked up only among modules already imported in this process
@@ -305,24 +358,41 @@ def resolve(value: Any) -> Any:
 
     Raises:
         ValueError: a type that is missing or not of the kind stored, a member or field that
-            does not exist.
+            does not exist; a tensor alias without ``aliases`` (or one it cannot place).
     """
     if isinstance(value, TypeRef):
-        return _resolve_ref(value)
+        return _resolve_ref(value, aliases)
+    if isinstance(value, TensorAlias):
+        if aliases is None:
+            raise ValueError("an alias of a model or optimizer tensor, not placed here")
+        return aliases(value)
     if isinstance(value, list):
-        return [resolve(v) for v in value]
+        return [resolve(v, aliases) for v in value]
     if isinstance(value, tuple):  # a namedtuple here is a script value already restored
-        items = [resolve(v) for v in value]
+        items = [resolve(v, aliases) for v in value]
         return tuple(items) if type(value) is tuple else value
     if isinstance(value, collections.deque):
-        return collections.deque((resolve(v) for v in value), maxlen=value.maxlen)
+        return collections.deque((resolve(v, aliases) for v in value), maxlen=value.maxlen)
     if isinstance(value, dict):
         out = value.copy() if type(value) in (collections.defaultdict, collections.Counter,
                                               collections.OrderedDict) else {}
         for k, v in value.items():
-            out[resolve(k)] = resolve(v)
+            out[resolve(k, aliases)] = resolve(v, aliases)
         return out
     return value
+
+
+def has_aliases(value: Any) -> bool:
+    """``value`` (a decoded tree) holds a :class:`TensorAlias`."""
+    if isinstance(value, TensorAlias):
+        return True
+    if isinstance(value, TypeRef):
+        return has_aliases(value.payload)
+    if isinstance(value, dict):
+        return any(has_aliases(v) for v in value.values())
+    if isinstance(value, (list, tuple, collections.deque)):
+        return any(has_aliases(v) for v in value)
+    return False
 
 
 def _lookup(ref: TypeRef) -> type:
@@ -338,7 +408,7 @@ def _lookup(ref: TypeRef) -> type:
     return obj
 
 
-def _resolve_ref(ref: TypeRef) -> Any:
+def _resolve_ref(ref: TypeRef, aliases: Callable[[TensorAlias], torch.Tensor] | None) -> Any:
     cls = _lookup(ref)
     name = f"{ref.module}.{ref.qualname}"
     if ref.tag == "__enum__":
@@ -355,7 +425,7 @@ def _resolve_ref(ref: TypeRef) -> Any:
         if len(fields) != len(ref.payload):
             raise ValueError(f"{name} has {len(fields)} fields, the checkpoint "
                              f"{len(ref.payload)}")
-        return tuple.__new__(cls, [resolve(v) for v in ref.payload])
+        return tuple.__new__(cls, [resolve(v, aliases) for v in ref.payload])
     if not dataclasses.is_dataclass(cls):
         raise ValueError(f"{name} is not a dataclass")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -364,7 +434,7 @@ def _resolve_ref(ref: TypeRef) -> Any:
                          f"{sorted(ref.payload)[:20]}")
     obj = object.__new__(cls)
     for k, v in ref.payload.items():
-        object.__setattr__(obj, k, resolve(v))
+        object.__setattr__(obj, k, resolve(v, aliases))
     return obj
 
 

@@ -24,7 +24,9 @@ from cfrun.codec.format import UnsupportedValueError, encode
 from cfrun.codec.sharding import shard_replicated
 from cfrun.contract import settings as E
 from cfrun.rank import frames as F
+from cfrun.rank.aliases import AliasIndex
 from cfrun.rank.discovery import Discovery
+from cfrun.rank.log import say
 from cfrun.rank.rng import get_global_rng
 from cfrun.rank.settings import RankSettings
 
@@ -43,6 +45,8 @@ class Capture:
         """Per optimizer, its ``state_dict()["state"]`` as last encoded."""
         self._async_of: tuple[list[int], list[int], frozenset[int]] | None = None
         """The models' and optimizers' ids and the async ids computed for them."""
+        self._unknown_said: set[str] = set()
+        """Script variables said to alias a tensor cfrun cannot tell (once each)."""
 
     def _optimizer_sd(self, i: int, sd: Any, tensors: list[torch.Tensor]) -> tuple[Any, bool]:
         """``encode(sd, tensors)`` of optimizer ``i``'s ``state_dict()``, its ``state`` part
@@ -70,8 +74,8 @@ class Capture:
         opts = self.found.optimizers()
         self.found.hold()
         tensors: list[torch.Tensor] = []
-        modules, modules_hit = self._modules.encode(
-            [m.state_dict(keep_vars=True) for m in roots], tensors)
+        sds = [m.state_dict(keep_vars=True) for m in roots]
+        modules, modules_hit = self._modules.encode(sds, tensors)
         optimizers = []
         opts_hit = True
         for i, o in enumerate(opts):
@@ -116,9 +120,15 @@ class Capture:
         frames = F.script_frames(frame, self.s.script)
         saved = {id(m) for m in roots} | {id(m) for r in roots for m in r.modules()}
         saved |= {id(m) for m in self.found.outer_modules()}  # `model = DDP(net)` is saved
-        cap = F.capture_frames(frames, tensors, saved)
+        cap = F.capture_frames(frames, tensors, saved, known=lambda: AliasIndex(roots, opts, sds))
         for name in cap.skipped:
             self._flag(f"script variable {name} cannot be stored")
+        for name in cap.unknown:
+            if name not in self._unknown_said:
+                self._unknown_said.add(name)
+                say(f"WARNING: script variable {name} shares its storage with a tensor cfrun "
+                    "cannot tell (not a model's, nor an optimizer's): a resume gives it back "
+                    "as a copy of its values, no longer an alias")
         tree["script"] = cap.records
         layout = self._shard(tensors, async_ids)
         if layout:

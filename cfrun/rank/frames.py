@@ -33,14 +33,17 @@ import os
 import pathlib
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cfrun.codec.format import UnsupportedValueError, encode, resolve
+from cfrun.codec.format import TensorAlias, UnsupportedValueError, encode, has_aliases, resolve
 from cfrun.rank import liveness
+from cfrun.rank.aliases import AliasIndex, is_partial_view, storage_key
+from cfrun.rank.log import say
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +80,32 @@ class FrameCapture:
     """Values of script variables prepared for the checkpoint tree.
 
     ``records`` is a JSON-able list (tensors appended to the caller's tensor list by ``encode``);
-    ``skipped`` names variables that could not be stored (reported as inexact).
+    ``skipped`` names variables that could not be stored (reported as inexact); ``unknown``
+    those the loops assign (:func:`cfrun.rank.liveness.loop_assigned`) that hold a tensor
+    sharing its storage with one cfrun does not know (a slice of some other tensor, or storage
+    another stored variable shares): stored as values and marked ``shared``. So is such a
+    variable the loops never assign, or one the analysis cannot tell, without a name here:
+    the restarted script makes it again before the loop, and the resume keeps the script's own
+    when it holds the same bits, or says so (:func:`restore_frames`).
     """
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self.skipped: list[str] = []
+        self.unknown: list[str] = []
+
+
+AliasOf = Callable[[torch.Tensor], TensorAlias | None]
+"""A tensor of a script variable as an alias of a live model or optimizer tensor, or None
+(:meth:`cfrun.rank.aliases.AliasIndex.alias_of`)."""
 
 
 def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
-                  saved_modules: set[int]) -> tuple[str, Any] | None:
-    """``(kind, encoded)`` for a capturable value, ``None`` to ignore it silently.
+                  saved_modules: set[int], alias: AliasOf | None = None,
+                  kept: list[torch.Tensor] | None = None) -> tuple[str, Any] | None:
+    """``(kind, encoded)`` for a capturable value, ``None`` to ignore it silently. A tensor
+    ``alias`` recognises is stored as that alias; the others are cloned and appended to
+    ``kept`` (as the script holds them).
 
     Raises:
         UnsupportedValueError: the value matters but cannot be stored.
@@ -109,8 +127,10 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
     if isinstance(value, torch.Tensor):
         if isinstance(value, torch.nn.Parameter):
             return None
-        local = [value.detach().clone()]
-        return _with_tensors("value", {"__t__": 0}, local, tensors, budget)
+        got = _detach_tree(value, alias, kept)
+        if isinstance(got, TensorAlias):
+            return "value", encode(got, [])
+        return _with_tensors("value", {"__t__": 0}, [got], tensors, budget)
     if isinstance(value, io.IOBase) and not value.closed and not any(
             value is s for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__,
                                  sys.__stdout__, sys.__stderr__)):
@@ -120,11 +140,11 @@ def _encode_value(value: Any, tensors: list[torch.Tensor], budget: list[int],
         attrs = {k: v for k, v in vars(value).items()  # a loader wrapper keeps its loader
                  if not isinstance(v, _SKIP_TYPES + (torch.nn.Module, torch.utils.data.DataLoader,
                                                      torch.optim.Optimizer))}
-        enc = encode(_detach_tree(attrs), local, typed=True)
+        enc = encode(_detach_tree(attrs, alias, kept), local, typed=True)
         return _with_tensors("object", enc, local, tensors, budget)
     if _is_plain(value):
         local = []
-        enc = encode(_detach_tree(value), local, typed=True)
+        enc = encode(_detach_tree(value, alias, kept), local, typed=True)
         if len(json.dumps(enc)) > MAX_VALUE_JSON_BYTES:
             raise UnsupportedValueError("too large")
         return _with_tensors("value", enc, local, tensors, budget)
@@ -197,23 +217,33 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _detach_tree(value: Any) -> Any:
+def _detach_tree(value: Any, alias: AliasOf | None = None,
+                 kept: list[torch.Tensor] | None = None) -> Any:
+    """``value`` with its tensors cloned (the script may change them in place after the
+    checkpoint), or, those that ``alias`` recognises, as their :class:`TensorAlias`; the
+    tensors cloned are appended to ``kept``."""
     if isinstance(value, torch.Tensor):
+        got = alias(value) if alias is not None else None
+        if got is not None:
+            return got
+        if kept is not None:
+            kept.append(value)
         return value.detach().clone()
     if isinstance(value, list):
-        return [_detach_tree(v) for v in value]
+        return [_detach_tree(v, alias, kept) for v in value]
     if isinstance(value, tuple):  # a namedtuple keeps its type (stored by reference)
-        items = [_detach_tree(v) for v in value]
+        items = [_detach_tree(v, alias, kept) for v in value]
         if hasattr(type(value), "_fields"):
             return tuple.__new__(type(value), items)
         return tuple(items)
     if type(value) is collections.deque:
-        return collections.deque((_detach_tree(v) for v in value), maxlen=value.maxlen)
+        return collections.deque((_detach_tree(v, alias, kept) for v in value),
+                                 maxlen=value.maxlen)
     if isinstance(value, dict):
         out = value.copy() if type(value) in (collections.defaultdict, collections.Counter,
                                               collections.OrderedDict) else {}
         for k, v in value.items():
-            out[k] = _detach_tree(v)
+            out[k] = _detach_tree(v, alias, kept)
         return out
     return value
 
@@ -242,7 +272,8 @@ def _shift(tree: Any, base: int) -> Any:
 
 
 def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
-                   saved_modules: set[int], exclude: set[str] | None = None) -> FrameCapture:
+                   saved_modules: set[int], exclude: set[str] | None = None,
+                   known: Callable[[], AliasIndex] | None = None) -> FrameCapture:
     """Record the storable variables of ``frames`` (innermost first).
 
     Called on the training thread at a checkpoint boundary. Tensors are cloned (the script may
@@ -250,10 +281,24 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
     (``saved_modules``, by ``id``) are skipped, and so is a variable the script writes before
     reading it from every point where the resume puts the values back (dead there:
     :mod:`cfrun.rank.liveness`), when restoring it would only bind its name (a tensor, a
-    number, a container of them): not stored, never reported as not storable.
+    number, a container of them): not stored, never reported as not storable. A tensor that
+    shares its storage with a live model's or optimizer's (``known()``, called once, when a
+    variable first holds a tensor: :mod:`cfrun.rank.aliases`) is stored as an alias of it.
     """
     cap = FrameCapture()
     budget = [MAX_FRAME_TENSOR_BYTES]
+    index: list[AliasIndex] = []
+
+    def alias(t: torch.Tensor) -> TensorAlias | None:
+        if known is None:
+            return None
+        if not index:
+            index.append(known())
+        return index[0].alias_of(t)
+
+    owners: dict[Any, Any] = {}  # storage of each tensor stored as values: its variable
+    shared: list[tuple[types.FrameType, str]] = []
+    records: dict[int, dict[str, Any]] = {}
     for frame in frames:
         values: dict[str, Any] = {}
         live = _live_names(frame)
@@ -262,15 +307,43 @@ def capture_frames(frames: list[types.FrameType], tensors: list[torch.Tensor],
                 continue
             if live is not None and name not in live and _rebinds(value):
                 continue  # written before read from every resume point: nothing to store
+            kept: list[torch.Tensor] = []
             try:
-                got = _encode_value(value, tensors, budget, saved_modules)
+                got = _encode_value(value, tensors, budget, saved_modules, alias, kept)
             except (UnsupportedValueError, RuntimeError, ValueError, TypeError) as e:
                 cap.skipped.append(f"{frame.f_code.co_name}:{name} ({e})")
                 continue
             if got is not None:
                 values[name] = {"kind": got[0], "v": got[1]}
+                shared.extend(_shares_storage((frame, name), kept, owners))
         cap.records.append({"code": code_key(frame.f_code), "values": values})
+        records[id(frame)] = values
+    for frame, name in shared:  # a variable that aliases one cfrun does not know
+        records[id(frame)][name]["shared"] = True
+        assigned = _loop_assigned(frame)
+        said = f"{frame.f_code.co_name}:{name}"
+        if assigned is not None and name in assigned and said not in cap.unknown:
+            cap.unknown.append(said)
     return cap
+
+
+def _shares_storage(var: tuple[types.FrameType, str], kept: list[torch.Tensor],
+                    owners: dict[Any, Any]) -> list[tuple[types.FrameType, str]]:
+    """``var`` (and the variable it shares storage with) when a tensor of ``kept`` (those it
+    stores as values) is part of a larger storage or shares its storage with a tensor another
+    variable stores (``owners``: storage to variable, updated): restored as values, it no
+    longer aliases that other tensor."""
+    out = []
+    for t in kept:
+        key = storage_key(t)
+        other = owners.get(key) if key is not None else None
+        if is_partial_view(t) or other is not None:
+            out.append(var)
+        if other is not None and other != var:
+            out.append(other)
+        if key is not None:
+            owners.setdefault(key, var)
+    return out
 
 
 def _live_names(frame: types.FrameType) -> frozenset[str] | None:
@@ -298,7 +371,8 @@ def _locals_to_fast(frame: types.FrameType) -> None:
 
 def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                    frames: list[types.FrameType], *, in_tracer: bool = False,
-                   keep_invariants: bool = False) -> list[str]:
+                   keep_invariants: bool = False,
+                   aliases: Callable[[TensorAlias], torch.Tensor] | None = None) -> list[str]:
     """Put captured values back into the live ``frames`` with the same code identity.
 
     ``decoded`` is ``records`` with tensors decoded (see :func:`cfrun.codec.format.decode`). Objects
@@ -306,7 +380,9 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
     place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
     ``f_locals`` back itself on return. ``keep_invariants`` (a resume on another world size,
     :mod:`cfrun.rank.reshard`): a variable the frame holds already and its loops never assign
-    (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value.
+    (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value. ``aliases`` places a
+    stored alias of a model or optimizer tensor (:meth:`cfrun.rank.aliases.AliasIndex.place`,
+    on the loaded state); without it, a variable holding one is left for a later call.
     """
     restored = []
     live = {tuple(code_key(f.f_code)): f for f in reversed(frames)}
@@ -321,8 +397,12 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 continue
             kind, value = item["kind"], item["v"]
             current = f_locals.get(name)
+            if aliases is None and has_aliases(value):
+                continue  # placed once the models and optimizers are loaded
             try:
-                value = resolve(value)  # Enum members, namedtuples, dataclasses by reference
+                # Enum members, namedtuples, dataclasses by reference; aliases of the models'
+                # and optimizers' tensors as views of them
+                value = resolve(value, aliases)
                 if kind == "module":
                     if isinstance(current, torch.nn.Module):
                         current.load_state_dict(value)
@@ -338,6 +418,8 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 elif kind == "object":
                     if current is not None and type(current).__module__ == "__main__":
                         vars(current).update(_to_device_like(value, current))
+                elif item.get("shared") and _same_bits(value, current):
+                    pass  # the script's own (made again before the loop): its aliases stay
                 elif not _same_kind(value, current, name in f_locals):
                     logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
                                    "script has a %s", name, type(value).__name__,
@@ -345,6 +427,10 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                     continue
                 else:
                     f_locals[name] = _to_device_like(value, current)
+                    if item.get("shared") and aliases is not None:  # the last call of a resume
+                        say(f"WARNING: script variable {frame.f_code.co_name}:{name} shared its "
+                            "storage with a tensor cfrun cannot tell; it is restored as a "
+                            "copy of its values, no longer an alias")
             except Exception as e:  # a value that no longer fits: leave it, say so
                 logger.warning("cfrun: could not restore %s: %s", name, e)
                 continue
@@ -371,6 +457,27 @@ def _same_kind(value: Any, current: Any, live: bool) -> bool:
     if isinstance(value, _NUMBERS) and isinstance(current, _NUMBERS):
         return True
     return type(value) is type(current)
+
+
+def _same_bits(a: Any, b: Any, depth: int = 0) -> bool:
+    """``a`` (a restored value) and ``b`` (the live one) hold the same bits: tensors of one
+    dtype and shape (on any device), and lists, tuples and dicts of them and of equal
+    scalars."""
+    if isinstance(a, torch.Tensor):
+        if not (type(b) is type(a) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        raw_a = a.detach().to(b.device).contiguous().reshape(-1).view(torch.uint8)
+        return torch.equal(raw_a, b.detach().contiguous().reshape(-1).view(torch.uint8))
+    if depth > 8 or type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_bits(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_bits(a[k], b[k], depth + 1) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # an ambiguous comparison: not the same
+        return False
 
 
 def _to_device_like(value: Any, current: Any) -> Any:

@@ -87,6 +87,7 @@ from cfrun.rank import frameworks as FW
 from cfrun.rank import reshard as RS
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import lightning as PL
+from cfrun.rank.aliases import AliasIndex
 from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import (
     loader_fingerprint,
@@ -806,9 +807,10 @@ class Resume:
                 if sd is not None:
                     obj.load_state_dict(sd)
         set_global_rng(st["rng"])
+        index = AliasIndex(roots, opts)  # the loaded tensors script variables may alias
         restored = F.restore_frames(st["script"], st["script"],
                                     F.script_frames(frame, self.s.script), in_tracer=in_tracer,
-                                    keep_invariants=plan.resharded)
+                                    keep_invariants=plan.resharded, aliases=index.place)
         data, caller = st.get("data"), self._wrapper_caller
         if isinstance(data, dict) and data.get("wrappers") and caller is not None:
             restored += F.restore_wrapper_state(data["wrappers"], caller, self.s.script)
