@@ -37,6 +37,13 @@ from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
 
 VERIFY_STOP_S = 120.0
+HEARTBEAT_EVERY_S = 0.1
+"""Seconds between two heartbeat writes at most (issue 33: a ``pwrite`` every step was a third
+of what cfrun cost a step with no checkpoint due); the supervisor's hang timeout is seconds,
+and the script's end and an uncaught error write the last step at once."""
+STOP_CHECK_EVERY_S = 0.02
+"""A one-rank job looks for the supervisor's stop request at most this often (one ``stat``;
+every step with several ranks, whose stop step rank 0 picks two steps ahead)."""
 """The time a ``cfrun verify`` stop gives its final checkpoint (the deadline's stand-in)."""
 
 
@@ -79,11 +86,30 @@ class Marks:
         self.s = settings
         self.jobdir = jobdir
         self._hb_fd: int | None = None
+        self._hb_next = 0.0
+        self._hb_pending: int | None = None
         self._uncaught = False
         self._exit_code: int = 0
 
     def beat(self, step: int) -> None:
-        """Heartbeat for the supervisor's hang detection: the step count, rewritten each step."""
+        """Heartbeat for the supervisor's hang detection: the step count, rewritten at most
+        every :data:`HEARTBEAT_EVERY_S` seconds (the first step's at once; a step not yet
+        written goes out with :meth:`flush_beat`)."""
+        now = time.monotonic()
+        if now < self._hb_next:
+            self._hb_pending = step
+            return
+        self._hb_next = now + HEARTBEAT_EVERY_S
+        self._hb_pending = None
+        self._write_beat(step)
+
+    def flush_beat(self) -> None:
+        """Write the newest step :meth:`beat` held back, if any (the script's end, an error)."""
+        if self._hb_pending is not None:
+            step, self._hb_pending = self._hb_pending, None
+            self._write_beat(step)
+
+    def _write_beat(self, step: int) -> None:
         try:
             if self._hb_fd is None:
                 path = co.heartbeat_path(self.jobdir.root, self.s.rank)
@@ -100,6 +126,7 @@ class Marks:
         the report). ``SystemExit`` is not an error."""
         if exc_type is SystemExit:
             return
+        self.flush_beat()
         self._uncaught = True
         try:
             record = co.RankError(
@@ -122,6 +149,7 @@ class Marks:
         in teardown: torch 2.13 with gloo aborts in C++ destructors at exit now and then
         ("terminate called without an active exception", SIGABRT), and restarting a finished
         job would only run its tail again."""
+        self.flush_beat()
         clean = self.ended_clean(preempted)
         try:
             _write_mark(co.ended_path(self.jobdir.root, self.s.node_rank, self.s.attempt,
@@ -171,6 +199,7 @@ class Preemption:
         self.marks = marks
         self._stop_step: int | None = None
         self._req_path = str(co.stop_request_path(jobdir.root))  # checked at every step
+        self._req_next = 0.0
         self._deadline_unix_s: float | None = None
         self.preempted = False
         """True once this rank stopped for a preemption (its hooks then end the process)."""
@@ -200,9 +229,15 @@ class Preemption:
 
         The supervisor writes ``stop_request.json`` (with the grace deadline). Rank 0 picks the
         stop step, a little ahead so that ranks one step behind reach it too, and writes it to
-        ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``).
+        ``stop_step.json``; the other ranks read it. Checked once per step (one ``stat``),
+        or at most every :data:`STOP_CHECK_EVERY_S` seconds in a one-rank job.
         """
         if self._stop_step is None:
+            if self.s.world_size == 1 and self._deadline_unix_s is None:
+                now = time.monotonic()
+                if now < self._req_next:
+                    return False
+                self._req_next = now + STOP_CHECK_EVERY_S
             if not os.path.exists(self._req_path):
                 return False
             if self._deadline_unix_s is None:
