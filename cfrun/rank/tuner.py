@@ -155,6 +155,8 @@ class Tuner:
         self.interval = fixed_interval or 0
         self.base_step = 0
         self.k_min = 1
+        self.iter_s: float | None = None
+        """The profile's clean iteration (seconds; None until profiled in this process)."""
         self.mode = "thread"
         self.cuda_state = False
         """Rank 0: the state is on a GPU (set by the boundary before the first step's
@@ -226,6 +228,7 @@ class Tuner:
         self.phase = "tuned"
         self.interval = int(cached["decision"]["interval"])
         self.k_min = int(cached["decision"]["k_in_flight"])
+        self.iter_s = float((cached.get("costs") or {}).get("iter_s") or 0) or None
         self.mode = cached.get("mode", "thread")
         self.cached_state_bytes = int(cached.get("model_bytes") or 0) or None
         self.done_profiling = True
@@ -366,6 +369,13 @@ class Tuner:
         lo = (warm[0] + NEAR_STEPS + 1) if warm else 0
         hi = (max(taken) + self._gap) if taken else 0
         window = measure_overhead(self._iters, taken, lo, hi, radius_steps=2 * self._gap)
+        if window is None:
+            # no clean iteration between the probes: each persist outlasted the gap (issue 33:
+            # 3.4 s persists of 71 ms steps on an H100, gap 40), so every iteration there had
+            # one in flight. The clean iterations before the first probe are the baseline, and
+            # every later iteration is a probe's cost (before this, iter_s fell back to 1 s,
+            # the interference to 0, and the policy chose k = 4 for a 49-step persist: +16%)
+            window = measure_overhead(self._iters, taken, 0, hi, radius_steps=None)
         excess: dict[str, list[float]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
         for p in taken:
@@ -374,7 +384,9 @@ class Tuner:
             mode = self._taken[p]
             excess.setdefault(mode, []).append(window.excess_s.get(p, 0.0) if window else 0.0)
             records.setdefault(mode, []).append(self._profile[p])
-        iter_s = window.base_s if window else 1.0
+        iter_s = window.base_s if window else (
+            statistics.median(dt for _, dt, _ in self._iters) if self._iters else 1.0)
+        self.iter_s = iter_s
         self.probes = [{"step": p, "mode": self._taken[p],
                         "excess_s": round(window.excess_s[p], 6) if window and p in
                         window.excess_s else None,
@@ -445,6 +457,7 @@ class Tuner:
                                   radius_steps=max(2 * self.interval, 20))
         self._window_lo = hi
         if window is None:
+            self._always_in_flight(step, lo, hi)
             self._prune(hi)
             return
         pgts = [self._pgt_s[p] for p in self._ckpts if lo <= p < hi and p in self._pgt_s]
@@ -476,6 +489,33 @@ class Tuner:
             self._window_lo = self.base_step
             self._publish(step, "adapt", reason, None)
         self._prune(self._window_lo)
+
+    def _always_in_flight(self, step: int, lo: int, hi: int) -> None:
+        """A window without clean iterations: if a checkpoint was in flight during every one
+        of them, the persist outlasts the interval (issue 33: k = 19 for 49-step persists on
+        an H100 kept one in flight all the time, every checkpoint deferred, +16%). Raise ``k``
+        to the persist's length in steps, then at least double it, so that the next window
+        has clean iterations to measure against."""
+        seen = [busy for s, _, busy in self._iters if lo <= s < hi]
+        if len(seen) < 3 or not all(seen):
+            return
+        base_s = self.iter_s or statistics.median(dt for s, dt, _ in self._iters
+                                                   if lo <= s < hi)
+        pgts = [t for p, t in self._pgt_s.items() if t > 0]
+        k_min = max(self.k_min, math.ceil(max(pgts) / base_s) if pgts else 1)
+        new = max(k_min + 1, 2 * self.interval)
+        self.k_min = k_min
+        reason = (f"a checkpoint was in flight during every iteration of the last window: "
+                  f"the persist ({max(pgts) if pgts else 0:.2f} s) outlasts {self.interval} "
+                  f"steps of {base_s * 1e3:.1f} ms")
+        self.jobdir.emit_event("adapt", step=step, window=[lo, hi], measured_overhead=None,
+                               budget=self.budget, clean_iter_s=round(base_s, 6),
+                               baseline_iters=0, iters=len(seen), k_in_flight=k_min,
+                               old_interval=self.interval, interval=new, reason=reason)
+        self.interval = new
+        self.base_step = step + PLAN_AHEAD_STEPS
+        self._window_lo = self.base_step
+        self._publish(step, "adapt", reason, None)
 
     def _prune(self, lo: int) -> None:
         """Keep only what the next window needs (one window in memory)."""
