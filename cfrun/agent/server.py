@@ -338,13 +338,3 @@ class PersistAgent:
         for old in sorted(self.dropped)[:-8]:
             del self.dropped[old]
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m cfrun.agent.server ...``: see :func:`cfrun.agent.main.main`."""
-    from cfrun.agent.main import main as run
-
-    run(argv)
-
-
-if __name__ == "__main__":
-    main()

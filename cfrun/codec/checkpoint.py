@@ -436,7 +436,7 @@ def assemble_rank(step_dir: Path, manifest: Manifest, rank: int,
               ) -> tuple[Any, dict[str, Any]]:
     """Rank ``rank``'s decoded state and meta from the docs and tensors of every rank in
     ``docs`` (read on demand when missing, verified whole): what :func:`check_usable` judges
-    and what a resume on another world size reads (:class:`cfrun.rank.reshard.ReshardRead`).
+    and what a resume on another world size reads (:class:`cfrun.codec.reshard.ReshardRead`).
 
     Raises:
         CheckpointCorruptError: the tree does not decode, or the ranks' 1/N layouts disagree.
@@ -535,7 +535,8 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
 def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                 world_size: int | None = None,
                 check_state: Callable[[Any, dict[str, Any]], None] | None = None,
-                below: int | None = None, background: bool = True, reshard: bool = False
+                below: int | None = None, background: bool = True,
+                reshard: Callable[[Path, int, int], Any] | None = None
                 ) -> tuple[int, Any] | None:
     """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, and
     this rank's :class:`ShardRead` of it (its tensors still being read when ``background``).
@@ -548,8 +549,10 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
     Args:
         below: only steps lower than this one (the fallback after a failed read).
         background: False: the shard is read (and its failure judged) before returning.
-        reshard: a checkpoint of another world size than ``world_size`` is taken, read as a
-            :class:`cfrun.rank.reshard.ReshardRead` (``--reshard``).
+        reshard: with ``--reshard``, what reads a checkpoint of another world size than
+            ``world_size`` (:class:`cfrun.codec.reshard.ReshardRead`, given by the caller, so
+            that this module does not import the one that imports it); None: such a
+            checkpoint is refused.
 
     Returns:
         ``(step, read)``, or ``None`` when no committed checkpoint is usable.
@@ -572,9 +575,7 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                                     loading_rank=None if reshard else rank)  # all verified
             read: Any
             if reshard and world_size is not None and manifest.world_size != world_size:
-                from cfrun.rank.reshard import ReshardRead
-
-                read = ReshardRead(step_dir, rank, world_size)
+                read = reshard(step_dir, rank, world_size)
             else:
                 read = ShardRead(step_dir, rank, background=background)
             if not background:

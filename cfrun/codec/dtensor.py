@@ -124,7 +124,7 @@ class LocalShard:
     meta: dict[str, Any]
     """:func:`placement_meta`'s fields, checked by :func:`check_meta`."""
     parts: list[LocalShard] | None = None
-    """A resume on another world size (:mod:`cfrun.rank.reshard`): every old rank's shard of
+    """A resume on another world size (:mod:`cfrun.codec.reshard`): every old rank's shard of
     this tensor, from which :func:`reshard_local` cuts this rank's new one; None otherwise."""
     load: Callable[[], torch.Tensor] | None = None
     """Another old rank's shard not read yet (:attr:`local` is then a ``meta`` tensor of its

@@ -184,7 +184,7 @@ class RunConfig:
     """Testing aid: ``STEP[@ATTEMPT],...``: rank 0 SIGKILLs itself after that step."""
     reshard: bool = False
     """``--reshard``: this run may go on from checkpoints written by another number of ranks
-    (issue 25, item 4; :mod:`cfrun.rank.reshard`). A choice of this run only: ``cfrun resume``
+    (issue 25, item 4; :mod:`cfrun.codec.reshard`). A choice of this run only: ``cfrun resume``
     takes it from its own command line, never from ``config.json``."""
     verify: bool = False
     """A run of ``cfrun verify`` (:class:`cfrun.rank.settings.RankSettings`: digests, a stop
@@ -680,7 +680,7 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     which keeps the job's id and name and adds the new fingerprint.
 
     Another world size alone is taken with ``reshard`` (``--reshard``: the ranks reshard the
-    checkpoint, :mod:`cfrun.rank.reshard`), recorded with that reason; without it a job dir
+    checkpoint, :mod:`cfrun.codec.reshard`), recorded with that reason; without it a job dir
     with a checkpoint refuses it with exit 5, naming the flag (issue 25, item 4).
 
     Raises:

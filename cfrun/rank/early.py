@@ -96,7 +96,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    from cfrun.rank.install import when_imported
+    from cfrun.rank.importwatch import when_imported
 
     sys.excepthook = _excepthook(sys.excepthook)
     when_imported("argparse", lambda: patch_argparse(sys.modules["argparse"]))

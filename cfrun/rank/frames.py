@@ -379,7 +379,7 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
     that must keep their identity (generators, modules, script-class instances) are updated in
     place. Returns the names restored. ``in_tracer``: called from a trace function, which writes
     ``f_locals`` back itself on return. ``keep_invariants`` (a resume on another world size,
-    :mod:`cfrun.rank.reshard`): a variable the frame holds already and its loops never assign
+    :mod:`cfrun.codec.reshard`): a variable the frame holds already and its loops never assign
     (:func:`cfrun.rank.liveness.loop_assigned`) keeps the live value. ``aliases`` places a
     stored alias of a model or optimizer tensor (:meth:`cfrun.rank.aliases.AliasIndex.place`,
     on the loaded state); without it, a variable holding one is left for a later call.

@@ -13,8 +13,6 @@ job running unprotected, with a loud warning. Imports nothing heavy at module le
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import os
 import sys
 import time
@@ -22,6 +20,8 @@ import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from cfrun.rank.importwatch import ImportWatcher, when_imported
 
 _runtime: Any = None
 _guard: Any = None
@@ -265,43 +265,6 @@ def _wrap_init(cls: type, register: Any) -> None:
     cls.__init__ = __init__  # type: ignore[misc]
 
 
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Calls ``then`` (:func:`install`) right after ``import torch`` completes, and only then
-    (``name``: another module, :func:`when_imported`)."""
-
-    def __init__(self, then: Callable[[], None] | None = None, name: str = "torch") -> None:
-        self.then = then or install
-        self.name = name
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig_exec = loader.exec_module
-
-        then = self.then
-
-        def exec_module(module: Any) -> None:
-            orig_exec(module)
-            then()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def when_imported(name: str, then: Callable[[], None]) -> None:
-    """Call ``then`` now if module ``name`` (top level) is already imported, else right after
-    the script imports it."""
-    if name in sys.modules:
-        then()
-    else:
-        sys.meta_path.insert(0, _TorchWatcher(then, name))
-
-
 def when_torch_imported(then: Callable[[], None]) -> None:
     """Call ``then`` now if torch is already imported, else right after the script imports it
     (``cfrun verify``'s observer of a plain run, :func:`cfrun.rank.verify.observe`)."""
@@ -316,5 +279,5 @@ def arm() -> None:
     early.install()
     if "torch" in sys.modules:
         install()
-    elif not any(isinstance(f, _TorchWatcher) and f.name == "torch" for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchWatcher())
+    elif not any(isinstance(f, ImportWatcher) and f.name == "torch" for f in sys.meta_path):
+        sys.meta_path.insert(0, ImportWatcher(install, "torch"))

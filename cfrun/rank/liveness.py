@@ -415,7 +415,7 @@ def loop_assigned(frame: types.FrameType) -> frozenset[str] | None:
     kind of write, nested functions' included), plus those nested code assigns (``global``,
     ``nonlocal``). A variable
     outside this set holds what the script computed before its loop: on a resume on another
-    world size (:mod:`cfrun.rank.reshard`) the live value (``rank``, ``world_size``,
+    world size (:mod:`cfrun.codec.reshard`) the live value (``rank``, ``world_size``,
     ``device``) is right and the checkpoint's is the old world's. None: not known (source
     unreadable, or the function introspects its frame): every variable counts as assigned.
     Training thread, at the resume."""

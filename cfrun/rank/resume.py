@@ -59,6 +59,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from cfrun.codec import reshard as RS
 from cfrun.codec.checkpoint import (
     CORRUPT,
     INCOMPATIBLE,
@@ -84,7 +85,6 @@ from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatErro
 from cfrun.contract.jobdir import JobDir, step_dir_name
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
-from cfrun.rank import reshard as RS
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import lightning as PL
 from cfrun.rank.aliases import AliasIndex
@@ -282,7 +282,8 @@ class Resume:
         try:
             return open_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
                                world_size=self.s.world_size, check_state=check_state,
-                               below=below, reshard=self.s.reshard)
+                               below=below,
+                               reshard=RS.ReshardRead if self.s.reshard else None)
         except WorldSizeChangedError as e:
             self._fatal(f"checkpoint step {e.step}: "
                         + reshard_refusal(self.jobdir.root, e.saved, e.now))
@@ -375,7 +376,7 @@ class Resume:
 
     def _say_resharded(self, plan: ResumePlan) -> None:
         """The one line and the ``resharded`` event (rank 0) of a resume on another world size
-        (``--reshard``, :mod:`cfrun.rank.reshard`)."""
+        (``--reshard``, :mod:`cfrun.codec.reshard`)."""
         info = plan.meta["resharded"]
         if self.s.rank == 0:
             say(f"WARNING: resharding checkpoint step {plan.step} from {info['from']} to "
@@ -525,7 +526,7 @@ class Resume:
 
     def _map_position(self, data: dict[str, Any], loader: Any) -> None:
         """A resharded resume: the checkpoint's position in its epoch, counted in global
-        samples, as batches of this world's loader (:func:`cfrun.rank.reshard.map_position`);
+        samples, as batches of this world's loader (:func:`cfrun.codec.reshard.map_position`);
         the sampler's world-dependent attributes keep the live values."""
         saved_sampler = data.get("sampler") or []
         new_sampler = sampler_state(loader)

@@ -78,7 +78,7 @@ class RankSettings:
     boundary persists (moment 1, :data:`cfrun.rank.verify.DURING_PERSIST`)."""
     reshard: bool = False
     """``--reshard``: a checkpoint written by another number of ranks is resharded onto this
-    world (:mod:`cfrun.rank.reshard`); without it such a checkpoint stops the job (exit 5)."""
+    world (:mod:`cfrun.codec.reshard`); without it such a checkpoint stops the job (exit 5)."""
     rank: int = 0
     """torchrun's ``RANK`` (not in the JSON)."""
     world_size: int = 1

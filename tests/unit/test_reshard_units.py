@@ -1,4 +1,4 @@
-"""The parts of a resume on another world size (issue 25, item 4; cfrun.rank.reshard): the data
+"""The parts of a resume on another world size (issue 25, item 4; cfrun.codec.reshard): the data
 position in global samples, a DTensor's new local shard cut from the old ranks' shards, and
 the script variables a resharded resume leaves live. The end-to-end runs are in
 tests/integration/test_reshard.py."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cfrun.codec.dtensor import LocalShard, MeshMismatchError, mesh_key, to_dtensors
+from cfrun.codec.reshard import attach_parts, map_position, sampler_state_for_new_world
 from cfrun.rank import liveness
-from cfrun.rank.reshard import attach_parts, map_position, sampler_state_for_new_world
 
 
 @pytest.mark.parametrize("old,new,want", [

@@ -80,7 +80,7 @@ def test_staging_offsets_are_aligned_after_an_odd_bf16_tensor():
 
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A job dir served by a real ``python -m cfrun.agent.server`` process."""
+    """A job dir served by a real ``python -m cfrun.agent`` process."""
     job_dir = tmp_path / "job"
     (job_dir / "checkpoints").mkdir(parents=True)
     # the slots on a tmpfs where there is one: a slot on a disk file system (ext4 under /tmp on
