@@ -35,7 +35,13 @@ from cfrun.rank.adapters import accelerate as ACC
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import lightning as PL
 from cfrun.rank.capture import Capture
-from cfrun.rank.data import inexact_reasons, loader_fingerprint, sampler_state, worker_rng_of
+from cfrun.rank.data import (
+    carried_state,
+    inexact_reasons,
+    loader_fingerprint,
+    sampler_state,
+    worker_rng_of,
+)
 from cfrun.rank.discovery import uncheckpointable
 from cfrun.rank.log import NotExact, kill_self, say
 from cfrun.rank.preemption import Marks, Preemption
@@ -391,6 +397,8 @@ class Boundary:
                 "batches": it._cfrun_consumed - ahead,  # the script's position
                 "epoch_rng": loader._cfrun_epoch_rng,
                 "worker_rng": worker_rng_of(it),
+                # persistent workers were seeded from it at the loader's first iter()
+                "base_seed": int(it._base_seed) if loader.num_workers > 0 else None,
                 "epoch_loop": epoch_loop.to_json() if epoch_loop else None,
                 "epoch_value": epoch_value,
                 "enumerate": self._enumerate_index(it, caller, consumer),
@@ -399,6 +407,8 @@ class Boundary:
                 # and the sampler's epoch: a resume jumps the epoch loop and puts them back
                 "wrappers": F.wrapper_state(caller, self.s.script),
                 "sampler": sampler_state(loader),
+                # what the other loaders (an eval loader) carry into their next epoch
+                "loaders": self._carried(loader),
             }
             if hf_loop is not None:  # transformers.Trainer's loop (cfrun.rank.adapters.hf)
                 data["hf"] = hf_loop  # its position: a resumed epoch iterates another loader
@@ -413,6 +423,17 @@ class Boundary:
                 self._flag("the training DataLoader reads an IterableDataset; cfrun cannot skip "
                            "to the batch position inside an epoch")
             self._boundary(caller, data)
+
+    def _carried(self, train: Any) -> dict[str, Any]:
+        """:func:`cfrun.rank.data.carried_state` of every live loader but ``train``, by
+        creation ordinal (as a string)."""
+        out: dict[str, Any] = {}
+        for loader in self._capture.found.loaders():
+            if loader is not train and "_cfrun_ordinal" in loader.__dict__:
+                state = carried_state(loader)
+                if state is not None:
+                    out[str(loader._cfrun_ordinal)] = state
+        return out
 
     def _enumerate_index(self, it: Any, caller: types.FrameType,
                          consumer: types.FrameType) -> int | None:

@@ -27,6 +27,17 @@ uninterrupted run draws every random number in the order the plain script does.
   had after its last consumed batch (:class:`WorkerInit`), so per-sample random augmentation
   comes out as in the uninterrupted run and as without cfrun. The idea of snapshotting worker
   RNG state with the batches follows torchdata's ``StatefulDataLoader``.
+* ``persistent_workers=True``: PyTorch starts the workers and draws their base seed at the
+  loader's first ``iter()`` only; later epochs reuse them (``_reset`` does not reseed them), so
+  each worker's random stream runs on across epochs. A resume into epoch E > 0 starts them anew:
+  the training loader's base-seed draw is given back to its RNG before the permutation is drawn,
+  the workers get the original run's base seed (``get_worker_info().seed``, which timm's
+  ``worker_init_fn`` seeds from) and then their saved states. The other loaders (an eval loader)
+  carry the same into their next epoch: each checkpoint stores their generators, their
+  persistent workers' base seed and per-worker states (:func:`carried_state`), and a resume
+  gives them back (:func:`set_carried_state`), their workers restarted the same way at their
+  next ``iter()``. Restoring the states, rather than replaying the seeds, costs a few KiB per
+  worker and no data loading; replaying would mean fetching every earlier epoch's samples again.
 """
 
 from __future__ import annotations
@@ -201,6 +212,66 @@ def worker_rng_of(it: Any) -> dict[str, Any] | None:
             for k, v in states.items()}
 
 
+def carried_state(loader: DataLoader) -> dict[str, Any] | None:
+    """What ``loader``, a loader *other than the training one* (an eval loader), carries from
+    one of its epochs to the next, for the checkpoint (main process, at a loader boundary);
+    None when nothing:
+
+    * its ``generator=`` and its sampler's generator (each ``iter()`` draws from them);
+    * with ``persistent_workers=True``, once its workers run: their base seed (PyTorch drew it
+      at the loader's first ``iter()`` only, maybe epochs before the checkpoint) and each
+      worker's RNG states after its last consumed batch (its random stream goes on from there
+      in the next epoch: workers are not reseeded at ``_reset``).
+
+    A resume puts them back (:func:`set_carried_state`). Without it, the resumed run's first
+    ``iter()`` of such a loader (an eval loader, after the resumed epoch) started workers anew
+    and drew a base seed from the global torch RNG that the uninterrupted run had drawn only in
+    its first epoch: one draw more, so the next epoch's shuffle (``RandomSampler`` seeds itself
+    from the global RNG) and everything after it differed (issue 34).
+    """
+    state: dict[str, Any] = {}
+    if loader.generator is not None:
+        state["generator"] = loader.generator.get_state()
+    sampler_gen = getattr(loader.sampler, "generator", None)
+    if isinstance(sampler_gen, torch.Generator) and sampler_gen is not loader.generator:
+        state["sampler_generator"] = sampler_gen.get_state()
+    it = loader.__dict__.get("_iterator")
+    if loader.num_workers > 0 and loader.persistent_workers and it is not None \
+            and hasattr(it, "_base_seed"):
+        state["base_seed"] = int(it._base_seed)
+        state["worker_rng"] = worker_rng_of(it) or {}
+    if not state:
+        return None
+    state["fingerprint"] = loader_fingerprint(loader)
+    return state
+
+
+def set_carried_state(loader: DataLoader, state: dict[str, Any]) -> str | None:
+    """Inverse of :func:`carried_state`, at the resume (after the training loader's epoch
+    started, so a generator shared with it ends as at the checkpoint). The generators are set
+    at once. Persistent workers are (re)started at the loader's next ``iter()`` with the
+    checkpoint's base seed and each worker's states (:class:`WorkerInit`), and the base seed
+    this run draws there is given back to the RNG it came from (the original run drew none):
+    workers the script already started before the resume point (a validation before the epoch
+    loop) are shut down first. Returns why the loader could not be restored, or None."""
+    if state.get("fingerprint") != loader_fingerprint(loader):
+        return "a DataLoader other than the training one changed since the checkpoint; its " \
+            "generator and persistent workers restart from their seeds"
+    if "generator" in state and loader.generator is not None:
+        loader.generator.set_state(state["generator"])
+    sampler_gen = getattr(loader.sampler, "generator", None)
+    if "sampler_generator" in state and isinstance(sampler_gen, torch.Generator):
+        sampler_gen.set_state(state["sampler_generator"])
+    if "base_seed" in state and loader.num_workers > 0 and loader.persistent_workers:
+        it = loader.__dict__.get("_iterator")
+        if it is not None:
+            it._shutdown_workers()
+            loader._iterator = None
+        loader.__dict__["_cfrun_carried"] = {"base_seed": state["base_seed"],
+                                             "worker_rng": state.get("worker_rng") or {}}
+    return None
+
+
 def loader_fingerprint(loader: DataLoader) -> dict[str, Any]:
     """What must match for a loader of a resumed run to be the same training loader."""
     try:
@@ -316,20 +387,29 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
         resumed = "_cfrun_skip_done" in loader.__dict__  # set by Resume for the resumed epoch
         skip_done = loader.__dict__.pop("_cfrun_skip_done", 0)
         worker_rng = loader.__dict__.pop("_cfrun_worker_rng", None)
+        base_seed = loader.__dict__.pop("_cfrun_saved_base_seed", None)
+        carried = loader.__dict__.pop("_cfrun_carried", None)  # not the training loader
         workers = loader.num_workers > 0
+        carried = carried if workers and loader._iterator is None else None
         init = loader.worker_init_fn
+        again = False  # the original run reused its persistent workers: it drew no base seed now
         if resumed and workers:
             loader.__dict__["_cfrun_worker_offset"] = skip_done % loader.num_workers
-            if isinstance(init, WorkerInit):
-                init.states = worker_rng
-            if loader.persistent_workers and loader._iterator is None \
-                    and loader.__dict__.get("_cfrun_iter_calls", 0) > 1:
-                # the original run reused its iterator: no base seed was drawn this epoch
-                loader.__dict__["_cfrun_rng_again"] = state
+            again = loader.persistent_workers and loader._iterator is None \
+                and loader.__dict__.get("_cfrun_iter_calls", 0) > 1
+        elif carried is not None:  # its first iter() since the resume (set_carried_state)
+            worker_rng, base_seed, again = carried["worker_rng"], carried["base_seed"], True
+        if again:
+            loader.__dict__["_cfrun_rng_again"] = state
+            if base_seed is not None:  # the workers' seed, as the original run drew it
+                loader.__dict__["_cfrun_base_seed"] = base_seed
+        if (resumed and workers or carried is not None) and isinstance(init, WorkerInit):
+            init.states = worker_rng
         try:  # the multiprocessing iterator calls iter() on the sampler twice: both skip
             it = it_fn(loader)
         finally:
-            for key in ("_cfrun_skip", "_cfrun_worker_offset", "_cfrun_rng_again"):
+            for key in ("_cfrun_skip", "_cfrun_worker_offset", "_cfrun_rng_again",
+                        "_cfrun_base_seed"):
                 loader.__dict__.pop(key, None)
             if isinstance(init, WorkerInit):
                 init.states = None
@@ -337,7 +417,7 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             it._sampler_iter.prime()  # the permutation, from the epoch's RNG (single-process)
         it._cfrun_loader = loader
         it._cfrun_consumed = skip_done
-        if workers and (resumed or "_cfrun_worker_rng" not in it.__dict__):
+        if workers and (resumed or carried is not None or "_cfrun_worker_rng" not in it.__dict__):
             it._cfrun_worker_rng = dict(worker_rng or {})  # persistent workers: kept
         return it
 
@@ -357,6 +437,15 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             self._cfrun_consumed += 1
             return out
         return orig_next(self)
+
+    orig_base_init = _dl._BaseDataLoaderIter.__init__
+
+    @functools.wraps(orig_base_init)
+    def _base_init(self: Any, loader: DataLoader, *args: Any, **kwargs: Any) -> None:
+        orig_base_init(self, loader, *args, **kwargs)
+        seed = getattr(loader, "__dict__", {}).get("_cfrun_base_seed")
+        if seed is not None:  # before the workers start: they are seeded from it
+            self._base_seed = seed
 
     orig_put = _dl._MultiProcessingDataLoaderIter._try_put_index
     orig_process = _dl._MultiProcessingDataLoaderIter._process_data
@@ -395,5 +484,6 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
     DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
     DataLoader._index_sampler = property(_index_sampler)  # type: ignore[method-assign,assignment]
     _dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
+    _dl._BaseDataLoaderIter.__init__ = _base_init  # type: ignore[method-assign]
     _dl._MultiProcessingDataLoaderIter._try_put_index = _try_put_index  # type: ignore[method-assign]
     _dl._MultiProcessingDataLoaderIter._process_data = _process_data  # type: ignore[method-assign]

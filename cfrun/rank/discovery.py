@@ -62,6 +62,10 @@ class Discovery:
 
     # ---------------------------------------------------------------- the live objects
 
+    def loaders(self) -> list[Any]:
+        """The live DataLoaders, in creation order (each has its ordinal, ``_cfrun_ordinal``)."""
+        return _alive(self._loaders)
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The live optimizers, in creation order."""
         return _alive(self._optimizers)

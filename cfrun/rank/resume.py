@@ -92,6 +92,7 @@ from cfrun.rank.capture import free_params, scaler_numbers
 from cfrun.rank.data import (
     loader_fingerprint,
     sampler_state,
+    set_carried_state,
     set_epoch_rng,
     set_sampler_state,
 )
@@ -512,17 +513,30 @@ class Resume:
         loader.__dict__["_cfrun_skip"] = data["batches"]
         loader.__dict__["_cfrun_skip_done"] = data["batches"]
         loader.__dict__["_cfrun_worker_rng"] = data.get("worker_rng")
+        loader.__dict__["_cfrun_saved_base_seed"] = data.get("base_seed")
         if loader.num_workers > 0 and not isinstance(data.get("worker_rng"), dict):
             self._flag("the checkpoint has no DataLoader worker RNG states (written by an older "
                        "cfrun): the workers' random augmentation restarts from their seeds")
         it = start()
         it._cfrun_iter_index = n
+        self._restore_other_loaders(loader, data.get("loaders") or {})
         self._apply(plan, caller, in_tracer=False)
         saved_count = data.get("enumerate")
         self._enum_fix = (weakref.ref(it), saved_count if type(saved_count) is int else None,
                           data["batches"])
         self.fixing_enumerate = True
         return it
+
+    def _restore_other_loaders(self, train: Any, saved: dict[str, Any]) -> None:
+        """The loaders other than the training one (an eval loader) get what they carried
+        into their next epoch at the checkpoint (:func:`cfrun.rank.data.set_carried_state`:
+        generators, persistent workers' seed and streams), matched by creation ordinal."""
+        for loader in self.found.loaders():
+            state = saved.get(str(loader.__dict__.get("_cfrun_ordinal")))
+            if loader is not train and state is not None:
+                why = set_carried_state(loader, state)
+                if why is not None:
+                    self._flag(why)
 
     def _map_position(self, data: dict[str, Any], loader: Any) -> None:
         """A resharded resume: the checkpoint's position in its epoch, counted in global
@@ -540,6 +554,8 @@ class Resume:
         data["sampler"] = RS.sampler_state_for_new_world(saved_sampler)
         data["mapped"] = True
         data["worker_rng"] = {}  # the old world's workers' streams: each new one seeds itself
+        data["base_seed"] = None
+        data["loaders"] = {}
         if again and self.s.rank == 0:
             say(f"the resharded epoch goes on at batch {skip} of each rank: {again} samples "
                 "consumed before the checkpoint do not fill a global batch of this world and "
