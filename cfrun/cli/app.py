@@ -960,6 +960,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("restarts", "; ".join(f"attempt {r['attempt']}: {r['cause']} {r['where']}"
                                for r in st["restarts"]) or "none"),
         ("last resume", _resume_text(st.get("last_resume"))),
+        ("goodput", _goodput_text(st.get("goodput"))),
         ("disk", f"{st['disk_bytes'] / 1e6:.1f} MB in checkpoints/"),
         ("GPUs", _gpu_text(st["gpus"]) or "none seen (no NVML or no GPU on this machine)"),
     ]
@@ -986,6 +987,19 @@ def _overhead_text(overhead: dict[str, Any]) -> str:
     pct = overhead["stall_pct"]
     return (f"{pct}% stalled" if pct is not None else "not measured yet (no attempt started)") \
         + f" (budget {overhead['budget_pct']}%)"
+
+
+def _goodput_text(g: dict[str, Any] | None) -> str:
+    """``cfrun status``'s goodput row: the ETTR and the time lost per cause."""
+    if not g or g.get("ettr") is None:
+        return "no attempt yet"
+    def dur(s: float) -> str:
+        return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.0f} ms"
+
+    lost = ", ".join(f"{cause} {dur(s)}" for cause, s in g["lost_s"].items() if s)
+    steps = f" ({g['recomputed_steps']} steps recomputed)" if g.get("recomputed_steps") else ""
+    return (f"ETTR {100 * g['ettr']:.1f}% of {dur(g['wall_s'])}: lost "
+            f"{lost or 'nothing measurable'}{steps}")
 
 
 def _resume_text(r: dict[str, Any] | None) -> str:

@@ -29,6 +29,7 @@ from cfrun.contract.config import resume_command
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
 from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
+from cfrun.contract.goodput import goodput
 from cfrun.contract.jobdir import JobDir, step_dir_name
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -266,7 +267,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     utilization_pct}] of this machine's visible GPUs, through NVML; empty without), progress
     ({step, done_batches, total_batches} at the newest checkpoint whose epoch loop is a
     ``range()`` over a loader of known length; None otherwise), last_resume (the newest
-    resume's breakdown, :func:`last_resume`; None without one). Unknown
+    resume's breakdown, :func:`last_resume`; None without one), goodput (the wall time split
+    into productive training and what was lost per cause, and the ETTR:
+    :func:`cfrun.contract.goodput.goodput`; None before any attempt). Unknown
     values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
@@ -311,6 +314,7 @@ def status(jd: JobDir) -> dict[str, Any]:
                          "where": e.get("where"), "error": e.get("error")}
                         for e in events if e.get("event") == "unprotected"],
         "last_resume": last_resume(events),
+        "goodput": goodput(events, now_unix_s=time.time() if running else None),
         "resharded": [{"attempt": e.get("attempt"), "step": e.get("step"),
                        "from_world_size": e.get("from_world_size"),
                        "to_world_size": e.get("to_world_size")}

@@ -99,6 +99,7 @@ EVENTS: dict[str, EventKind] = {
     "resumed": _k("each rank", ["step", "attempt", "rank"],
                   ["variables", "process_start_unix_s", "agent_wait_s", "read_start_unix_s",
                    "read_s", "read_sync_s", "read_wait_s", "restore_s"]),
+    "first_step": _k("rank 0", ["attempt", "step"]),
     "resharded": _k("rank 0", ["step", "attempt", "from_world_size", "to_world_size"], []),
     "not_exact": _k("a rank", ["reason"], ["step"]),
     "unprotected": _k("a rank", ["where", "error"], ["step", "rank", "attempt", "traceback"]),

@@ -184,6 +184,7 @@ class Boundary:
         at its boundary: the deferral's, and the loader's ``progress`` (read at the commit,
         the boundary's own was sometimes a later one's: step 80 said 92 batches done)."""
         self._prepared = False
+        self._first_step_said = False
         """The snapshot slot was prepared (:meth:`Snapshotter.prepare`)."""
         self._done_records: list[dict[str, Any]] = []
         self._waited_for: int | None = None
@@ -273,6 +274,10 @@ class Boundary:
             self.mode = "loop"
         self._next_since_step = False
         self._marks.beat(self.step)
+        if not self._first_step_said:
+            self._first_step_said = True
+            if self.s.rank == 0:  # goodput: the attempt's start-up ends here
+                self.jobdir.emit_event("first_step", attempt=self.s.attempt, step=self.step)
         if not self._prepared:
             self._prepare_slot()
             liveness.warm(F.script_frames(sys._getframe(1), self.s.script))
@@ -549,6 +554,7 @@ class Boundary:
             self._snap.give_verdict()  # the rank waits from here on: it writes nothing
             self._verify.kill_after_handoff(self._snap.handed_off, step)
         if kill:
+            self._marks.flush_beat()  # the supervisor's failure event names this step
             kill_self(f"injected crash: SIGKILL after step {step} (attempt {self.s.attempt})")
 
     def final_checkpoint(self) -> None:

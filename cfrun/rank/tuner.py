@@ -438,6 +438,7 @@ class Tuner:
         atomic_write_json(self.cache_path, out)
         self._publish(step, "profile", decision.reason, decision.predicted_overhead)
         self.jobdir.emit_event("profile", probes=self.probes,
+                               excess_s=round(spent.excess_total_s, 6) if spent else None,
                                **{k: out[k] for k in ("costs", "mode", "modes")})
         self.jobdir.emit_event("decision", source="profile", interval=self.interval,
                                mode=self.mode, reason=decision.reason,

@@ -19,6 +19,9 @@ yields:
 ``cfrun_attempts_total``                      attempts started
 ``cfrun_overhead_ratio``                      checkpoint stall over the training wall time so far
 ``cfrun_overhead_budget_ratio``               the ``--overhead`` budget
+``cfrun_ettr_ratio``                          goodput: productive training time / wall time
+``cfrun_lost_seconds{cause}``                 wall time lost: ``startup``, ``restart``,
+                                              ``recompute``, ``stall``, ``profiling``
 ``cfrun_peer_up``                             1 while the peer tier answers, 0 when it does not
                                               (absent without ``--peer``)
 ``cfrun_gpu_memory_used_bytes{gpu,uuid}``     NVML, per visible GPU (absent without NVML);
@@ -49,6 +52,7 @@ from urllib.parse import urlsplit
 from cfrun.contract import coordination
 from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
 from cfrun.contract.fsio import write_atomic
+from cfrun.contract.goodput import goodput
 from cfrun.contract.gpus import samples
 from cfrun.contract.jobdir import JobDir
 
@@ -117,7 +121,7 @@ class JobMetrics:
         self.newest_committed: int | None = None
         self.restarts: dict[str, int] = {}
         self.attempts = 0
-        self._timeline: list[dict[str, Any]] = []  # what overhead_seconds reads
+        self._timeline: list[dict[str, Any]] = []  # what overhead_seconds and goodput read
         self._last_t: float | None = None
         self.peer_up: int | None = None
 
@@ -147,9 +151,11 @@ class JobMetrics:
         kind = e.get("event")
         if isinstance(e.get("t_unix_s"), int | float):
             self._last_t = float(e["t_unix_s"])
-        if kind in ("checkpoint", "attempt_start", "attempt_end"):
-            self._timeline.append({k: e.get(k) for k in ("event", "t_unix_s", "stall_s",
-                                                         "duration_s")})
+        if kind in ("checkpoint", "attempt_start", "attempt_end", "state", "first_step",
+                    "resumed", "failure", "profile"):  # what overhead_seconds and goodput read
+            self._timeline.append({k: e.get(k) for k in (
+                "event", "t_unix_s", "stall_s", "duration_s", "attempt", "step", "state",
+                "rank", "excess_s")})
         if kind == "checkpoint":
             self.checkpoints += 1
             if isinstance(e.get("stall_s"), int | float):
@@ -225,6 +231,17 @@ class JobMetrics:
         if wall_s > 0:
             yield GaugeMetricFamily("cfrun_overhead_ratio", OVERHEAD_DEFINITION[:1].upper()
                                     + OVERHEAD_DEFINITION[1:], value=stall_s / wall_s)
+        good = goodput(self._timeline, now_unix_s=time.time() if (
+            self.jobdir.is_locked() if self.live is None else self.live) else self._last_t)
+        if good is not None and good["ettr"] is not None:
+            yield GaugeMetricFamily("cfrun_ettr_ratio", "Effective training time ratio: "
+                                    "productive training time / wall time (goodput)",
+                                    value=good["ettr"])
+            lost = GaugeMetricFamily("cfrun_lost_seconds", "Wall time lost, by cause",
+                                     labels=["cause"])
+            for cause, seconds in good["lost_s"].items():
+                lost.add_metric([cause], seconds)
+            yield lost
         budget = self._budget()
         if budget is not None:
             yield GaugeMetricFamily("cfrun_overhead_budget_ratio", "The --overhead budget",
