@@ -228,11 +228,13 @@ class Supervisor:
     restart (doubled per restart, at most 30 s); ``accept_changed_command``
     (``--accept-changed-command``) lets a job dir's job go on under a changed command;
     ``rerun`` (``--rerun``) runs a finished job's command again (else it says it finished and
-    exits 0)."""
+    exits 0); ``python_command``: the command line as typed with ``--launcher python``, the
+    hint of a one-rank script that went distributed under torchrun
+    (:func:`cfrun.supervisor.machine.went_distributed`)."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
                  backoff_s: float = 0.5, accept_changed_command: bool = False,
-                 rerun: bool = False) -> None:
+                 rerun: bool = False, python_command: str | None = None) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
         self.accept_changed_command = accept_changed_command
@@ -251,7 +253,7 @@ class Supervisor:
         self.progress_s = (E.get_float(E.PROGRESS_S, minimum=0) or 0.0) \
             if sys.stderr.isatty() else 0.0
         self._pending_signals: list[int] = []
-        self.policy = Policy.from_config(cfg, backoff_s)
+        self.policy = Policy.from_config(cfg, backoff_s, python_command)
         self.history = History()
         self.monitor = Monitor(cfg, self.jobdir, spawn_fn=spawn_fn,
                                check_agent=lambda: self._check_agent(),
