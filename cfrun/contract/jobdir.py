@@ -13,6 +13,8 @@ Layout::
       profiles/<fingerprint>.json  the policy's cached profiles
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
       checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
+      checkpoints.previous-<UTC time>/  a finished job's checkpoints, set aside when its
+                                command changed and a new run started over (never read)
 
 Only the job's user may read it (issue 12, the local trust boundary): the directory and
 ``checkpoints/`` are 0700, the files cfrun creates here 0600, and the lock and the events are
@@ -68,6 +70,9 @@ DIR_MODE = 0o700
 """Mode of the job dir and the directories cfrun makes in it."""
 FILE_MODE = 0o600
 """Mode of the files cfrun creates in the job dir."""
+PREVIOUS_CHECKPOINTS_PREFIX = "checkpoints.previous-"
+"""``checkpoints.previous-<UTC time>/``: a finished job's ``checkpoints/`` set aside
+(:meth:`JobDir.set_aside_checkpoints`)."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
 
@@ -316,6 +321,31 @@ class JobDir:
                 raise BadInputError(f"{str(sub)!r} is not a directory (a link?); remove it, "
                                     "cfrun creates it")
             _make_private_dir(sub)
+
+    def set_aside_checkpoints(self) -> Path:
+        """Move ``checkpoints/`` to ``checkpoints.previous-<UTC time>`` in the job dir (a
+        rename: nothing is copied or deleted) and make a new empty ``checkpoints/``; returns
+        where they went. With the lock held (:meth:`lock`).
+
+        Raises:
+            FatalJobError: the rename or the new directory failed (nothing was removed; the
+                message names the path and the error).
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dst = self.root / f"{PREVIOUS_CHECKPOINTS_PREFIX}{stamp}"
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = self.root / f"{PREVIOUS_CHECKPOINTS_PREFIX}{stamp}-{n}"
+        try:
+            os.rename(self.checkpoints, dst)
+            self.checkpoints.mkdir(mode=DIR_MODE)
+            fsync_dir(self.root)
+        except OSError as e:
+            raise FatalJobError(f"cannot move {str(self.checkpoints)!r} aside to {str(dst)!r} "
+                                f"({e.strerror or e}); move or remove it yourself, or give a "
+                                "new --job-dir") from None
+        return dst
 
     def _open_private(self, path: Path, flags: int) -> int:
         """``os.open`` a file of the job dir without following a link, creating it 0600.
