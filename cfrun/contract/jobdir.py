@@ -413,19 +413,50 @@ class JobDir:
             self._lock = None
 
     def is_locked(self) -> bool:
-        """True when a live process holds the lock (tries it without blocking)."""
-        if not self.lock_path.exists():
-            return False
-        if self.lock_path.is_symlink():  # the probe would open (and truncate) its target
+        """True when a live process holds the lock. Reads only: a shared ``flock`` tried
+        without blocking on a read-only descriptor, so the lock file is neither created nor
+        truncated and a job dir on a read-only disk answers too (``cfrun status``, issue 37,
+        item 3); a lock file that cannot be opened or locked counts as not held.
+
+        Raises:
+            BadInputError: the lock path is a symbolic link.
+        """
+        import fcntl
+
+        if self.lock_path.is_symlink():
             raise BadInputError(f"{str(self.lock_path)!r} is a symbolic link; cfrun does not "
                                 "write through links in a job dir: remove it")
-        probe = filelock.FileLock(str(self.lock_path), timeout=0, mode=FILE_MODE)
         try:
-            probe.acquire()
-        except filelock.Timeout:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
             return True
-        probe.release()
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
         return False
+
+    def unwritable(self, error: OSError) -> BadInputError:
+        """The one line (exit 2) for a job dir this command must write and cannot:
+        ``error`` names the path; the fix depends on why (a read-only file system, a full
+        disk, no permission)."""
+        path = str(error.filename or self.root)
+        why = error.strerror or str(error)
+        if path != str(self.root):
+            why += f": {path!r}"
+        if error.errno == errno.EROFS:
+            fix = ("give a --job-dir on a writable disk, or remount it read-write (cfrun "
+                   "status, ls and export read it as it is)")
+        elif error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there, or give a --job-dir on another disk"
+        else:
+            fix = "make it writable by this user, or give another --job-dir"
+        return BadInputError(f"job dir {str(self.root)!r} cannot be written ({why}); {fix}")
 
     def emit_event(self, kind: str, **fields: Any) -> None:
         """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes), best

@@ -343,19 +343,22 @@ class Supervisor:
                             "does a new --job-dir; to run it again %s: %s", jd.root, finished,
                             rerun_from, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
                 return 0
-        jd.create()
-        jd.lock()
-        self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
-        previous = self._start_over(fresh, changes) if fresh is not None else None
-        if identity is not None:
-            self._take_identity(identity, changes, write, previous)
+        try:  # a read-only or full disk, no permission: one line, exit 2, nothing started
+            jd.create()
+            jd.lock()
+            self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
+            previous = self._start_over(fresh, changes) if fresh is not None else None
+            if identity is not None:
+                self._take_identity(identity, changes, write, previous)
+            self._write_config()  # before a stop can be reported: `cfrun resume` needs it
+        except OSError as e:
+            raise jd.unwritable(e) from None
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
         start_delay_s = faults.value("supervisor.start_delay_s")
         if start_delay_s:
             time.sleep(float(start_delay_s))
-        self._write_config()  # before a stop can be reported: `cfrun resume` needs it
         old_handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
         old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
