@@ -400,7 +400,7 @@ def run_cmd(
                               rerun=rerun)}, indent=1))
         return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
-         retry=_run_retry(ctx))
+         retry=_run_retry(ctx), python_command=_python_launcher_line(ctx))
 
 
 def _torchrun_rendezvous(standalone: bool, nnodes: str, backend: str, endpoint: str | None,
@@ -425,6 +425,23 @@ def _torchrun_rendezvous(standalone: bool, nnodes: str, backend: str, endpoint: 
     return f"{master_addr}:{master_port or 29500}"
 
 
+def _one_node_launch(nproc_per_node: str, standalone: bool, rdzv_backend: str,
+                     master_addr: str | None, master_port: str | None) -> str:
+    """The launch options of ``cfrun profile`` and ``cfrun verify`` (one node), checked as
+    ``cfrun SCRIPT`` checks them: torchrun's rendezvous spellings (no-ops on one node, accepted
+    so a torchrun command line pastes) and ``--nproc-per-node auto|gpu`` resolved. Returns
+    the ranks per node.
+
+    Raises:
+        BadInputError: as :func:`_torchrun_rendezvous` and
+            :func:`cfrun.contract.cluster.resolve_nproc_per_node`.
+    """
+    from cfrun.contract.cluster import resolve_nproc_per_node
+
+    _torchrun_rendezvous(standalone, "1", rdzv_backend, None, master_addr, master_port)
+    return resolve_nproc_per_node(nproc_per_node)
+
+
 def _run_retry(ctx: Any) -> list[str]:
     """The command line that gives this ``cfrun [run] ...`` again with
     ``--accept-changed-command`` (the hint of a refused changed command): the words as typed
@@ -435,6 +452,36 @@ def _run_retry(ctx: Any) -> list[str]:
         return []
     lead = ["cfrun", "run"] if typed[:1] == ["run"] else ["cfrun"]
     return [*lead, "--accept-changed-command", *typed[len(lead) - 1:]]
+
+
+def _python_launcher_line(ctx: Any) -> str | None:
+    """This ``cfrun [run|profile|verify] ...`` as typed, with ``--launcher python`` in place of
+    any ``--launcher`` given: the hint of a one-rank script that went distributed because
+    torchrun set ``RANK`` (:func:`cfrun.supervisor.machine.went_distributed`). None where the
+    words are not known (the command run without :func:`main`)."""
+    typed = list((ctx.obj or {}).get("argv") or [])
+    if not typed:
+        return None
+    lead = ["cfrun", typed[0]] if typed[0] in ("run", "profile", "verify") else ["cfrun"]
+    words = typed[len(lead) - 1:]
+    takes_value = {name for p in ctx.command.params if not getattr(p, "is_flag", True)
+                   for name in (*p.opts, *p.secondary_opts)}
+    options: list[str] = []
+    i = 0
+    while i < len(words) and words[i].startswith("-") and words[i] != "--":
+        word = words[i]
+        if word == "--launcher":
+            i += 2
+            continue
+        if word.startswith("--launcher="):
+            i += 1
+            continue
+        if word in ("-m", "--module") or word.startswith(("-m", "--module=")):
+            break  # the module's name (SCRIPT) follows or is in it: the rest is the script's
+        step = 2 if word in takes_value else 1
+        options += words[i:i + step]
+        i += step
+    return shlex.join([*lead, "--launcher", "python", *options, *words[i:]])
 
 
 def _cluster_defaults(ctx: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -600,6 +647,7 @@ def _plan_phase(strategy: Path) -> str | None:
              help="Profile SCRIPT: measure checkpoint costs, choose the snapshot mode and the "
                   "interval, then stop.")
 def profile_cmd(
+    ctx: typer.Context,
     script: ScriptArgument,
     script_args: ScriptArgsArgument = None,
     module: ModuleOption = False,
@@ -611,12 +659,17 @@ def profile_cmd(
     overhead: Annotated[str, typer.Option(
         "--overhead", metavar="PERCENT", envvar=E.OVERHEAD,
         help="Overhead budget in percent: 3.5% and 3.5 both mean 3.5%.")] = "3.5%",
-    nproc_per_node: Annotated[str, typer.Option(
-        "--nproc-per-node", "--nproc_per_node", metavar="INTEGER", envvar=E.NPROC_PER_NODE,
-        help="Ranks on this node.")] = "1",
     mtbf: Annotated[str | None, typer.Option(
         "--mtbf", metavar="DURATION", envvar=E.MTBF,
         help="Mean time between failures, e.g. 6h.")] = None,
+    nproc_per_node: NprocPerNodeOption = "1",
+    launcher: LauncherOption = "torchrun",
+    local_addr: LocalAddrOption = None,
+    standalone: StandaloneOption = False,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
+    rdzv_backend: RdzvBackendOption = "c10d",
+    rdzv_conf: RdzvConfOption = None,
 ) -> None:
     """Profile SCRIPT: measure checkpoint costs, choose snapshot mode and interval, stop."""
     import shutil
@@ -630,13 +683,16 @@ def profile_cmd(
     from cfrun.rank.tuner import PROBE_MODES
     from cfrun.supervisor.core import Supervisor
 
+    nproc_per_node = _one_node_launch(nproc_per_node, standalone, rdzv_backend, master_addr,
+                                      master_port)
     cfg = _build_config(script, script_args, job_dir, None, overhead, nproc_per_node, "0", "2",
-                        "25", mtbf, "1800", "0", "", profile_only=True, module=module)
+                        "25", mtbf, "1800", "0", "", profile_only=True, module=module,
+                        launcher=launcher, local_addr=local_addr)
     jd = JobDir(cfg.job_dir)
     if committed_steps(jd.checkpoints):
         raise BadInputError(f"job dir {cfg.job_dir!r} already has checkpoints; profile into a "
                             "new --job-dir (profiling must not replace a job's checkpoints)")
-    code = Supervisor(cfg).run()
+    code = Supervisor(cfg, python_command=_python_launcher_line(ctx)).run()
     shutil.rmtree(jd.checkpoints, ignore_errors=True)  # profiling checkpoints are not a job's
     jd.checkpoints.mkdir(mode=0o700, parents=True, exist_ok=True)
     for hb in coordination.heartbeat_paths(jd.root):
@@ -711,6 +767,11 @@ def verify_cmd(
     hang_timeout: HangTimeoutOption = "1800",
     crash_loop: CrashLoopOption = "3",
     local_addr: LocalAddrOption = None,
+    standalone: StandaloneOption = False,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
+    rdzv_backend: RdzvBackendOption = "c10d",
+    rdzv_conf: RdzvConfOption = None,
     log_format: LogFormatOption = "auto",
 ) -> None:
     """Check that SCRIPT resumes exactly (:mod:`cfrun.cli.verify`)."""
@@ -720,6 +781,8 @@ def verify_cmd(
         _setup_logging(log_format)
     steps_n = parse_positive_int("--steps", steps, minimum=2) if steps is not None else None
     kills_n = parse_positive_int("--kills", kills, minimum=0)
+    nproc_per_node = _one_node_launch(nproc_per_node, standalone, rdzv_backend, master_addr,
+                                      master_port)
     cfg = _build_config(script, script_args, None, interval or str(V.DEFAULT_INTERVAL), "3.5%",
                         nproc_per_node, max_restarts, "2", grace, None, hang_timeout,
                         crash_loop, "", profile_only=False, launcher=launcher,
@@ -727,7 +790,8 @@ def verify_cmd(
     restore = V.json_stdout_guard()[1] if as_json else None
     try:
         rep = V.verify(cfg, steps=steps_n, kills=kills_n, against_plain=against_plain,
-                       say=lambda line: log.info("%s", line))
+                       say=lambda line: log.info("%s", line),
+                       python_command=_python_launcher_line(ctx))
     except KeyboardInterrupt:  # Ctrl-C between two runs (a run's own supervisor takes it)
         print("cfrun verify: interrupted; nothing was compared", file=sys.stderr)
         raise typer.Exit(EXIT_PREEMPTED) from None
@@ -1244,9 +1308,11 @@ def peer_cmd(
 
 
 def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = False,
-         retry: list[str] | None = None) -> None:
+         retry: list[str] | None = None, python_command: str | None = None) -> None:
     """Run the job's supervisor and exit with its code. ``retry``: the command line that goes
-    on with a refused changed command (the hint of :class:`ChangedCommandError`)."""
+    on with a refused changed command (the hint of :class:`ChangedCommandError`);
+    ``python_command``: the one that runs it with ``--launcher python`` (the hint of a one-rank
+    script that went distributed under torchrun)."""
     from cfrun.supervisor.core import Supervisor
 
     # the node's identity names its config, lock, agent socket and slots
@@ -1256,7 +1322,8 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
     log.info("cfrun %s: %s -> job dir %s (%s)", __version__, cfg.shown, cfg.job_dir,
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
     try:
-        code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun).run()
+        code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
+                          python_command=python_command).run()
     except ChangedCommandError as e:
         if not retry:
             raise
@@ -1330,8 +1397,8 @@ def main(argv: list[str] | None = None) -> None:
         if args[0] in ("run", "profile", "verify"):
             job_command = command.commands[args[0]]  # type: ignore[attr-defined]
             args = [args[0], *_module_words(job_command, args[1:])]
-        if args[0] == "run":
-            _refuse_dropped(command.commands["run"], args[1:])  # type: ignore[attr-defined]
+        if args[0] in ("run", "profile", "verify"):
+            _refuse_dropped(command.commands[args[0]], args[1:])  # type: ignore[attr-defined]
         rc = command.main(args=args, prog_name="cfrun", standalone_mode=False,
                           obj={"argv": typed})
     except _EXIT as e:

@@ -200,8 +200,11 @@ class RunResult:
     exit_code: int | None = None
 
 
-def _run_supervised(cfg: RunConfig, name: str) -> RunResult:
-    """Run ``cfg`` under cfrun's supervisor (this process's main thread) to its end.
+def _run_supervised(cfg: RunConfig, name: str, python_command: str | None = None
+                    ) -> RunResult:
+    """Run ``cfg`` under cfrun's supervisor (this process's main thread) to its end;
+    ``python_command``: the ``cfrun verify --launcher python ...`` line (the hint of a
+    one-rank script that went distributed under torchrun).
 
     Raises:
         CfrunError: the run failed (its exit code; the message names the run).
@@ -211,7 +214,7 @@ def _run_supervised(cfg: RunConfig, name: str) -> RunResult:
     result = RunResult(name, Path(cfg.job_dir))
     t0 = time.monotonic()
     try:
-        code = Supervisor(cfg).run()
+        code = Supervisor(cfg, python_command=python_command).run()
     except CfrunError as e:
         e.args = (f"cfrun verify: the {name} run failed: {e}",)
         raise
@@ -374,9 +377,11 @@ def _varying(cfg1: RunConfig, root: Path, stop: int, run1: RunResult, runs: list
 
 
 def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: bool,
-           say: Any = print) -> dict[str, Any]:
+           say: Any = print, python_command: str | None = None) -> dict[str, Any]:
     """Run the verify (module doc) and return its report (the ``--json`` object). ``say``
-    prints a progress line. Removes every temporary job dir before it returns or raises.
+    prints a progress line; ``python_command``: the ``cfrun verify --launcher python ...`` line
+    a one-rank script that went distributed under torchrun is told to run instead. Removes
+    every temporary job dir before it returns or raises.
 
     Raises:
         CfrunError: a run failed (its exit code), or the stop step was never reached (exit 2).
@@ -392,7 +397,7 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
                                    verify_stop_step=steps, interval=interval, rdzv_id=None)
         say(f"cfrun verify: run 1: uninterrupted, checkpoint every {interval} steps"
             + (f", stop at step {steps}" if steps else ""))
-        run1 = _run_supervised(cfg1, "uninterrupted")
+        run1 = _run_supervised(cfg1, "uninterrupted", python_command)
         info = V.RunInfo.read(V.info_path(run1.job_dir)) or V.RunInfo()
         stop = steps or info.stop_step
         if stop is not None:
@@ -415,7 +420,7 @@ def verify(base: RunConfig, *, steps: int | None, kills: int, against_plain: boo
                                    verify_kills=tuple((k.step, k.attempt, k.rank, k.moment)
                                                       for k in plan),
                                    max_restarts=base.max_restarts + len(plan))
-        run2 = _run_supervised(cfg2, "killed")
+        run2 = _run_supervised(cfg2, "killed", python_command)
         runs = [run1, run2]
         plain = None
         if against_plain:

@@ -643,6 +643,9 @@ ACCEPTED = "--accept-changed-command"
 
 RESHARD = "--reshard"
 """Why a changed world size was taken (``--reshard``, issue 25 item 4)."""
+FINISHED = "finished job, started over"
+"""Why a changed command was taken in the job dir of a finished job: a new run from step 0, its
+checkpoints set aside (:meth:`cfrun.contract.jobdir.JobDir.set_aside_checkpoints`)."""
 
 
 class WorldSizeRefusedError(FatalJobError):
@@ -661,8 +664,8 @@ def reshard_refusal(job_dir: Path | str, saved: int, now: int) -> str:
 
 def check_identity(path: Path, command: Command, *, job_name: str | None,
                    accept_changed: bool, nnodes: int = 1,
-                   resumable: bool = True,
-                   reshard: bool = False) -> tuple[Identity, list[str], bool]:
+                   resumable: bool = True, reshard: bool = False,
+                   why: str | None = None) -> tuple[Identity, list[str], bool]:
     """Decide whether ``command`` may run in the job dir whose identity is at ``path``.
 
     Called by the supervisor before it creates, locks or writes anything in the job dir. Reads
@@ -677,7 +680,9 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     to protect: a ``-h`` run, an argparse typo, an import error fixed) with the old command's
     fingerprints dropped, so a checkpoint of the old command at a peer or at level 2 is never
     installed under the new one; with a checkpoint it is refused unless ``accept_changed``,
-    which keeps the job's id and name and adds the new fingerprint.
+    which keeps the job's id and name and adds the new fingerprint. ``why`` (with ``resumable``
+    False): the reason recorded for a changed command taken (default :data:`NO_CHECKPOINT`;
+    :data:`FINISHED` for a finished job's checkpoints set aside).
 
     Another world size alone is taken with ``reshard`` (``--reshard``: the ranks reshard the
     checkpoint, :mod:`cfrun.codec.reshard`), recorded with that reason; without it a job dir
@@ -710,7 +715,7 @@ def check_identity(path: Path, command: Command, *, job_name: str | None,
     import time
 
     why = (RESHARD if only_world and not accept_changed else ACCEPTED) if resumable \
-        else NO_CHECKPOINT
+        else why or NO_CHECKPOINT
     prints = () if not resumable else old.fingerprints
     prints += () if command.fingerprint in prints else (command.fingerprint,)
     record = {"t_unix_s": round(time.time(), 3), "changed": changes,

@@ -13,6 +13,8 @@ Layout::
       profiles/<fingerprint>.json  the policy's cached profiles
       checkpoints/step-000120/  rank-00000.bin, rank-00000.json, ... then manifest.json (last)
       checkpoints/.staging-*/   checkpoints being written; never read, removed at startup
+      checkpoints.previous-<UTC time>/  a finished job's checkpoints, set aside when its
+                                command changed and a new run started over (never read)
 
 Only the job's user may read it (issue 12, the local trust boundary): the directory and
 ``checkpoints/`` are 0700, the files cfrun creates here 0600, and the lock and the events are
@@ -68,6 +70,9 @@ DIR_MODE = 0o700
 """Mode of the job dir and the directories cfrun makes in it."""
 FILE_MODE = 0o600
 """Mode of the files cfrun creates in the job dir."""
+PREVIOUS_CHECKPOINTS_PREFIX = "checkpoints.previous-"
+"""``checkpoints.previous-<UTC time>/``: a finished job's ``checkpoints/`` set aside
+(:meth:`JobDir.set_aside_checkpoints`)."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
 
@@ -317,6 +322,31 @@ class JobDir:
                                     "cfrun creates it")
             _make_private_dir(sub)
 
+    def set_aside_checkpoints(self) -> Path:
+        """Move ``checkpoints/`` to ``checkpoints.previous-<UTC time>`` in the job dir (a
+        rename: nothing is copied or deleted) and make a new empty ``checkpoints/``; returns
+        where they went. With the lock held (:meth:`lock`).
+
+        Raises:
+            FatalJobError: the rename or the new directory failed (nothing was removed; the
+                message names the path and the error).
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dst = self.root / f"{PREVIOUS_CHECKPOINTS_PREFIX}{stamp}"
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = self.root / f"{PREVIOUS_CHECKPOINTS_PREFIX}{stamp}-{n}"
+        try:
+            os.rename(self.checkpoints, dst)
+            self.checkpoints.mkdir(mode=DIR_MODE)
+            fsync_dir(self.root)
+        except OSError as e:
+            raise FatalJobError(f"cannot move {str(self.checkpoints)!r} aside to {str(dst)!r} "
+                                f"({e.strerror or e}); move or remove it yourself, or give a "
+                                "new --job-dir") from None
+        return dst
+
     def _open_private(self, path: Path, flags: int) -> int:
         """``os.open`` a file of the job dir without following a link, creating it 0600.
 
@@ -383,19 +413,50 @@ class JobDir:
             self._lock = None
 
     def is_locked(self) -> bool:
-        """True when a live process holds the lock (tries it without blocking)."""
-        if not self.lock_path.exists():
-            return False
-        if self.lock_path.is_symlink():  # the probe would open (and truncate) its target
+        """True when a live process holds the lock. Reads only: a shared ``flock`` tried
+        without blocking on a read-only descriptor, so the lock file is neither created nor
+        truncated and a job dir on a read-only disk answers too (``cfrun status``, issue 37,
+        item 3); a lock file that cannot be opened or locked counts as not held.
+
+        Raises:
+            BadInputError: the lock path is a symbolic link.
+        """
+        import fcntl
+
+        if self.lock_path.is_symlink():
             raise BadInputError(f"{str(self.lock_path)!r} is a symbolic link; cfrun does not "
                                 "write through links in a job dir: remove it")
-        probe = filelock.FileLock(str(self.lock_path), timeout=0, mode=FILE_MODE)
         try:
-            probe.acquire()
-        except filelock.Timeout:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
             return True
-        probe.release()
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
         return False
+
+    def unwritable(self, error: OSError) -> BadInputError:
+        """The one line (exit 2) for a job dir this command must write and cannot:
+        ``error`` names the path; the fix depends on why (a read-only file system, a full
+        disk, no permission)."""
+        path = str(error.filename or self.root)
+        why = error.strerror or str(error)
+        if path != str(self.root):
+            why += f": {path!r}"
+        if error.errno == errno.EROFS:
+            fix = ("give a --job-dir on a writable disk, or remount it read-write (cfrun "
+                   "status, ls and export read it as it is)")
+        elif error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there, or give a --job-dir on another disk"
+        else:
+            fix = "make it writable by this user, or give another --job-dir"
+        return BadInputError(f"job dir {str(self.root)!r} cannot be written ({why}); {fix}")
 
     def emit_event(self, kind: str, **fields: Any) -> None:
         """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes), best

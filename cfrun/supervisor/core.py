@@ -48,6 +48,7 @@ from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps, is_final
 from cfrun.contract.config import (
     ACCEPTED,
+    FINISHED,
     Command,
     Identity,
     RunConfig,
@@ -56,8 +57,19 @@ from cfrun.contract.config import (
     redact_url,
     resume_command,
 )
-from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
-from cfrun.contract.jobdir import FOREIGN_PREFIX, JobDir, atomic_write_json, step_dir_name
+from cfrun.contract.errors import (
+    BadInputError,
+    ChangedCommandError,
+    FatalJobError,
+    JobDirLockedError,
+)
+from cfrun.contract.jobdir import (
+    FOREIGN_PREFIX,
+    PREVIOUS_CHECKPOINTS_PREFIX,
+    JobDir,
+    atomic_write_json,
+    step_dir_name,
+)
 from cfrun.contract.jobkey import ensure_job_key
 from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
 from cfrun.supervisor.launcher import (
@@ -162,6 +174,11 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
             accept_changed=accept_changed_command, nnodes=cfg.nnodes, resumable=bool(steps),
             reshard=cfg.reshard)
     except BadInputError as e:
+        fresh = finished_changed(jd, cfg, e)
+        if fresh is not None:
+            return (f"start at step 0: the job finished {fresh} and its command changed; its "
+                    f"checkpoints would be moved to {jd.root / PREVIOUS_CHECKPOINTS_PREFIX}"
+                    "<UTC time>")
         return f"refused (exit 2): {e}"
     except WorldSizeRefusedError as e:
         return f"refused (exit 5): {e}"
@@ -186,6 +203,17 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
                         f"{saved} ranks and this run has {world}; add --reshard")
         return f"resume from the checkpoint of step {resumable[0]}" + why
     return "start at step 0: the job dir holds no checkpoint"
+
+
+def finished_changed(jd: JobDir, cfg: RunConfig, refusal: BadInputError) -> str | None:
+    """``"at step N on DATE"`` where ``refusal`` refused a changed command (the script edited,
+    other arguments) in the job dir of a job that finished (:func:`finished_at`) on one node,
+    and no ``--accept-changed-command`` asked to go on from its checkpoints: such a run starts
+    over, from step 0, with the finished run's checkpoints set aside (issue 37, item 2). None:
+    the refusal stands (an unfinished job's checkpoints are work to go on from). Reads only."""
+    if not isinstance(refusal, ChangedCommandError) or cfg.nnodes != 1:
+        return None
+    return finished_at(jd, cfg.node_rank)
 
 
 def finished_at(jd: JobDir, node_rank: int) -> str | None:
@@ -228,11 +256,13 @@ class Supervisor:
     restart (doubled per restart, at most 30 s); ``accept_changed_command``
     (``--accept-changed-command``) lets a job dir's job go on under a changed command;
     ``rerun`` (``--rerun``) runs a finished job's command again (else it says it finished and
-    exits 0)."""
+    exits 0); ``python_command``: the command line as typed with ``--launcher python``, the
+    hint of a one-rank script that went distributed under torchrun
+    (:func:`cfrun.supervisor.machine.went_distributed`)."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
                  backoff_s: float = 0.5, accept_changed_command: bool = False,
-                 rerun: bool = False) -> None:
+                 rerun: bool = False, python_command: str | None = None) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
         self.accept_changed_command = accept_changed_command
@@ -251,7 +281,7 @@ class Supervisor:
         self.progress_s = (E.get_float(E.PROGRESS_S, minimum=0) or 0.0) \
             if sys.stderr.isatty() else 0.0
         self._pending_signals: list[int] = []
-        self.policy = Policy.from_config(cfg, backoff_s)
+        self.policy = Policy.from_config(cfg, backoff_s, python_command)
         self.history = History()
         self.monitor = Monitor(cfg, self.jobdir, spawn_fn=spawn_fn,
                                check_agent=lambda: self._check_agent(),
@@ -284,35 +314,51 @@ class Supervisor:
         identity: Identity | None = None
         changes: list[str] = []
         write = False
+        fresh: str | None = None  # a finished job whose command changed: "at step N on DATE"
         if not self.cfg.profile_only:  # reads only: a refused command changes nothing
+            command = Command.of(self.cfg)
             try:
                 identity, changes, write = check_identity(
-                    jd.identity_path, Command.of(self.cfg), job_name=self.cfg.job_name,
+                    jd.identity_path, command, job_name=self.cfg.job_name,
                     accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes,
                     resumable=bool(committed_steps(jd.checkpoints)), reshard=self.cfg.reshard)
-            except BadInputError:
+            except BadInputError as e:
                 if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
                     raise JobDirLockedError(
                         f"job dir {str(jd.root)!r} is in use by another cfrun") from None
-                raise
+                fresh = finished_changed(jd, self.cfg, e)
+                if fresh is None:
+                    raise
+                identity, changes, write = check_identity(
+                    jd.identity_path, command, job_name=self.cfg.job_name, accept_changed=False,
+                    nnodes=self.cfg.nnodes, resumable=False, why=FINISHED)
             finished = None if changes or self.rerun else finished_at(jd, self.cfg.node_rank)
             if finished is not None:
-                logger.info("cfrun: job %s finished %s; nothing to do. A new --job-dir starts "
-                            "over; to run it again from the newest checkpoint: %s", jd.root,
-                            finished, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
+                resumable = [s for s in committed_steps(jd.checkpoints)
+                             if not is_final(jd.checkpoints / step_dir_name(s))]
+                rerun_from = f"from its checkpoint of step {resumable[0]}" if resumable \
+                    else "from step 0"
+                logger.info("cfrun: job %s finished %s; nothing to do. An edited script or "
+                            "other arguments start a new run (its checkpoints kept aside), so "
+                            "does a new --job-dir; to run it again %s: %s", jd.root, finished,
+                            rerun_from, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
                 return 0
-        jd.create()
-        jd.lock()
-        self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
-        if identity is not None:
-            self._take_identity(identity, changes, write)
+        try:  # a read-only or full disk, no permission: one line, exit 2, nothing started
+            jd.create()
+            jd.lock()
+            self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
+            previous = self._start_over(fresh, changes) if fresh is not None else None
+            if identity is not None:
+                self._take_identity(identity, changes, write, previous)
+            self._write_config()  # before a stop can be reported: `cfrun resume` needs it
+        except OSError as e:
+            raise jd.unwritable(e) from None
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
         _become_subreaper()
         start_delay_s = faults.value("supervisor.start_delay_s")
         if start_delay_s:
             time.sleep(float(start_delay_s))
-        self._write_config()  # before a stop can be reported: `cfrun resume` needs it
         old_handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
         old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
         try:
@@ -361,19 +407,36 @@ class Supervisor:
                 host = self.cfg.metrics.rpartition(":")[0]
                 logger.info("cfrun: metrics at http://%s:%d/metrics", host, port)
 
-    def _take_identity(self, identity: Identity, changes: list[str], write: bool) -> None:
+    def _start_over(self, finished: str, changes: list[str]) -> Path:
+        """With the lock held: a finished job's command changed (``finished``: when it
+        finished). Its ``checkpoints/`` go aside (:meth:`JobDir.set_aside_checkpoints`), its
+        heartbeats (the old run's steps) are removed, and one line says so; returns where the
+        checkpoints went."""
+        previous = self.jobdir.set_aside_checkpoints()
+        for hb in coordination.heartbeat_paths(self.jobdir.root):
+            hb.unlink(missing_ok=True)
+        logger.info("cfrun: job %s finished %s and its command changed (%s): a new run starts "
+                    "at step 0; the finished run's checkpoints are kept in %s", self.jobdir.root,
+                    finished, "; ".join(changes), previous)
+        return previous
+
+    def _take_identity(self, identity: Identity, changes: list[str], write: bool,
+                       previous: Path | None = None) -> None:
         """With the lock held: record the job's identity (new, or a change accepted with
-        ``--accept-changed-command``: a ``command_changed`` event and a warning) and set aside
+        ``--accept-changed-command``: a ``command_changed`` event and a warning; or a finished
+        job started over, its checkpoints set aside in ``previous``: the event) and set aside
         checkpoints of another job found in ``checkpoints/`` (never resumed from)."""
         self.identity = identity
         if write:
             atomic_write_json(self.jobdir.identity_path, identity.to_json())
         if changes:
             why = identity.changes[-1].get("why", ACCEPTED)
-            logger.warning("cfrun: going on with a changed command (%s): %s", why,
-                           "; ".join(changes))
-            self.jobdir.emit_event("command_changed", changed=changes,
-                                   fingerprint=identity.command.fingerprint, why=why)
+            if previous is None:  # a started-over job said so already (_start_over)
+                logger.warning("cfrun: going on with a changed command (%s): %s", why,
+                               "; ".join(changes))
+            self.jobdir.emit_event(
+                "command_changed", changed=changes, fingerprint=identity.command.fingerprint,
+                why=why, **({"previous_checkpoints": str(previous)} if previous else {}))
         self._set_aside_foreign(identity)
 
     def _set_aside_foreign(self, identity: Identity) -> None:

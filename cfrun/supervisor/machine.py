@@ -29,6 +29,9 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
     FATAL, AGENT_LOST      -> stop, exit 5
     FAILED, HUNG, KILLED   -> a ``failure`` event, then
         the console's pipe closed (``| head`` exited)                -> stop, exit 4
+        FAILED before the attempt's first optimizer step, one rank under torchrun, an error
+            naming NCCL, RANK or init_process_group (the script went distributed because
+            torchrun set RANK; the hint: the --launcher python line)  -> stop, exit 5
         FAILED before the attempt's first optimizer step, after an attempt that did too
             (a SyntaxError, an ImportError, a usage error: it will fail again; not with
             --retry-before-first-step)                               -> stop, exit 5
@@ -377,12 +380,58 @@ class Policy:
     retry_before_first_step: bool = False
     """``--retry-before-first-step``: restart a failure before the first optimizer step like
     any other (up to ``max_restarts``, no crash loop), for a data mount that comes up late."""
+    launcher: str = "torchrun"
+    """``--launcher``: under torchrun a one-rank job's rank sees ``RANK``
+    (:func:`went_distributed`)."""
+    world_size: int = 1
+    """Ranks in the job (``--nproc-per-node`` times ``--nnodes``)."""
+    python_command: str | None = None
+    """The command line that runs this job with ``--launcher python`` (the hint of a one-rank
+    script that went distributed under torchrun); None: none is known."""
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5) -> Policy:
+    def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5,
+                    python_command: str | None = None) -> Policy:
+        """The policy of ``cfg``; ``python_command``: the ``--launcher python`` line as the user
+        would type it (default :func:`python_launch_command` of ``cfg``)."""
         return cls(max_restarts=cfg.max_restarts, crash_loop_limit=cfg.crash_loop_limit,
                    backoff_s=backoff_s, job_dir=cfg.job_dir, node_rank=cfg.node_rank,
-                   retry_before_first_step=cfg.retry_before_first_step)
+                   retry_before_first_step=cfg.retry_before_first_step,
+                   launcher=cfg.launcher, world_size=cfg.nproc_per_node * cfg.nnodes,
+                   python_command=python_command or python_launch_command(cfg))
+
+
+def python_launch_command(cfg: RunConfig) -> str:
+    """``cfrun --launcher python --job-dir DIR SCRIPT ARGS`` (``-m MODULE`` for a module, with
+    ``cd CWD &&`` first): the job of ``cfg`` in its job dir, its script started as ``python
+    SCRIPT`` would start it. The launcher is not part of the job's command, so this goes on
+    with the same job (README, "Command line")."""
+    import shlex
+
+    shown = ["-m", cfg.module] if cfg.module else [cfg.script]
+    line = shlex.join(["cfrun", "--launcher", "python", "--job-dir", cfg.job_dir, *shown,
+                       *cfg.script_args])
+    return f"cd {shlex.quote(cfg.cwd)} && {line}" if cfg.module else line
+
+
+_WENT_DISTRIBUTED = re.compile(r"NCCL|\bRANK\b|init_process_group")
+"""Words of a script's error that say it went distributed: NCCL (``Distributed package doesn't
+have NCCL built in``, ``ProcessGroupNCCL is only supported with GPUs``), ``RANK``,
+``init_process_group``."""
+
+
+def went_distributed(outcome: Outcome, policy: Policy) -> bool:
+    """The attempt of a one-rank job under torchrun failed before its first step with an error
+    that names NCCL, ``RANK`` or ``init_process_group``: the script set up
+    ``torch.distributed`` because torchrun set ``RANK`` (nanoGPT, many scripts: DDP whenever
+    ``RANK`` is set) and it cannot on this machine. ``python SCRIPT`` would not have; every
+    restart fails the same way."""
+    if policy.launcher != "torchrun" or policy.world_size != 1 or outcome.made_a_step \
+            or outcome.kind is not OutcomeKind.FAILED:
+        return False
+    error = first_error(outcome.errors)
+    text = describe_error(error) if error is not None else outcome.detail
+    return _WENT_DISTRIBUTED.search(text) is not None
 
 
 class ActionKind(str, enum.Enum):
@@ -555,6 +604,15 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                      error=f"the script's output pipe was closed (its reader exited, as with "
                            f"| head): {said}; not restarted",
                      hint=f"continue with: {resume_command(policy.job_dir, policy.node_rank)}")
+    if early and went_distributed(outcome, policy):
+        return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                     {"attempt": attempt, "cause": "went distributed under torchrun"},
+                     error=f"the script went distributed because torchrun, cfrun's default "
+                           f"launcher, set RANK, and it failed before its first step "
+                           f"({outcome.detail}); not restarted: it fails the same way every "
+                           f"time. --launcher python runs it as python SCRIPT does, without RANK",
+                     hint="run it as plain python under cfrun: "
+                          f"{policy.python_command or 'cfrun --launcher python SCRIPT [ARGS]'}")
     if early and not policy.retry_before_first_step:
         previous = history.outcomes[-1] if history.outcomes else None
         if previous is not None and previous.kind is OutcomeKind.FAILED \

@@ -193,3 +193,69 @@ def test_a_crash_and_restart_off_a_terminal_is_one_line_each_and_torchrun_logs_g
     log_dir = tmp_path / "j" / "logs" / "torchrun"
     assert f"--log-dir={log_dir}" in argv
     assert len(list(log_dir.iterdir())) == 2  # one torchrun run directory per attempt
+
+
+LAUNCH_OPTIONS = ("--launcher", "--nproc-per-node", "--local-addr", "--standalone",
+                  "--master-addr", "--master-port", "--rdzv-backend", "--rdzv-conf")
+"""The options of ``cfrun SCRIPT`` that change how the script starts on one node."""
+
+
+@pytest.mark.parametrize("command", ["profile", "verify"])
+def test_profile_and_verify_take_the_launch_options_from_the_run_commands_definition(command):
+    """Issue 37, item 1: the same names, variables, defaults and help as ``cfrun SCRIPT``."""
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+    def by_option(name: str) -> dict:
+        return {o: p for p in commands[name].params for o in getattr(p, "opts", [])}
+
+    run, other = by_option("run"), by_option(command)
+    for option in LAUNCH_OPTIONS:
+        assert option in other, option
+        a, b = run[option], other[option]
+        assert (a.opts, a.envvar, a.metavar, a.default, a.help) == \
+            (b.opts, b.envvar, b.metavar, b.default, b.help), option
+
+
+@pytest.mark.parametrize("command", ["profile", "verify"])
+@pytest.mark.parametrize("given", [["--launcher", "mpirun"], ["--tee", "3"],
+                                   ["--rdzv-backend", "etcd"]], ids=["flag", "dropped",
+                                                                     "backend"])
+def test_profile_and_verify_check_the_launch_options_as_run_does(tmp_path, command, given):
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    run = cfrun_in_process([command, *given, str(script)], cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("cfrun: error:") and given[0] in line, line
+    assert list(tmp_path.iterdir()) == [script]
+
+
+@pytest.mark.parametrize("command", ["profile", "verify"])
+def test_profile_and_verify_read_the_launchers_variable(tmp_path, command):
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    run = cfrun_in_process([command, str(script)], cwd=tmp_path,
+                           env={"CFRUN_LAUNCHER": "mpirun"})
+    assert run.returncode == 2 and "--launcher 'mpirun'" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("typed, line", [
+    (["train.py", "--lr", "1"], "cfrun --launcher python train.py --lr 1"),
+    (["run", "--launcher", "torchrun", "--interval", "5", "train.py", "--launcher", "x"],
+     "cfrun run --launcher python --interval 5 train.py --launcher x"),
+    (["--launcher=torchrun", "--standalone", "-m", "pkg.train"],
+     "cfrun --launcher python --standalone -m pkg.train"),
+    (["verify", "--steps", "9", "--launcher", "torchrun", "--interval", "5", "my t.py"],
+     "cfrun verify --launcher python --steps 9 --interval 5 'my t.py'"),
+    (["profile", "--job-dir", "--launcher", "t.py"],  # a job dir named --launcher
+     "cfrun profile --launcher python --job-dir --launcher t.py"),
+])
+def test_the_python_launcher_line_is_the_command_as_typed(typed, line):
+    import click
+
+    from cfrun.cli.app import _python_launcher_line
+
+    name = typed[0] if typed[0] in ("run", "profile", "verify") else "run"
+    command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    ctx = click.Context(command, obj={"argv": typed})
+    assert _python_launcher_line(ctx) == line

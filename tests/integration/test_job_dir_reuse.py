@@ -149,21 +149,24 @@ def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_
 
 @pytest.mark.slow
 def test_a_changed_command_with_a_checkpoint_is_refused_and_its_hint_goes_on(tmp_path):
-    """Once the job has a checkpoint a changed command is refused as before (exit 2, nothing
-    in the job dir touched), and its hint, pasted, goes on with the change; so does the hint of
-    a refused ``cfrun resume`` of an edited script."""
+    """Once an unfinished job has a checkpoint a changed command is refused as before (exit 2,
+    nothing in the job dir touched), and its hint, pasted, goes on with the change; so does
+    the hint of a refused ``cfrun resume`` of an edited script. Each run stops at step 14 of
+    its attempt (exit 4: unfinished) but the last, whose attempt has no crash to inject."""
     script = _script(tmp_path)
     job = tmp_path / "j"
-    first = run_cfrun([*COMMON, str(script), "--lr", "0.2"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_cfrun([*COMMON, "--inject-crash", "14@0,14@1", "--max-restarts", "0",
+                       str(script), "--lr", "0.2", "--steps", "20"], cwd=tmp_path)
+    assert first.returncode == 4, first.stderr[-3000:]
     assert committed_steps(job / "checkpoints")
     before = sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*"))
-    again = run_cfrun([*COMMON, str(script), "--lr", "0.3"], cwd=tmp_path)
+    again = run_cfrun([*COMMON, "--inject-crash", "14@0,14@1", "--max-restarts", "0",
+                       str(script), "--lr", "0.3", "--steps", "20"], cwd=tmp_path)
     assert again.returncode == EXIT_BAD_INPUT, again.stderr[-3000:]
     assert "argument --lr: 0.2 -> 0.3" in again.stderr
     assert sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*")) == before
     pasted = run_cfrun(_hint(again.stderr, "hint:"), cwd=tmp_path)
-    assert pasted.returncode == 0, pasted.stderr[-3000:]
+    assert pasted.returncode == 4, pasted.stderr[-3000:]  # went on, then the crash of 14@1
     assert _events(job, "command_changed")[-1]["why"] == "--accept-changed-command"
     assert _events(job, "resumed")
 
@@ -175,6 +178,7 @@ def test_a_changed_command_with_a_checkpoint_is_refused_and_its_hint_goes_on(tmp
     pasted = run_cfrun(_hint(resume.stderr, "hint:"), cwd=tmp_path)
     assert pasted.returncode == 0, pasted.stderr[-3000:]
     assert _events(job, "command_changed")[-1]["changed"][0].startswith("script edited")
+    assert len(_events(job, "resumed")) == 2
 
 
 # ---------------------------------------------------------------------- a sweep

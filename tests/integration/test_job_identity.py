@@ -84,18 +84,25 @@ def _identity(job: Path) -> dict:
 # ---------------------------------------------------------------------- a changed command
 
 
+UNFINISHED = ["--inject-crash", "14@0", "--max-restarts", "0"]
+"""A first run that stops at step 14 (exit 4) with its checkpoints: a job to go on with."""
+
+
 def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(tmp_path):
-    """In a job dir with a checkpoint (the default job dir tells other arguments apart: here
-    one job dir named for both)."""
+    """In the job dir of an unfinished job with a checkpoint (the default job dir tells other
+    arguments apart: here one job dir named for both)."""
     script = _script(tmp_path)
-    first = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.1"],
-                      cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_cfrun(["--interval", "5", "--job-dir", "j", *UNFINISHED, str(script), "--lr",
+                       "0.1", "--steps", "20"], cwd=tmp_path)
+    assert first.returncode == 4, first.stderr[-3000:]
     job = tmp_path / "j"
     assert committed_steps(job / "checkpoints")
     before = _listing(job)
-    again = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.2"],
-                      cwd=tmp_path)
+    dry = run_cfrun(["--dry-run", "--interval", "5", "--job-dir", "j", str(script), "--lr",
+                     "0.2", "--steps", "20"], cwd=tmp_path)
+    assert json.loads(dry.stdout)["job_dir"].startswith("refused (exit 2)"), dry.stdout
+    again = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.2",
+                       "--steps", "20"], cwd=tmp_path)
     assert again.returncode == EXIT_BAD_INPUT == 2, again.stderr[-3000:]
     [line] = _errors(again.stderr)
     assert "argument --lr: 0.1 -> 0.2" in line, line
@@ -103,30 +110,75 @@ def test_changed_arguments_are_refused_with_one_line_and_the_job_dir_untouched(t
     assert "FINAL" not in again.stdout
     assert _listing(job) == before  # nothing created, written or touched
     # the same command still resumes, as before
-    same = run_cfrun(["--rerun", "--interval", "5", "--job-dir", "j", str(script), "--lr",
-                      "0.1"], cwd=tmp_path)
+    same = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--lr", "0.1",
+                      "--steps", "20"], cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
     assert _events(job, "resumed")
 
 
+def test_a_finished_jobs_edited_script_starts_over_with_its_checkpoints_kept_aside(tmp_path):
+    """Issue 37, item 2: edit and rerun after a finished job is a new run from step 0 (bit for
+    bit the edited script's plain run), said in one line naming where the finished run's
+    checkpoints went; they are all there, untouched."""
+    script = _script(tmp_path)
+    args = ["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"]
+    first = run_cfrun(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = tmp_path / "j"
+    old = {p.relative_to(job / "checkpoints"): p.read_bytes()
+           for p in (job / "checkpoints").rglob("*") if p.is_file()}
+    assert committed_steps(job / "checkpoints")
+    script.write_text(TRAIN.replace("lr=a.lr", "lr=a.lr * 2"))
+    dry = run_cfrun(["--dry-run", *args], cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert json.loads(dry.stdout)["job_dir"].startswith("start at step 0: the job finished")
+    edited = run_cfrun(args, cwd=tmp_path)
+    assert edited.returncode == 0, edited.stderr[-3000:]
+    assert "FINAL done" in edited.stdout
+    [line] = [ln for ln in edited.stderr.splitlines() if "a new run starts at step 0" in ln]
+    assert "finished at step 12" in line and "script edited" in line, line
+    [aside] = [p for p in job.iterdir() if p.name.startswith("checkpoints.previous-")]
+    assert line.endswith(f"kept in {aside}"), line
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} \
+        == old
+    assert not _events(job, "resumed")  # from step 0, not from the finished run's weights
+    [changed] = _events(job, "command_changed")
+    assert changed["why"] == "finished job, started over"
+    assert changed["previous_checkpoints"] == str(aside)
+    assert _identity(job)["fingerprints"] == [changed["fingerprint"]]
+    plain = subprocess.run([sys.executable, str(script), "--steps", "12", "--out", "plain.pt"],
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                           timeout=120)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    import torch
+    from conftest import assert_bit_identical
+
+    assert_bit_identical(torch.load(tmp_path / "plain.pt", weights_only=True),
+                         torch.load(tmp_path / "out.pt", weights_only=True))
+    # the edited command is now the job's, finished: a third run has nothing to do
+    third = run_cfrun(args, cwd=tmp_path)
+    assert third.returncode == 0 and "nothing to do" in third.stderr, third.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(tmp_path):
+    """An unfinished job (a finished one starts over: above)."""
     script = _script(tmp_path)
-    first = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
-                      cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_cfrun(["--interval", "5", "--job-dir", "j", *UNFINISHED, str(script),
+                       "--steps", "20"], cwd=tmp_path)
+    assert first.returncode == 4, first.stderr[-3000:]
     job = tmp_path / "j"
     newest = resumable_steps(job / "checkpoints")[0]
     script.write_text(TRAIN.replace("lr=a.lr", "lr=a.lr * 2"))
     before = _listing(job)
-    edited = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
+    edited = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "20"],
                        cwd=tmp_path)
     assert edited.returncode == 2, edited.stderr[-3000:]
     [line] = _errors(edited.stderr)
     assert "script edited" in line, line
     assert _listing(job) == before
     accepted = run_cfrun(["--interval", "5", "--job-dir", "j", "--accept-changed-command",
-                          str(script), "--steps", "12"], cwd=tmp_path)
+                          str(script), "--steps", "20"], cwd=tmp_path)
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert [e["step"] for e in _events(job, "resumed")] == [newest]
     [changed] = _events(job, "command_changed")
@@ -137,7 +189,7 @@ def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(
     assert config["command_changes"][0]["changed"] == changed["changed"]
     assert config["job_id"] == identity["job_id"]
     # the accepted command is now the job's: it resumes without the flag
-    after = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "12"],
+    after = run_cfrun(["--interval", "5", "--job-dir", "j", str(script), "--steps", "20"],
                       cwd=tmp_path)
     assert after.returncode == 0, after.stderr[-3000:]
     assert len(_events(job, "command_changed")) == 1

@@ -3,6 +3,7 @@ WORLD_SIZE, MASTER_* in its environment), still checkpointed, supervised and res
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -123,3 +124,50 @@ def test_launcher_is_not_part_of_the_command(tmp_path):
     python = Command.of(RunConfig(**base, launcher="python"))  # type: ignore[arg-type]
     torchrun = Command.of(RunConfig(**base))  # type: ignore[arg-type]
     assert python.fingerprint == torchrun.fingerprint
+
+
+DDP_WHEN_RANK = str(SCRIPTS / "ddp_when_rank.py")
+"""nanoGPT's start: ``init_process_group("nccl")`` whenever ``RANK`` is set (issue 37)."""
+needs_no_nccl = pytest.mark.skipif(torch.distributed.is_nccl_available()
+                                   and torch.cuda.is_available(),
+                                   reason="NCCL works here: the script goes DDP and trains")
+
+
+@needs_no_nccl
+@pytest.mark.torchrun  # the default launcher is the point
+def test_a_script_that_goes_distributed_stops_at_once_with_the_python_line(tmp_path):
+    """Under torchrun a one-rank job's script sees RANK and sets up NCCL, which this machine
+    lacks: one attempt (it fails the same way every time), and the hint is the command as
+    typed with --launcher python, which then trains."""
+    typed = ["--interval", "5", "--job-dir", "j", DDP_WHEN_RANK, "20", "out.pt"]
+    run = run_cfrun(typed, cwd=tmp_path)
+    assert run.returncode == 5, run.stderr[-3000:]
+    assert len(run.events("attempt_start")) == 1
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("cfrun: error:")]
+    assert "went distributed because torchrun" in error and "set RANK" in error
+    assert "NCCL" in error and "--launcher python" in error
+    [hint] = [line for line in run.stderr.splitlines() if line.startswith("hint:")]
+    line = hint.rpartition(": ")[2]
+    assert line == shlex.join(["cfrun", "--launcher", "python", *typed])
+    again = run_cfrun(shlex.split(line)[1:], cwd=tmp_path)  # the hint does what it says
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "FINAL done" in again.stdout and (tmp_path / "out.pt").exists()
+
+
+@needs_no_nccl
+def test_profile_takes_the_launcher(tmp_path):
+    run = run_cfrun(["profile", "--launcher", "python", "--job-dir", "p", DDP_WHEN_RANK, "2000",
+                     "out.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "chosen interval" in run.stdout
+    assert all("torch.distributed.run" not in s["argv"] for s in run.events("attempt_start"))
+
+
+@needs_no_nccl
+@pytest.mark.slow
+def test_verify_takes_the_launcher(tmp_path):
+    run = run_cfrun(["verify", "--launcher", "python", "--steps", "12", "--interval", "5",
+                     "--kills", "1", DDP_WHEN_RANK, "40", "out.pt"], cwd=tmp_path,
+                    env={"TMPDIR": str(tmp_path)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "exact:" in run.stdout

@@ -140,7 +140,8 @@ def test_status_and_metric_agree_on_a_finished_job(jobs):
 
 
 def test_dry_run_says_what_the_job_dir_would_do(jobs, tmp_path):
-    """Item 8: ``--dry-run`` tells finished, refused (a changed command) and new apart."""
+    """Item 8: ``--dry-run`` tells finished, started over (a finished job's changed command;
+    issue 37, item 2) and new apart (refused: test_job_identity.py)."""
     def outcome(args, cwd=jobs):
         run = cfrun_in_process(["--dry-run", *args], cwd=cwd)
         assert run.returncode == 0, run.stderr
@@ -155,7 +156,10 @@ def test_dry_run_says_what_the_job_dir_would_do(jobs, tmp_path):
     assert outcome(["--rerun", "train.py", "--epochs", "1", "--out", "final.pt"]) \
         .startswith(f"resume from the checkpoint of step {newest}")
     assert outcome(["--job-dir", str(train), "train.py", "--epochs", "2", "--out",
-                    "final.pt"]).startswith("refused (exit 2)")
+                    "final.pt"]).startswith("start at step 0: the job finished at step ")
+    assert outcome(["--job-dir", str(train), "--accept-changed-command", "train.py", "--epochs",
+                    "2", "--out", "final.pt"]).startswith(
+                        f"resume from the checkpoint of step {newest} (changed command")
     assert outcome(["--job-dir", "new", "train.py"]).startswith("new")
     assert not (jobs / "new").exists()
 

@@ -224,3 +224,20 @@ def test_check_usable_refuses_a_directory_of_another_user(tmp_path: Path) -> Non
     os.chown(d, 65534, 65534)
     with pytest.raises(BadInputError, match="belongs to uid 65534"):
         JobDir(d).check_usable()
+
+
+def test_set_aside_checkpoints_moves_them_whole_to_a_named_sibling(tmp_path) -> None:
+    """A finished job started over (issue 37, item 2): a rename, nothing deleted; a second
+    one in the same second gets a name of its own."""
+    from cfrun.contract.jobdir import PREVIOUS_CHECKPOINTS_PREFIX
+
+    jd = JobDir(tmp_path / "j")
+    jd.create()
+    (jd.checkpoints / "step-000005").mkdir()
+    (jd.checkpoints / "step-000005" / "manifest.json").write_text("{}")
+    first = jd.set_aside_checkpoints()
+    assert first.parent == jd.root and first.name.startswith(PREVIOUS_CHECKPOINTS_PREFIX)
+    assert (first / "step-000005" / "manifest.json").read_text() == "{}"
+    assert jd.checkpoints.is_dir() and not any(jd.checkpoints.iterdir())
+    second = jd.set_aside_checkpoints()
+    assert second != first and first.is_dir() and second.is_dir()

@@ -516,3 +516,42 @@ def test_an_oom_kill_is_reported_as_out_of_memory_with_the_step() -> None:
     actions = drive([sigkilled(17, oom_kills=1)] * 3, POLICY)
     assert actions[-1].kind is ActionKind.STOP and "out of memory at step 17" in (
         actions[-1].error or ""), actions[-1]
+
+
+NCCL_MISSING = before_first_step("RuntimeError", "Distributed package doesn't have NCCL built in")
+PYTHON_LINE = "cfrun --launcher python --job-dir j train.py --lr 0.1"
+
+
+@pytest.mark.parametrize("outcome", [
+    NCCL_MISSING,
+    before_first_step("ValueError", "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"),
+    before_first_step("RuntimeError", "init_process_group: backend nccl failed"),
+    before_first_step("KeyError", "RANK"),
+], ids=["nccl-missing", "no-gpu", "init-process-group", "rank"])
+def test_a_one_rank_script_that_went_distributed_under_torchrun_stops_at_once(outcome) -> None:
+    """Deterministic (issue 37, item 1): one attempt, and the --launcher python line."""
+    [stop] = drive([outcome], replace(POLICY, python_command=PYTHON_LINE))
+    assert stop.kind is ActionKind.STOP and stop.exit_code == EXIT_FATAL
+    assert stop.error is not None and "went distributed because torchrun" in stop.error
+    assert outcome.detail in stop.error and "--launcher python" in stop.error
+    assert stop.hint == f"run it as plain python under cfrun: {PYTHON_LINE}"
+    assert stop.events[0][0] == "failure"
+
+
+@pytest.mark.parametrize("policy, outcome", [
+    (replace(POLICY, launcher="python"), NCCL_MISSING),  # python set no RANK: its own error
+    (replace(POLICY, world_size=2), NCCL_MISSING),  # several ranks: distributed on purpose
+    (POLICY, replace(NCCL_MISSING, made_a_step=True)),  # it trained: not the start
+    (POLICY, before_first_step("ModuleNotFoundError", "No module named 'torhc'")),
+], ids=["launcher-python", "two-ranks", "after-a-step", "other-error"])
+def test_other_failures_keep_the_usual_rules(policy, outcome) -> None:
+    assert _kinds(drive([outcome], policy))[0] == "restarting"
+
+
+def test_the_default_line_goes_on_in_the_same_job_dir(tmp_path) -> None:
+    from cfrun.supervisor.machine import python_launch_command
+
+    cfg = RunConfig(script="/s/train.py", script_args=["--lr", "0.1"], job_dir="/jobs/my job",
+                    cwd=str(tmp_path))
+    assert Policy.from_config(cfg).python_command == python_launch_command(cfg) == \
+        "cfrun --launcher python --job-dir '/jobs/my job' /s/train.py --lr 0.1"
