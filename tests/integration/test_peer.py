@@ -240,14 +240,15 @@ def test_a_new_machine_resumes_from_peer_ram_with_nothing_but_the_token(tmp_path
     dir with only the token file. The job's seal key derives from the token and the job's
     name (the job dir's path, not its contents), so the resume installs the newest checkpoint
     from peer RAM, redoes at most interval + 1 iterations, and ends bit-identical to an
-    uninterrupted run. (Before: every checkpoint at the peer was refused as "not sealed by this
-    job", and the job started over.)"""
+    uninterrupted run; with the peer gone too, the same command resumes from level 2.
+    (Before: every checkpoint at the peer was refused as "not sealed by this job", and the job
+    started over.)"""
     _, ref_state = slow_reference(tmp_path_factory)  # the same 60 steps, uninterrupted
     token = write_token(tmp_path / "token")
     peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "4"])
     argv = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--peer",
-            peer.address, "--peer-token-file", str(token), "--launcher", "python", SLOW, "60",
-            "out.pt", "0.1"]
+            peer.address, "--peer-token-file", str(token), "--persist-to", str(tmp_path / "l2"),
+            "--launcher", "python", SLOW, "60", "out.pt", "0.1"]
     job = tmp_path / "j"
     with open(tmp_path / "first.out", "w") as out:
         proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out,
@@ -274,6 +275,18 @@ def test_a_new_machine_resumes_from_peer_ram_with_nothing_but_the_token(tmp_path
     again = [int(l.split()[1]) for l in run.stdout.splitlines() if re.fullmatch(r"step \d+", l)]
     assert again[0] == step + 1 and again[-1] == 60
     assert not (job / "job.key").exists()  # nothing the user must carry but the token
+    assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
+    # the peer gone too (it flushed what it held): the same command on a fresh job dir finds
+    # the job's checkpoints at level 2, sealed under the token's key
+    peer.stop()
+    shutil.rmtree(job)
+    (tmp_path / "out.pt").unlink()
+    third = run_cfrun(argv[3:], cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    fetched = third.events("fetched")
+    assert fetched and {e["source"] for e in fetched} == {"level2"}, third.stderr[-3000:]
+    assert not third.events("fetch_failed"), third.events("fetch_failed")
+    assert [e["step"] for e in third.events("resumed")] == [fetched[-1]["step"]]
     assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
