@@ -20,7 +20,6 @@ from cfrun.agent.server import PersistAgent
 from cfrun.contract import settings as E
 from cfrun.contract import slots
 from cfrun.contract.jobdir import JobDir
-from cfrun.contract.jobkey import ensure_job_key
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -48,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peer-token-file", default=None)
     p.add_argument("--peer-streams", type=int, default=4)
     p.add_argument("--peer-job", default=None)
+    p.add_argument("--per-job-key", action="store_true",
+                   help="seal under the job dir's job.key (--job-key-file), not the peer token")
     p.add_argument("--persist-to", default=os.environ.get(E.PERSIST_TO),
                    help=f"level-2 directory or URL to resume from (default: ${E.PERSIST_TO}; "
                         "the supervisor passes it there: a URL may hold a password)")
@@ -67,13 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     job = args.peer_job or jd.root.name
     peer = None
     if args.peer:
+        from cfrun.agent.peerpath import job_seal_keys
         from cfrun.agent.peertier import PeerTier
         from cfrun.peer.protocol import parse_address, read_token
 
-        peer = PeerTier(parse_address(args.peer, option="--peer"),
-                        read_token(args.peer_token_file, option="--peer-token-file"), job,
+        token = read_token(args.peer_token_file, option="--peer-token-file")
+        peer = PeerTier(parse_address(args.peer, option="--peer"), token, job,
                         streams=args.peer_streams, emit=jd.emit_event,
-                        job_key=ensure_job_key(jd.root))
+                        seal_keys=job_seal_keys(jd.root, job, token=token,
+                                                per_job_key=args.per_job_key))
     level2 = None
     if args.persist_to:
         from cfrun.storage.tiers import open_storage

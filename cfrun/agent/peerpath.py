@@ -33,16 +33,33 @@ from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.jobdir import JobDir
-from cfrun.contract.jobkey import ensure_job_key
+from cfrun.contract.jobkey import ensure_job_key, existing_job_key
 from cfrun.contract.manifest import dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
-from cfrun.peer.protocol import job_seal_key
+from cfrun.peer.protocol import SealKeys
 
 if TYPE_CHECKING:
     from cfrun.agent.peertier import PeerTier
     from cfrun.storage.tiers import Storage
 
 logger = logging.getLogger("cfrun.agent")
+
+
+def job_seal_keys(job_dir: Path, job: str, *, token: bytes | None,
+                  per_job_key: bool = False) -> SealKeys:
+    """The keys of the job's own seals (issue 32): under the job dir's ``job.key`` alone when
+    the job has a key of its own (``per_job_key``: ``--job-key-file``, which the supervisor
+    copied there); else under the peer token (``token``, with ``--peer``: a new machine with the
+    same token and command derives the same key), also installing seals of the job dir's
+    ``job.key`` where an older cfrun left one; else (no peer: level 2 alone) under the job
+    dir's ``job.key``.
+
+    Raises:
+        BadInputError: the job dir's ``job.key`` is unusable.
+    """
+    if per_job_key or token is None:
+        return SealKeys.of_job_key(ensure_job_key(job_dir), job)
+    return SealKeys.of_token(token, job, existing_job_key(job_dir))
 
 
 class ForeignCheckpoint(Exception):
@@ -76,7 +93,8 @@ class PeerPath:
                  level2: Storage | None,
                  reply: Callable[[socket.socket, Persisted | PersistFailed], None],
                  persist_local: Callable[[socket.socket, PersistRequest], None],
-                 committed: Callable[[int], None]) -> None:
+                 committed: Callable[[int], None],
+                 seal_keys: SealKeys | None = None) -> None:
         self.jobdir = jobdir
         self.job = job
         self.keep = keep
@@ -93,9 +111,12 @@ class PeerPath:
         """The job's identity (``identity.json``): its id and command go into every manifest;
         only checkpoints that carry them are installed. None: ``cfrun profile``."""
         self.job_meta: dict[str, str] = self.identity.meta() if self.identity else {}
-        self.seal_key = job_seal_key(ensure_job_key(jobdir.root), job) \
-            if peer is not None or level2 is not None else b""
-        """The key of this job's own seals (:mod:`cfrun.contract.jobkey`): a checkpoint from the
+        if seal_keys is None and peer is not None:
+            seal_keys = peer.seal_keys
+        if seal_keys is None and level2 is not None:
+            seal_keys = job_seal_keys(jobdir.root, job, token=None)
+        self.seal_keys = seal_keys
+        """The keys of this job's own seals (:func:`job_seal_keys`): a checkpoint from the
         peer or level 2 is installed only with them."""
 
     def takes(self, step: int) -> bool:
@@ -241,8 +262,9 @@ class PeerPath:
                     manifest = store.read_manifest(self.job, step)
                     if (why := self._refusal(manifest)) is not None:
                         raise ForeignCheckpoint(why)
+                    assert self.seal_keys is not None
                     files = fetch_verified(
-                        staging, manifest, step, job=self.job, seal_key=self.seal_key,
+                        staging, manifest, step, job=self.job, seal_key=self.seal_keys,
                         read=lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},

@@ -14,14 +14,15 @@ tries the peer again, so a restarted peer is used again without any action.
 
 Every seal carries two tags over the rank's files: the token's
 (:func:`cfrun.peer.protocol.seal_tag`, which the peer checks: only token holders seal), and the
-job's own (:func:`cfrun.peer.protocol.job_seal_tag`, under the job's secret,
-:mod:`cfrun.contract.jobkey`, over the files' SHA-256), which the peer keeps in the manifest it
-serves and flushes but cannot make. For a resume, :meth:`PeerTier.fetch` copies one complete
+job's own (:func:`cfrun.peer.protocol.job_seal_tag`, over the files' SHA-256, under the job's
+seal key: by default derived from the peer token and the job's name, with ``--job-key-file``
+from that per-job key, :mod:`cfrun.contract.jobkey`), which the peer keeps in the manifest it
+serves and flushes. For a resume, :meth:`PeerTier.fetch` copies one complete
 checkpoint from peer RAM into a staging directory, each file with exactly the size the manifest
 gives, then checks the job's seals over the SHA-256 of what it fetched
-(:func:`verify_fetched`, also applied to a checkpoint read from level 2). A relay, the peer's
-RAM, the level-2 store or another job holding the same peer token can thus neither forge nor
-alter a checkpoint that this job installs.
+(:func:`fetch_verified`, also applied to a checkpoint read from level 2). A relay or a writer
+of the level-2 store can thus neither forge nor alter a checkpoint that this job installs; with
+a per-job key, neither can the peer nor another job holding the same peer token.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from cfrun.peer.protocol import (
     MAX_MANIFEST_BYTES,
     PeerClient,
     PeerError,
-    job_seal_key,
+    SealKeys,
     job_seal_tag,
     loads_json,
     manifest_key,
@@ -91,12 +92,18 @@ class PeerTier:
     """
 
     def __init__(self, address: tuple[str, int], token: bytes, job: str, *, streams: int,
-                 emit: Callable[..., None], job_key: bytes) -> None:
+                 emit: Callable[..., None], job_key: bytes | None = None,
+                 seal_keys: SealKeys | None = None) -> None:
         self.address = address
         self.token = token
         self.job = job
         self.manifest_key = manifest_key(token, job)
-        self.job_seal_key = job_seal_key(job_key, job)
+        if seal_keys is None:
+            seal_keys = SealKeys.of_job_key(job_key, job) if job_key is not None \
+                else SealKeys.of_token(token, job)
+        self.seal_keys = seal_keys
+        """The job's own seal keys (:func:`cfrun.agent.peerpath.job_seal_keys`; given
+        ``job_key`` alone: that per-job key; neither: the token's)."""
         self.streams = max(1, min(64, streams))
         self.emit = emit
         self.lock = threading.Lock()
@@ -212,7 +219,7 @@ class PeerTier:
                   "xxh3_64": xxhash.xxh3_64_hexdigest(doc)}]
         tag = seal_tag(self.manifest_key, step=step, world_size=world_size, rank=rank,
                        files=files, meta=meta)
-        job_tag = job_seal_tag(self.job_seal_key, step=step, world_size=world_size, rank=rank,
+        job_tag = job_seal_tag(self.seal_keys.seal, step=step, world_size=world_size, rank=rank,
                                files=[{**files[0], "sha256": sha256},
                                       {**files[1], "sha256": hashlib.sha256(doc).hexdigest()}],
                                meta=meta)
@@ -285,13 +292,14 @@ class PeerTier:
             manifest = loads_json(raw)
         except PeerError as e:
             raise CheckpointCorruptError(f"manifest of step {step} from the peer: {e}") from None
-        return fetch_verified(staging, manifest, step, job=self.job, seal_key=self.job_seal_key,
+        return fetch_verified(staging, manifest, step, job=self.job, seal_key=self.seal_keys,
                               read=lambda name, nbytes: self._call(
                                   lambda c: c.get(self.job, step, name, nbytes, exact=True))
                               ), manifest
 
 
-def fetch_verified(staging: Path, manifest: Any, step: int, *, job: str, seal_key: bytes,
+def fetch_verified(staging: Path, manifest: Any, step: int, *, job: str,
+                   seal_key: bytes | SealKeys,
                    read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
     """Write every file ``manifest`` (JSON, from the peer or level 2) lists into ``staging``,
     each read with ``read(name, nbytes)`` at the size the manifest gives and checked against

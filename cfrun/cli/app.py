@@ -341,9 +341,10 @@ def run_cmd(
              "searches: give the peer's --flush-to.")] = None,
     job_key_file: Annotated[str | None, typer.Option(
         "--job-key-file", metavar="PATH", envvar=E.JOB_KEY_FILE,
-        help="The job's key (the job.key of its first job dir) for a job dir made anew, e.g. "
-             "on a new machine: checkpoints from the peer or level 2 are installed only with "
-             "the seals of the job's key.")] = None,
+        help="A key of the job's own (64 hex digits, mode 600): its checkpoints at the peer "
+             "and level 2 are sealed under it instead of the peer token, and only its seals "
+             "are installed; give it on every machine. Default: a key derived from the peer "
+             "token and the job's name (a new machine needs only the token).")] = None,
     nnodes: Annotated[str, typer.Option(
         "--nnodes", metavar="INTEGER", envvar=E.NNODES,
         help="Nodes in the job; run one cfrun per node with the same --job-dir on a shared "

@@ -202,8 +202,9 @@ class RunConfig:
     persist_to: str | None = None
     """Level-2 store (directory or fsspec URL) that a resume also searches."""
     job_key_file: str | None = None
-    """``--job-key-file``: the job's key for a job dir made anew (:mod:`cfrun.contract.jobkey`),
-    absolute; None: the job dir's own ``job.key`` (made with the job)."""
+    """``--job-key-file``: a key of the job's own (:mod:`cfrun.contract.jobkey`), absolute; its
+    seals are then under it, not the peer token's. None: with a peer, the token's key; without,
+    the job dir's own ``job.key`` (made with the job)."""
     nnodes: int = 1
     """Nodes in the job (torchrun ``--nnodes``); each runs its own cfrun, supervisor and agent."""
     node_rank: int = 0

@@ -1,20 +1,24 @@
-"""The job's own secret: the key that authenticates its checkpoints outside the job dir.
+"""The job's own secret when it has a key of its own: ``--job-key-file`` or ``job.key``.
 
 A checkpoint that comes back from outside the job dir (the peer's RAM, a level-2 store written
 by the peer's flush) is installed only when every rank's part carries this job's seal: an
-HMAC-SHA256 under a key derived from ``<job_dir>/job.key`` over the rank's files, their sizes
-and SHA-256 digests and the checkpoint's meta (:mod:`cfrun.peer.protocol`, ``job_seal_tag``).
-Neither the store nor the peer holds the key, so neither a writer of the bucket or NFS
-directory nor another holder of the peer token (another job on the same peer) can make a
-checkpoint this job installs (issue 24, items 2 and 4). The peer token still proves to the
-peer that an agent may use it; it proves nothing to the agent.
+HMAC-SHA256 over the rank's files, their sizes and SHA-256 digests and the checkpoint's meta
+(:mod:`cfrun.peer.protocol`, ``job_seal_tag``) under the job's seal key, which a writer of the
+level-2 store (the bucket, the NFS directory) does not hold (issue 24, item 2).
 
-The key is made with the job (32 random bytes as 64 hex digits, 0600, created exclusively and
-never through a link) and lives in the job dir, so a restart on the same job dir, another node
-sharing it, or a pod whose job dir is on a volume find it. A job that moves to a machine
-without its job dir (a spot VM gone with its disk) needs it given: ``--job-key-file F``
-(``CFRUN_JOB_KEY_FILE``), e.g. the job dir's ``job.key`` copied beside the peer token, or a
-Kubernetes Secret. Without it the moved job refuses the foreign seals and says so. Torch-free.
+By default, with ``--peer``, the seal key derives from the peer token and the job's name
+(:func:`cfrun.peer.protocol.token_seal_key`): a new machine holding the same token file and
+running the same command resumes from the peer or level 2 with nothing else (issue 32). Every
+holder of that token (the peer, another job given it) can then seal for the job too.
+
+With ``--job-key-file F`` (``CFRUN_JOB_KEY_FILE``) the seal key derives from that per-job key
+instead (:func:`cfrun.peer.protocol.job_seal_key`), and token-derived seals are refused: not
+even the peer or another holder of the token can make a checkpoint the job installs (issue 24,
+item 4). The key is then copied into the job dir (``job.key``, 0600, created exclusively and
+never through a link) and must be given again on a machine without the job dir, beside the
+peer token or as a Kubernetes Secret. A job with a level-2 store and no peer (``--persist-to``
+alone) seals nothing and checks seals under ``job.key``, made with the job. A ``job.key`` left
+in the job dir by an older cfrun keeps its checkpoints installable where it is. Torch-free.
 """
 
 from __future__ import annotations
@@ -93,3 +97,17 @@ def ensure_job_key(job_dir: Path | str, given: Path | str | None = None) -> byte
                             "dir holds another job's key; give that job's key, or a new "
                             "--job-dir")
     return key
+
+
+def existing_job_key(job_dir: Path | str) -> bytes | None:
+    """The key in ``<job_dir>/job.key`` if the job dir holds one (an older cfrun made it with
+    the job, or ``--job-key-file`` put it there), else None; never made here.
+
+    Raises:
+        BadInputError: it exists but is unusable (a link, someone else's, readable by others,
+            not a key); one line naming it and the fix.
+    """
+    path = Path(job_dir) / JOB_KEY_FILE
+    if not os.path.lexists(path):
+        return None
+    return read_key_file(path, option="the job key")

@@ -153,8 +153,8 @@ PEER_STREAMS = _declare("CFRUN_PEER_STREAMS", "int", "4",
 PERSIST_TO = _declare("CFRUN_PERSIST_TO", "url", None,
                       "level 2 (directory or fsspec URL) that a resume also searches")
 JOB_KEY_FILE = _declare("CFRUN_JOB_KEY_FILE", "path", None,
-                        "the job's key (its job dir's job.key) for a job dir made anew: "
-                        "checkpoints from the peer or level 2 are installed only with its seals")
+                        "a key of the job's own: checkpoints at the peer and level 2 are "
+                        "sealed under it, not under the peer token, and only its seals count")
 
 # ----------------------------------------------------------------- options of `cfrun peer`
 

@@ -432,10 +432,16 @@ class RamBuffer:
             ck.pins -= 1
             self.cond.notify_all()
 
-    def flush_failed(self, ck: Checkpoint, error: str) -> None:
-        """The flush of ``ck`` failed: PROTECTED again (retried first), unpinned."""
+    def flush_failed(self, ck: Checkpoint, error: str) -> bool:
+        """The flush of ``ck`` failed: PROTECTED again, unpinned. Its job's queued checkpoints
+        (``ck`` first, in their order) go behind every other job's, so one job whose flush
+        fails (a link planted at its level-2 directory, a full quota) does not hold back the
+        others. Returns True when another job's checkpoint is now first in the queue."""
         with self.cond:
             ck.state = SlotState.PROTECTED
             ck.flush_error = error
             ck.pins -= 1
+            others = [c for c in self.flush_queue if c.job != ck.job]
+            self.flush_queue[:] = others + [c for c in self.flush_queue if c.job == ck.job]
             self.cond.notify_all()
+            return bool(others)

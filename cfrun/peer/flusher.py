@@ -4,7 +4,8 @@ ACUTE (§V): the flush thread writes each complete checkpoint of the circular bu
 storage, oldest first, then clears the slot's dirty bit. Here the bytes are written exactly as
 received (Check-Pack, §IV-C: the ranks' parts, in order, as the job dir's own files, manifest
 last; :mod:`cfrun.storage.tiers`), each file's checksum checked against the sender's first.
-A failed flush leaves the checkpoint protected in RAM and is retried.
+A failed flush leaves the checkpoint protected in RAM and is retried after the other jobs'
+checkpoints (one job's failing level 2 does not hold back the others).
 
 Level-2 safety: retention (:func:`cfrun.storage.tiers.apply_retention`) runs after each flush and
 never deletes the step just flushed, any step above it, nor a step of another job (by the job id
@@ -20,6 +21,7 @@ import time
 
 import xxhash
 
+from cfrun.contract.errors import CfrunError
 from cfrun.peer.buffer import Checkpoint, RamBuffer
 from cfrun.storage.tiers import Storage, apply_retention, checkpoint_job_id, same_job_steps
 
@@ -46,6 +48,8 @@ class Flusher:
         self.storage = storage
         self.keep = keep
         self.stopping = stopping
+        self.failing: dict[str, str] = {}
+        """job -> why its last flush failed (said once per outage)."""
         self.thread = threading.Thread(target=self.run, name="cfrun-peer-flush", daemon=True)
 
     def start(self) -> None:
@@ -57,7 +61,10 @@ class Flusher:
         self.thread.join()
 
     def run(self) -> None:
-        """FIFO: write each protected checkpoint to level 2, retry a failed one."""
+        """FIFO: write each protected checkpoint to level 2; a failed one is retried after
+        the other jobs' checkpoints (its job's later ones wait behind it), every
+        :data:`RETRY_AFTER_S` at most when nothing else waits. One line per job per outage
+        (and per new reason), one when it flushes again."""
         while True:
             ck = self.buffer.next_to_flush()
             if ck is None:
@@ -65,12 +72,19 @@ class Flusher:
             try:
                 self.flush(ck)
             except Exception as e:
-                logger.warning("flush of %s step %d failed (%r); retrying", ck.job, ck.step, e)
-                self.buffer.flush_failed(ck, repr(e))
-                if self.stopping.wait(RETRY_AFTER_S):
+                why = str(e) if isinstance(e, (CfrunError, OSError, RuntimeError)) and str(e) \
+                    else repr(e)
+                if self.failing.get(ck.job) != why:
+                    logger.warning("flush of %s step %d failed: %s; retrying (other jobs' "
+                                   "checkpoints go first)", ck.job, ck.step, why)
+                    self.failing[ck.job] = why
+                if not self.buffer.flush_failed(ck, why) and self.stopping.wait(RETRY_AFTER_S):
                     return
             else:
                 self.buffer.flushed(ck)
+                if self.failing.pop(ck.job, None) is not None:
+                    logger.warning("flush of %s works again (step %d durable)", ck.job,
+                                   ck.step)
 
     def flush(self, ck: Checkpoint) -> None:
         """Write ``ck`` to level 2 (parts as received, manifest last), then apply retention.

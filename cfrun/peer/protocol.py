@@ -75,6 +75,7 @@ import stat
 import struct
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -278,15 +279,63 @@ def seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
 
 
 def job_seal_key(job_key: bytes, job: str) -> bytes:
-    """The key of a job's own seals (HKDF of the job's secret, :mod:`cfrun.contract.jobkey`,
-    and its name): neither the peer nor a level-2 store holds it."""
+    """The key of a job's own seals under a per-job key (``--job-key-file``: HKDF of the job's
+    secret, :mod:`cfrun.contract.jobkey`, and its name): neither the peer nor a level-2 store
+    nor another holder of the peer token holds it."""
     return hkdf_sha256(job_key, salt=b"", info=b"cfrun-job-seal/1 " + job.encode(),
                        length=KEY_BYTES)
 
 
+def token_seal_key(token: bytes, job: str) -> bytes:
+    """The key of a job's own seals under the peer token (the default with ``--peer``: HKDF of
+    the token and the job's name, ``cfrun-job-seal/2 <job>``). The job's name follows from
+    ``--job-name`` or the job dir's path (:func:`cfrun.contract.config.default_job_name`),
+    never from the job dir's contents, so a new machine holding the same token file and
+    running the same command derives the same key: nothing else has to survive the node.
+    Every holder of the token (the peer, another job given the same token) can derive it too:
+    the token is the tenant's secret (issue 32)."""
+    return hkdf_sha256(token, salt=b"", info=b"cfrun-job-seal/2 " + job.encode(),
+                       length=KEY_BYTES)
+
+
+JOB_KEY_HINT = ("a job moved to a new job dir needs its key: --job-key-file with the old job "
+                "dir's job.key")
+TOKEN_HINT = ("sealed under another peer token or a per-job key: give the job's own "
+              "--peer-token-file, or --job-key-file with the job.key of the job dir that sealed "
+              "it")
+
+
+@dataclass(frozen=True)
+class SealKeys:
+    """The keys of a job's own seals: ``seal`` seals its checkpoints; a checkpoint from the
+    peer or level 2 is installed only when each rank's seal matches one of ``accept`` (the
+    seal key first). ``hint`` ends a refusal: what would make the checkpoint installable."""
+
+    seal: bytes
+    accept: tuple[bytes, ...]
+    hint: str = JOB_KEY_HINT
+
+    @classmethod
+    def of_job_key(cls, job_key: bytes, job: str) -> SealKeys:
+        """Sealed and checked under the per-job key only (``--job-key-file``, or a job dir's
+        ``job.key`` without a peer token)."""
+        key = job_seal_key(job_key, job)
+        return cls(key, (key,), JOB_KEY_HINT)
+
+    @classmethod
+    def of_token(cls, token: bytes, job: str, old_job_key: bytes | None = None) -> SealKeys:
+        """Sealed under the peer token (:func:`token_seal_key`); checkpoints sealed by an older
+        cfrun under the job dir's ``job.key`` (``old_job_key``) are still installed where that
+        key is."""
+        key = token_seal_key(token, job)
+        old = (job_seal_key(old_job_key, job),) if old_job_key is not None else ()
+        return cls(key, (key, *old), TOKEN_HINT)
+
+
 def job_seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
                  files: list[dict[str, Any]], meta: dict[str, Any] | None) -> str:
-    """Hex HMAC-SHA256 of one rank's part of a checkpoint under :func:`job_seal_key`.
+    """Hex HMAC-SHA256 of one rank's part of a checkpoint under its job's seal key
+    (:func:`token_seal_key` or :func:`job_seal_key`).
 
     ``files``: ``[{name, nbytes, sha256}]``, SHA-256 of each file's bytes (xxh3, the manifest's
     checksum against bit rot, is no defence against a writer who chooses the bytes). ``meta``
@@ -302,22 +351,25 @@ def job_seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
     return hmac.new(key, data, hashlib.sha256).hexdigest()
 
 
-def verify_job_seals(key: bytes, manifest: Any, step: int, *, job: str,
+def verify_job_seals(key: bytes | SealKeys, manifest: Any, step: int, *, job: str,
                      sha256: dict[str, str]) -> None:
-    """Check that every rank's files in ``manifest`` carry this job's seal (``job_tag``), over
-    the SHA-256 digests ``sha256`` (file name -> hex) of the bytes actually fetched. The agent
-    calls it on a checkpoint from the peer or level 2 after writing its files to staging and
-    before committing them; the files' sizes were bounded by the manifest meanwhile.
+    """Check that every rank's files in ``manifest`` carry this job's seal (``job_tag``) under
+    one of its keys (``key``: one key, or :class:`SealKeys`), over the SHA-256 digests
+    ``sha256`` (file name -> hex) of the bytes actually fetched. The agent calls it on a
+    checkpoint from the peer or level 2 after writing its files to staging and before
+    committing them; the files' sizes were bounded by the manifest meanwhile.
 
     Raises:
         CheckpointCorruptError: a rank without a job seal, or a seal that does not match
-            (written under another job key: another job, a forger, a moved job without
-            ``--job-key-file``; or bytes changed since they were sealed). One line.
+            (written under another key: another tenant's token, another job's key, a forger, a
+            moved job without its ``--job-key-file``; or bytes changed since they were
+            sealed). One line.
     """
+    keys = key if isinstance(key, SealKeys) else SealKeys(key, (key,))
+
     def refuse(why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(
-            f"{job} step {step} is not sealed by this job ({why}); not installed. A job moved "
-            "to a new job dir needs its key: --job-key-file with the old job dir's job.key")
+            f"{job} step {step} is not sealed by this job ({why}); not installed: {keys.hint}")
 
     if not isinstance(manifest, dict) or manifest.get("step") != step:
         raise refuse("not a manifest of this step")
@@ -339,9 +391,9 @@ def verify_job_seals(key: bytes, manifest: Any, step: int, *, job: str,
         tag = tags.get(rank)
         if not isinstance(tag, str):
             raise refuse(f"rank {rank} has no job seal")
-        want = job_seal_tag(key, step=step, world_size=world_size, rank=rank,
-                            files=by_rank[rank], meta=manifest.get("meta"))
-        if not hmac.compare_digest(tag, want):
+        if not any(hmac.compare_digest(tag, job_seal_tag(
+                k, step=step, world_size=world_size, rank=rank, files=by_rank[rank],
+                meta=manifest.get("meta"))) for k in keys.accept):
             raise refuse(f"rank {rank}'s job seal does not match")
 
 

@@ -30,9 +30,11 @@ file written, not per chunk.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-import shutil
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -40,9 +42,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cfrun.contract import faults, settings
-from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.errors import BadInputError, CfrunError, CheckpointCorruptError
-from cfrun.contract.fsio import UnsafeFileError, fsync_dir, read_regular, write_atomic
+from cfrun.contract.fsio import UnsafeFileError, new_file_flags, read_regular, write_all
 from cfrun.contract.jobdir import STAGING_PREFIX, parse_step_dir_name, step_dir_name
 from cfrun.contract.manifest import MANIFEST, MAX_MANIFEST_BYTES, SHARD_FILE_RE, Manifest
 
@@ -147,38 +148,185 @@ def _manifest_bytes(manifest: Manifest | dict[str, Any]) -> bytes:
 
 # ---------------------------------------------------------------------- plain directory
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class LinkRefusedError(UnsafeFileError):
+    """A path below a level-2 directory is a symbolic link (or not a directory where one must
+    be): cfrun never writes, reads or deletes through it (issue 32, item 1). One line naming
+    the path and the fix."""
+
+    def __init__(self, path: Path | str, what: str = "a symbolic link") -> None:
+        super().__init__(f"level 2: {path} is {what}; cfrun never writes, reads or deletes "
+                         "through it: remove it (whoever could plant it can write the flush "
+                         "dir)")
+
+
+def _open_dir_at(parent_fd: int, name: str, where: Path, *, create: bool = False) -> int:
+    """Open directory ``name`` in the open directory ``parent_fd`` without following a link
+    (``O_NOFOLLOW | O_DIRECTORY``, relative to the fd: no component swapped in between);
+    with ``create`` make it first (0700). ``where`` is its path, for messages.
+
+    Raises:
+        LinkRefusedError: a symbolic link, or not a directory.
+        FileNotFoundError: missing (and not ``create``).
+    """
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "a symbolic link" if _is_link_at(parent_fd, name) else "not a directory"
+            raise LinkRefusedError(where, kind) from None
+        raise
+
+
+def _is_link_at(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _kind_at(dir_fd: int, name: str) -> int | None:
+    """``st_mode`` of ``name`` in ``dir_fd`` (a link itself, never its target); None: gone."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def _rmtree_at(parent_fd: int, name: str) -> None:
+    """Remove ``name`` in ``parent_fd`` and all below it, never following a link: a link met
+    on the way is removed itself (its target is untouched). Missing entries are skipped."""
+    mode = _kind_at(parent_fd, name)
+    if mode is None:
+        return
+    if not stat.S_ISDIR(mode):
+        try:
+            os.unlink(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # swapped for a link meanwhile
+            os.unlink(name, dir_fd=parent_fd)
+            return
+        if e.errno == errno.ENOENT:
+            return
+        raise
+    try:
+        for child in os.listdir(fd):
+            _rmtree_at(fd, child)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _write_at(dir_fd: int, name: str, parts: Iterable[bytes | bytearray | memoryview]
+              ) -> int:
+    """Durably write file ``name`` in the open directory ``dir_fd``: a new temporary file
+    (``O_EXCL | O_NOFOLLOW``) fsynced and renamed over ``name``, all relative to the fd.
+    Returns the bytes written."""
+    tmp = f".{name}.tmp-{secrets.token_hex(6)}"
+    fd = os.open(tmp, new_file_flags(), 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            th = throttle()
+            n, _ = write_all(fd, parts, before_chunk=None if th is None else th.take)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    return n
+
 
 class _DirWriter:
-    def __init__(self, final: Path) -> None:
-        self.final = final
-        self.staging = final.parent / f"{STAGING_PREFIX}{final.name}"
-        shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(mode=0o700, parents=True)
+    """One step's flush into ``<job>/.staging-step-N`` (through the job directory's fd),
+    renamed to ``<job>/step-N`` at :meth:`commit`."""
+
+    def __init__(self, job_fd: int, job_path: Path, step: int) -> None:
+        self.job_fd = job_fd
+        self.job_path = job_path
+        self.name = step_dir_name(step)
+        self.staging = f"{STAGING_PREFIX}{self.name}"
+        self.staging_fd: int | None = None
+        try:
+            _rmtree_at(job_fd, self.staging)
+            os.mkdir(self.staging, 0o700, dir_fd=job_fd)
+            self.staging_fd = _open_dir_at(job_fd, self.staging, job_path / self.staging)
+        except BaseException:
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        if self.staging_fd is not None:
+            os.close(self.staging_fd)
+            self.staging_fd = None
+        if self.job_fd >= 0:
+            os.close(self.job_fd)
+            self.job_fd = -1
 
     def write_file(self, name: str, parts: Iterable[bytes | bytearray | memoryview]) -> int:
         if not FILE_RE.match(name):
             raise ValueError(f"bad checkpoint file name {name!r}")
-        th = throttle()
-        n, _ = write_atomic(self.staging / name, parts, sync_dir=False,
-                            before_chunk=None if th is None else th.take)
-        return n
+        assert self.staging_fd is not None
+        return _write_at(self.staging_fd, name, parts)
 
     def commit(self, manifest: Manifest | dict[str, Any]) -> None:
         data = _manifest_bytes(manifest)
-        fsync_dir(self.staging)
-        write_atomic(self.staging / MANIFEST, [data])
-        if self.final.exists():  # the same step flushed before (a restarted peer): replace it
-            (self.final / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(self.final, ignore_errors=True)
-        os.rename(self.staging, self.final)
-        fsync_dir(self.final.parent)
+        assert self.staging_fd is not None
+        os.fsync(self.staging_fd)
+        _write_at(self.staging_fd, MANIFEST, [data])
+        os.fsync(self.staging_fd)
+        mode = _kind_at(self.job_fd, self.name)
+        if mode is not None:  # the same step flushed before (a restarted peer): replace it
+            if not stat.S_ISDIR(mode):
+                raise LinkRefusedError(self.job_path / self.name,
+                                       "a symbolic link" if stat.S_ISLNK(mode)
+                                       else "not a directory")
+            old = _open_dir_at(self.job_fd, self.name, self.job_path / self.name)
+            try:
+                os.unlink(MANIFEST, dir_fd=old)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(old)
+            _rmtree_at(self.job_fd, self.name)
+        os.rename(self.staging, self.name, src_dir_fd=self.job_fd, dst_dir_fd=self.job_fd)
+        os.fsync(self.job_fd)
+        self._close()
 
     def abort(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+        if self.job_fd >= 0:
+            _rmtree_at(self.job_fd, self.staging)
+        self._close()
 
 
 class DirStorage:
-    """Level 2 in a local or mounted directory, with fsync and atomic rename."""
+    """Level 2 in a local or mounted directory, with fsync and atomic rename.
+
+    The root (``--flush-to``, the operator's choice) may be reached through links; below it
+    nothing is: every job and step directory is opened relative to its parent's fd with
+    ``O_NOFOLLOW | O_DIRECTORY``, files with ``O_NOFOLLOW``, so a link planted at
+    ``<root>/<job>`` or at a step directory fails that job's flush with one line naming it
+    (:class:`LinkRefusedError`); nothing is written, read or deleted through it, and a step
+    directory that is a link is no step (never listed, so never deleted by retention)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root.absolute()
@@ -187,21 +335,80 @@ class DirStorage:
     def _job(self, job: str) -> Path:
         return self.root / check_job_name(job)
 
+    def _open_root(self, *, create: bool = False) -> int:
+        if create:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _open_job(self, job: str, *, create: bool = False) -> int:
+        """The job's directory, opened without following a link.
+
+        Raises:
+            LinkRefusedError: ``<root>/<job>`` is a link or not a directory.
+            FileNotFoundError: it (or the root) is missing and not ``create``.
+        """
+        path = self._job(job)
+        root = self._open_root(create=create)
+        try:
+            return _open_dir_at(root, path.name, path, create=create)
+        finally:
+            os.close(root)
+
+    def _open_step(self, job: str, step: int) -> int:
+        job_fd = self._open_job(job)
+        try:
+            name = step_dir_name(step)
+            return _open_dir_at(job_fd, name, self._job(job) / name)
+        finally:
+            os.close(job_fd)
+
     def list_steps(self, job: str) -> list[int]:
-        """Steps of ``job`` with a manifest file, newest first (not verified)."""
-        return committed_steps(self._job(job))
+        """Steps of ``job`` with a manifest file, newest first (not verified); step
+        directories that are links are not steps.
+
+        Raises:
+            LinkRefusedError: ``<root>/<job>`` is a link.
+        """
+        try:
+            job_fd = self._open_job(job)
+        except FileNotFoundError:
+            return []
+        steps = []
+        try:
+            for name in os.listdir(job_fd):
+                step = parse_step_dir_name(name)
+                mode = _kind_at(job_fd, name) if step is not None else None
+                if step is None or mode is None or not stat.S_ISDIR(mode):
+                    continue
+                try:
+                    fd = os.open(name, _DIR_FLAGS, dir_fd=job_fd)
+                except OSError:
+                    continue
+                try:
+                    if _kind_at(fd, MANIFEST) is not None:
+                        steps.append(step)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(job_fd)
+        return sorted(steps, reverse=True)
 
     def read_manifest(self, job: str, step: int) -> dict[str, Any]:
         """Step ``step``'s manifest, parsed and checked (:meth:`Manifest.parse`), as JSON (the
         form ``cfrun peer``'s seals cover).
 
         Raises:
-            CheckpointCorruptError: missing, not a regular file, oversized or malformed.
+            CheckpointCorruptError: missing, not a regular file, reached through a link,
+                oversized or malformed.
             IncompatibleFormatError: another format version.
         """
         path = self._job(job) / step_dir_name(step) / MANIFEST
         try:
-            raw = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
+            fd = self._open_step(job, step)
+            try:
+                raw = read_regular(MANIFEST, max_bytes=MAX_MANIFEST_BYTES, dir_fd=fd)
+            finally:
+                os.close(fd)
         except (UnsafeFileError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
         return Manifest.parse(raw, str(path)).to_json()
@@ -211,38 +418,81 @@ class DirStorage:
 
         Raises:
             ValueError: ``name`` is not a checkpoint file's name.
-            CheckpointCorruptError: larger than ``max_bytes``, not a regular file, or unreadable.
+            CheckpointCorruptError: larger than ``max_bytes``, not a regular file, reached
+                through a link, or unreadable.
         """
         if not FILE_RE.match(name):
             raise ValueError(f"bad checkpoint file name {name!r}")
         path = self._job(job) / step_dir_name(step) / name
         try:
-            return bytes(read_regular(path, max_bytes=max_bytes))
+            fd = self._open_step(job, step)
+            try:
+                return bytes(read_regular(name, max_bytes=max_bytes, dir_fd=fd))
+            finally:
+                os.close(fd)
         except (UnsafeFileError, OSError) as e:
             raise CheckpointCorruptError(f"{path}: unreadable ({e})") from None
 
     def begin(self, job: str, step: int) -> _DirWriter:
-        d = self._job(job)
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return _DirWriter(d / step_dir_name(step))
+        """Start writing step ``step`` of ``job`` (its directory made if missing).
+
+        Raises:
+            LinkRefusedError: ``<root>/<job>`` or the staging directory is a link.
+        """
+        return _DirWriter(self._open_job(job, create=True), self._job(job), step)
 
     def delete(self, job: str, step: int) -> None:
-        d = self._job(job) / step_dir_name(step)
-        (d / MANIFEST).unlink(missing_ok=True)  # no longer counts, even if the rest stays
-        shutil.rmtree(d, ignore_errors=True)
+        """Delete step ``step`` of ``job``, manifest first; never through a link.
+
+        Raises:
+            LinkRefusedError: ``<root>/<job>`` or the step directory is a link.
+        """
+        try:
+            job_fd = self._open_job(job)
+        except FileNotFoundError:
+            return
+        try:
+            name = step_dir_name(step)
+            try:
+                fd = _open_dir_at(job_fd, name, self._job(job) / name)
+            except FileNotFoundError:
+                return
+            try:  # no longer counts, even if the rest stays
+                os.unlink(MANIFEST, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+            _rmtree_at(job_fd, name)
+        finally:
+            os.close(job_fd)
 
     def cleanup(self, job: str | None = None) -> int:
-        """Remove staging directories (flushes cut short). Call when no flush runs."""
+        """Remove staging directories (flushes cut short). Call when no flush runs. Job
+        directories that are links are skipped (``job`` given: refused)."""
         n = 0
-        jobs = [self._job(job)] if job else ([p for p in self.root.iterdir() if p.is_dir()]
-                                             if self.root.is_dir() else [])
-        for d in jobs:
-            if not d.is_dir():
-                continue
-            for p in d.iterdir():
-                if p.name.startswith(STAGING_PREFIX):
-                    shutil.rmtree(p, ignore_errors=True)
-                    n += 1
+        try:
+            root = self._open_root()
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        try:
+            names = [check_job_name(job)] if job else os.listdir(root)
+            for name in names:
+                try:
+                    job_fd = _open_dir_at(root, name, self.root / name)
+                except (FileNotFoundError, LinkRefusedError):
+                    if job:
+                        raise
+                    continue
+                try:
+                    for entry in os.listdir(job_fd):
+                        if entry.startswith(STAGING_PREFIX):
+                            _rmtree_at(job_fd, entry)
+                            n += 1
+                finally:
+                    os.close(job_fd)
+        finally:
+            os.close(root)
         return n
 
 

@@ -70,7 +70,7 @@ from cfrun.contract.jobdir import (
     atomic_write_json,
     step_dir_name,
 )
-from cfrun.contract.jobkey import ensure_job_key
+from cfrun.contract.jobkey import ensure_job_key, existing_job_key
 from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
 from cfrun.supervisor.launcher import (
     die_with_parent,
@@ -615,7 +615,10 @@ class Supervisor:
             FatalJobError: no agent came up.
             BadInputError: ``--job-key-file`` is not this job dir's key.
         """
-        ensure_job_key(self.jobdir.root, self.cfg.job_key_file)  # the agent reads it there
+        if self.cfg.job_key_file or not self.cfg.peer:  # the agent reads it there
+            ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
+        else:  # sealed under the peer token; an older cfrun's job.key still counts (issue 32)
+            existing_job_key(self.jobdir.root)
         if self.slot_dir is None:
             self.slot_dir = slots.create_dir(self.cfg.job_dir)
         for _ in range(3):
@@ -643,6 +646,8 @@ class Supervisor:
         if self.cfg.peer:
             argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
                      "--peer-streams", str(self.cfg.peer_streams)]
+            if self.cfg.job_key_file:
+                argv += ["--per-job-key"]  # ensured in the job dir's job.key
         if self.identity is not None:
             argv += ["--peer-job", self.identity.job_name]
         if self.cfg.persist_to:

@@ -223,8 +223,8 @@ def peer(tmp_path):
 @pytest.mark.slow
 def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
     """Job A in x/j and job B in y/j (another learning rate) on one peer: two names, two
-    level-2 prefixes, B never installs A's checkpoint; B on a fresh node (its job dir gone)
-    finds its own."""
+    level-2 prefixes, B never installs A's checkpoint; B on a fresh node (its job dir gone,
+    nothing but the token) finds its own."""
     p, token = peer
     script = _script(tmp_path)
     common = ["--interval", "5", "--peer", p.address, "--peer-token-file", str(token)]
@@ -246,18 +246,45 @@ def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
             manifest = json.loads((tmp_path / "l2" / ident["job_name"] / step_dir_name(step)
                                    / "manifest.json").read_text())
             assert manifest["meta"]["job_id"] == ident["job_id"]
-    # B's node is lost with its job dir: the same command, with B's key kept beside the token
-    # (--job-key-file), finds B's checkpoint, not A's; without the key nothing is installed
-    key = tmp_path / "b.key"
-    shutil.copy(tmp_path / "y" / "j" / "job.key", key)
+    # B's node is lost with its job dir: the same command with the same token (its seal key
+    # derives from the token and B's name, issue 32) finds B's checkpoint, not A's
     shutil.rmtree(tmp_path / "y")
-    again = run_cfrun(["--job-key-file", str(key), *b_argv], cwd=tmp_path)
+    again = run_cfrun(b_argv, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _identity(tmp_path / "y" / "j")["job_id"] == idb["job_id"]
     # B's final checkpoint (its script's end) and the newest one a resume can start from
     *final, fetched = _events(tmp_path / "y" / "j", "fetched")
     assert len(final) <= 1 and all(f["step"] > fetched["step"] for f in final), final
     assert [e["step"] for e in _events(tmp_path / "y" / "j", "resumed")] == [fetched["step"]]
+
+
+@pytest.mark.slow
+def test_a_job_with_a_key_of_its_own_installs_only_its_key_s_seals(tmp_path, peer):
+    """--job-key-file with a peer (issue 32): the job's checkpoints are sealed under that key,
+    not the token's. Its node lost, the same command with the token alone refuses each of them
+    (one fetch_failed line naming --job-key-file) and starts over; with the key file it resumes."""
+    p, token = peer
+    script = _script(tmp_path)
+    key = tmp_path / "job.secret"
+    key.write_text("5a" * 32 + "\n")
+    key.chmod(0o600)
+    argv = ["--interval", "5", "--peer", p.address, "--peer-token-file", str(token),
+            "--job-dir", "j", str(script), "--steps", "12"]
+    first = run_cfrun(["--job-key-file", str(key), *argv], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "j" / "job.key").read_text().strip() == "5a" * 32
+    shutil.rmtree(tmp_path / "j")
+    token_only = run_cfrun(argv, cwd=tmp_path)
+    assert token_only.returncode == 0, token_only.stderr[-3000:]
+    failed = _events(tmp_path / "j", "fetch_failed")
+    assert failed and all("not sealed by this job" in e["error"]
+                          and "--job-key-file" in e["error"] for e in failed), failed
+    assert not _events(tmp_path / "j", "fetched") and not _events(tmp_path / "j", "resumed")
+    shutil.rmtree(tmp_path / "j")
+    with_key = run_cfrun(["--job-key-file", str(key), *argv], cwd=tmp_path)
+    assert with_key.returncode == 0, with_key.stderr[-3000:]
+    assert _events(tmp_path / "j", "fetched") and _events(tmp_path / "j", "resumed")
+    assert not _events(tmp_path / "j", "fetch_failed")
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from conftest import (
     ddp_reference,
     final_line,
     run_cfrun,
+    slow_reference,
     tiny_reference,
 )
 
@@ -217,6 +218,76 @@ def test_resume_from_peer_ram_after_every_rank_was_killed_and_the_disk_lost(tmp_
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert [l for l in run.stdout.splitlines() if l.startswith("epoch 2")] == \
         [l for l in ref.stdout.splitlines() if l.startswith("epoch 2")]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a cfrun and every process under it (agent, launcher, ranks), as a lost VM."""
+    root = psutil.Process(proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(procs, timeout=10)
+
+
+def test_a_new_machine_resumes_from_peer_ram_with_nothing_but_the_token(tmp_path, peers,
+                                                                        tmp_path_factory):
+    """Issue 32: the node lost as a new VM loses it: every process of the job SIGKILLed, the
+    job dir removed whole (job.key included), then the same command line on a fresh empty job
+    dir with only the token file. The job's seal key derives from the token and the job's
+    name (the job dir's path, not its contents), so the resume installs the newest checkpoint
+    from peer RAM, redoes at most interval + 1 iterations, and ends bit-identical to an
+    uninterrupted run; with the peer gone too, the same command resumes from level 2.
+    (Before: every checkpoint at the peer was refused as "not sealed by this job", and the job
+    started over.)"""
+    _, ref_state = slow_reference(tmp_path_factory)  # the same 60 steps, uninterrupted
+    token = write_token(tmp_path / "token")
+    peer = peers(tmp_path, str(tmp_path / "l2"), token, extra=["--slots", "4"])
+    argv = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--peer",
+            peer.address, "--peer-token-file", str(token), "--persist-to", str(tmp_path / "l2"),
+            "--launcher", "python", SLOW, "60", "out.pt", "0.1"]
+    job = tmp_path / "j"
+    with open(tmp_path / "first.out", "w") as out:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out,
+                                stderr=subprocess.DEVNULL)
+        try:
+            protected = wait_event(job, "protected", lambda e: e["step"] >= 20, timeout_s=120,
+                                   proc=proc)["step"]
+        finally:
+            _kill_tree(proc)
+    done = [int(l.split()[1]) for l in (tmp_path / "first.out").read_text().splitlines()
+            if re.fullmatch(r"step \d+", l)]
+    assert done and max(done) >= protected and max(done) < 60
+    shutil.rmtree(job)  # the job dir whole, job.key with it: a new VM has none
+    assert not job.exists()
+    run = run_cfrun(argv[3:], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fetched = run.events("fetched")
+    assert fetched and fetched[0]["source"] == "peer", (fetched, run.stderr[-3000:])
+    step = fetched[0]["step"]
+    assert step >= protected
+    assert not run.events("fetch_failed"), run.events("fetch_failed")
+    assert [e["step"] for e in run.events("resumed")] == [step]
+    assert max(done) - step <= 5 + 1  # at most interval + 1 iterations redone
+    again = [int(l.split()[1]) for l in run.stdout.splitlines() if re.fullmatch(r"step \d+", l)]
+    assert again[0] == step + 1 and again[-1] == 60
+    assert not (job / "job.key").exists()  # nothing the user must carry but the token
+    assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
+    # the peer gone too (it flushed what it held): the same command on a fresh job dir finds
+    # the job's checkpoints at level 2, sealed under the token's key
+    peer.stop()
+    shutil.rmtree(job)
+    (tmp_path / "out.pt").unlink()
+    third = run_cfrun(argv[3:], cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    fetched = third.events("fetched")
+    assert fetched and {e["source"] for e in fetched} == {"level2"}, third.stderr[-3000:]
+    assert not third.events("fetch_failed"), third.events("fetch_failed")
+    assert [e["step"] for e in third.events("resumed")] == [fetched[-1]["step"]]
+    assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
 @pytest.mark.slow
