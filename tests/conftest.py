@@ -22,6 +22,14 @@ SCRIPTS = ROOT / "tests" / "scripts"
 EXAMPLES = ROOT / "examples"
 
 
+def manual_text() -> str:
+    """The manual as one text: README.md (the front page) and every page of the docs site
+    (``docs/**/*.md``, built by mkdocs.yml). Tests that check what the manual says read this,
+    so a fact may live on whichever page is its subject."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(page.read_text() for page in pages)
+
+
 @dataclass
 class Run:
     returncode: int

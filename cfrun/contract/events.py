@@ -114,7 +114,8 @@ EVENTS: dict[str, EventKind] = {
                  "baseline_iters", "iters", "checkpoints", "pgt_s", "k_in_flight",
                  "run_overhead", "old_interval"]),
 }
-"""Every event kind: name -> :class:`EventKind`. The README's list of events names them all."""
+"""Every event kind: name -> :class:`EventKind`. The list of events in docs/job-directory.md
+names them all."""
 
 
 def problems(kind: str, names: Iterable[str]) -> list[str]:

@@ -59,11 +59,13 @@ class Setting:
     """The text the variable defaults to when it is unset or empty (parsed like a set value);
     ``None``: no default, the accessors return ``None``."""
     meaning: str
-    """What the value means, with its unit; the README's settings table shows the user's ones."""
+    """What the value means, with its unit; the options table of docs/command-line.md shows the
+    user's ones."""
     set_by: str = "user"
     """One of :data:`SET_BY`."""
     unset: str = "none"
-    """What happens when the variable is unset and :attr:`default` is ``None`` (README wording)."""
+    """What happens when the variable is unset and :attr:`default` is ``None`` (the manual's
+    wording)."""
     choices: tuple[str, ...] = ()
     """The values allowed for a ``choice``."""
 

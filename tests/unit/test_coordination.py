@@ -1,7 +1,7 @@
 """The coordination files (contract.coordination) and the events table (contract.events).
 
 Real files in a temporary job dir; a malformed file must never be trusted, and every event kind
-cfrun writes must be declared (and listed in the README).
+cfrun writes must be declared (and listed in the manual: README.md and docs/).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import manual_text
 
 from cfrun.contract import coordination as co
 from cfrun.contract import events
@@ -128,13 +129,13 @@ def test_in_production_a_schema_problem_is_logged_and_the_event_kept(tmp_path, m
     assert json.loads(jd.events_path.read_text())["event"] == "no_such_event_in_production"
 
 
-def test_every_event_cfrun_writes_is_declared_and_in_the_readme():
+def test_every_event_cfrun_writes_is_declared_and_in_the_manual():
     written = set()
     for path in (ROOT / "cfrun").rglob("*.py"):
         written |= set(re.findall(r'emit_event\(\s*"([a-z_]+)"', path.read_text()))
     written |= set(re.findall(r'\(\s*"([a-z_]+)",\s*event\)',
                               (ROOT / "cfrun/supervisor/machine.py").read_text()))
     assert written - set(events.EVENTS) == set()
-    readme = (ROOT / "README.md").read_text()
-    missing = [k for k in events.EVENTS if f"`{k}`" not in readme]
+    manual = manual_text()  # README.md and every docs/ page (the list: docs/job-directory.md)
+    missing = [k for k in events.EVENTS if f"`{k}`" not in manual]
     assert missing == []
