@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -38,9 +39,10 @@ from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
 
 VERIFY_STOP_S = 120.0
 HEARTBEAT_EVERY_S = 0.1
-"""Seconds between two heartbeat writes at most (issue 33: a ``pwrite`` every step was a third
-of what cfrun cost a step with no checkpoint due); the supervisor's hang timeout is seconds,
-and the script's end and an uncaught error write the last step at once."""
+"""Seconds between two heartbeat writes of the heartbeat thread (issue 33: a ``pwrite`` every
+step was a third of what cfrun cost a step with no checkpoint due); the supervisor's hang
+timeout is seconds, and the script's end, an uncaught error and an injected kill write the last
+step at once."""
 STOP_CHECK_EVERY_S = 0.02
 """A one-rank job looks for the supervisor's stop request at most this often (one ``stat``;
 every step with several ranks, whose stop step rank 0 picks two steps ahead)."""
@@ -86,28 +88,37 @@ class Marks:
         self.s = settings
         self.jobdir = jobdir
         self._hb_fd: int | None = None
-        self._hb_next = 0.0
         self._hb_pending: int | None = None
+        self._hb_lock = threading.Lock()
+        self._hb_thread: threading.Thread | None = None
         self._uncaught = False
         self._exit_code: int = 0
 
     def beat(self, step: int) -> None:
-        """Heartbeat for the supervisor's hang detection: the step count, rewritten at most
-        every :data:`HEARTBEAT_EVERY_S` seconds (the first step's at once; a step not yet
-        written goes out with :meth:`flush_beat`)."""
-        now = time.monotonic()
-        if now < self._hb_next:
-            self._hb_pending = step
-            return
-        self._hb_next = now + HEARTBEAT_EVERY_S
-        self._hb_pending = None
-        self._write_beat(step)
+        """Heartbeat for the supervisor's hang detection and its reports (the step of a
+        failure or a preemption): the step count. The first step's is written at once; later
+        ones are left for the heartbeat thread, which writes the newest every
+        :data:`HEARTBEAT_EVERY_S` seconds (so a step followed by a long pause is written too),
+        and for :meth:`flush_beat` (the script's end, an error, an injected kill). Training
+        thread; one assignment per step after the first."""
+        self._hb_pending = step
+        if self._hb_thread is None:
+            self._hb_thread = threading.Thread(target=self._beat_loop, name="cfrun-heartbeat",
+                                               daemon=True)
+            self._hb_thread.start()
+            self.flush_beat()
+
+    def _beat_loop(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_EVERY_S)
+            self.flush_beat()
 
     def flush_beat(self) -> None:
-        """Write the newest step :meth:`beat` held back, if any (the script's end, an error)."""
-        if self._hb_pending is not None:
+        """Write the newest step :meth:`beat` noted and not yet written, if any. Any thread."""
+        with self._hb_lock:
             step, self._hb_pending = self._hb_pending, None
-            self._write_beat(step)
+            if step is not None:
+                self._write_beat(step)
 
     def _write_beat(self, step: int) -> None:
         try:

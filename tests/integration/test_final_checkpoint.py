@@ -57,6 +57,8 @@ def test_a_scripts_main_locals_are_still_saved_at_its_end(tmp_path: Path, steps:
     run = run_cfrun(["--interval", str(interval), "--job-dir", "job",
                      str(SCRIPTS / "train_main_fn.py"), str(steps), "ref.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+    if any(e["step"] == steps for e in run.events("checkpoint")):
+        outcome = "already"  # a checkpoint deferred under load landed on the last step
     assert [(e["step"], e["outcome"]) for e in run.events("final_checkpoint")] == [
         (steps, outcome)]
     assert len([e for e in run.events("commit") if e["step"] == steps]) == 1
