@@ -89,9 +89,11 @@ def _crash_job(cwd: Path, crash_at: int = 58) -> Path:
 
 
 def _two_newest(job: Path) -> tuple[int, int]:
-    """The crashed job's newest committed step and the one before it."""
+    """The crashed job's newest committed step and the one before it (which steps they are
+    depends on how busy the machine was: a checkpoint due while one persists is deferred;
+    issue 36: 24 and 47 on a loaded machine)."""
     steps = committed_steps(job / "checkpoints")
-    assert len(steps) == 2 and 40 <= steps[1] < steps[0] <= 58, steps
+    assert len(steps) == 2 and 10 <= steps[1] < steps[0] <= 58, steps
     return steps[0], steps[1]
 
 
@@ -241,7 +243,8 @@ def tiny_ref(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One crashed job (checkpoints 40 and 50), copied by each test."""
+    """One crashed job (its two newest checkpoints kept, 40 and 50 on an idle machine), copied
+    by each test."""
     return _crash_job(tmp_path_factory.mktemp("crashed"))
 
 
