@@ -51,7 +51,10 @@ def _killed_equals_plain(tmp_path: Path, *args: str) -> None:
                      "--job-dir", "job", SCRIPT, "--out", "got.pt", *args], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("resumed")) == 3, run.stderr[-3000:]
-    assert re.findall(r"jumped to epoch index (\d+)", run.stderr) == ["0", "1", "2"], run.stderr
+    # resumed in different epochs (0, 1, 2 on an idle machine; which checkpoint each kill
+    # finds committed depends on deferrals under load: a kill at 9 once resumed from 9, in 3)
+    epochs = [int(e) for e in re.findall(r"jumped to epoch index (\d+)", run.stderr)]
+    assert len(epochs) == 3 and epochs == sorted(epochs) and len(set(epochs)) >= 2, run.stderr
     assert not run.events("not_exact"), run.events("not_exact")
     assert _lines(run.stdout) == _lines(plain.stdout)
     want = torch.load(tmp_path / "plain.pt", weights_only=True)
