@@ -798,7 +798,7 @@ class Boundary:
 
     def on_lost(self, step: int, error: str) -> None:
         """A checkpoint's copy or hand-off failed (the agent was unreachable or died)."""
-        if "copied at the step from now on" in error:  # Snapshotter.give_verdict
+        if self._snap.last_dropped_step == step:  # Snapshotter.give_verdict dropped it
             say(f"cfrun: checkpoint step {step} not taken: {error}")
         else:
             say(f"WARNING: checkpoint step {step} was lost ({error}); the next one reconnects")

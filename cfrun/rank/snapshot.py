@@ -570,6 +570,8 @@ class Snapshotter:
         sync_max = faults.value("rank.sync_copy_max_bytes")
         self._sync_copy_max_bytes = SYNC_COPY_MAX_BYTES if sync_max is None else int(sync_max)
         self.last_error: str | None = None
+        self.last_dropped_step: int | None = None
+        """The newest checkpoint dropped by :meth:`give_verdict` (``on_lost`` says it so)."""
         self.last_cost_s = 0.0
         """Seconds the last checkpoint took from snapshot start to commit (for the grace)."""
         self.last_committed = -1
@@ -1047,6 +1049,7 @@ class Snapshotter:
                 self.last_error = f"persist agent unavailable: {e!r}"
             elif isinstance(e, TornSnapshotError):
                 self.last_error = str(e)
+                self.last_dropped_step = step
             else:
                 self.last_error = f"snapshot {stage} of step {step} failed: {e!r}"
             if stage == "hand-off":
