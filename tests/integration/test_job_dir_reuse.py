@@ -151,22 +151,23 @@ def test_a_command_changed_before_the_first_checkpoint_runs_and_is_recorded(tmp_
 def test_a_changed_command_with_a_checkpoint_is_refused_and_its_hint_goes_on(tmp_path):
     """Once an unfinished job has a checkpoint a changed command is refused as before (exit 2,
     nothing in the job dir touched), and its hint, pasted, goes on with the change; so does
-    the hint of a refused ``cfrun resume`` of an edited script. Each run stops at step 14 of
-    its attempt (exit 4: unfinished) but the last, whose attempt has no crash to inject."""
+    the hint of a refused ``cfrun resume`` of an edited script. Attempt 0 stops at step 14 and
+    attempt 1 at step 18 (exit 4: unfinished; attempt 1 resumes at 14 at the latest, so its
+    step 18 always runs, wherever deferral put the checkpoint), the last has no crash to inject."""
     script = _script(tmp_path)
     job = tmp_path / "j"
-    first = run_cfrun([*COMMON, "--inject-crash", "14@0,14@1", "--max-restarts", "0",
+    first = run_cfrun([*COMMON, "--inject-crash", "14@0,18@1", "--max-restarts", "0",
                        str(script), "--lr", "0.2", "--steps", "20"], cwd=tmp_path)
     assert first.returncode == 4, first.stderr[-3000:]
     assert committed_steps(job / "checkpoints")
     before = sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*"))
-    again = run_cfrun([*COMMON, "--inject-crash", "14@0,14@1", "--max-restarts", "0",
+    again = run_cfrun([*COMMON, "--inject-crash", "14@0,18@1", "--max-restarts", "0",
                        str(script), "--lr", "0.3", "--steps", "20"], cwd=tmp_path)
     assert again.returncode == EXIT_BAD_INPUT, again.stderr[-3000:]
     assert "argument --lr: 0.2 -> 0.3" in again.stderr
     assert sorted((p.name, p.lstat().st_mtime_ns) for p in job.rglob("*")) == before
     pasted = run_cfrun(_hint(again.stderr, "hint:"), cwd=tmp_path)
-    assert pasted.returncode == 4, pasted.stderr[-3000:]  # went on, then the crash of 14@1
+    assert pasted.returncode == 4, pasted.stderr[-3000:]  # went on, then the crash of 18@1
     assert _events(job, "command_changed")[-1]["why"] == "--accept-changed-command"
     assert _events(job, "resumed")
 

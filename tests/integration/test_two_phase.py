@@ -228,11 +228,13 @@ def _deferred_not_stalled(run, ckpts):
 def test_several_ranks_defer_the_same_steps_and_resume_exactly(tmp_path):
     """Issue 23, two ranks: a checkpoint due while the previous one persists is deferred on
     every rank to the same step (rank 0's checkpoint_gate.json), so every step taken is
-    complete and committed, no step waits for a persist, and a crash resumes bit for bit."""
+    complete and committed, no step waits for a persist, and a crash resumes bit for bit. Three
+    epochs (96 steps): at least three 0.5 s commits fit even when a busy machine slows the
+    agent."""
     script = [str(SCRIPTS / "train_ddp_slow.py")]
     slow = faults.arm({}, **{"agent.commit_delay_s": 0.5})
     ref = run_cfrun(["--nproc-per-node", "2", "--interval", "1", "--job-dir", "ref", *script,
-                     "ref.pt", "0.01"], cwd=tmp_path, env=slow)
+                     "ref.pt", "0.01", "3"], cwd=tmp_path, env=slow)
     assert ref.returncode == 0, ref.stderr[-3000:]
     ckpts = ref.events("checkpoint")
     commits = sorted(e["step"] for e in _training_commits(ref))
@@ -246,7 +248,7 @@ def test_several_ranks_defer_the_same_steps_and_resume_exactly(tmp_path):
         assert names == {"rank-00000.bin", "rank-00001.bin"}, (step, names)
     _deferred_not_stalled(ref, ckpts)
     got = run_cfrun(["--nproc-per-node", "2", "--interval", "1", "--inject-crash", "40",
-                     "--job-dir", "got", *script, "got.pt", "0.01"], cwd=tmp_path, env=slow)
+                     "--job-dir", "got", *script, "got.pt", "0.01", "3"], cwd=tmp_path, env=slow)
     assert got.returncode == 0, got.stderr[-3000:]
     [resumed] = [e["step"] for e in got.events("resumed") if e["rank"] == 0]
     assert 0 < resumed <= 40
