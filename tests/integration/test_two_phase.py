@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bit_identical, final_line, run_cfrun, tiny_reference
+from conftest import (
+    SCRIPTS,
+    assert_bit_identical,
+    assert_resumed_from_newest,
+    final_line,
+    run_cfrun,
+    tiny_reference,
+)
 
 from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.contract import faults
@@ -149,7 +156,8 @@ def test_restarted_rank_leaves_no_old_snapshot_slot(reference, tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(run.events("attempt_start")) == 3
-    assert [e["step"] for e in run.events("resumed")] == [10, 30]
+    resumed = assert_resumed_from_newest(run, 2)  # 10 and 30, or where deferral put them
+    assert resumed[0] <= 15 and resumed[0] <= resumed[1] <= 35, resumed
     assert most[0] == 1, f"{most[0]} snapshot slots at once for one rank"
     assert not left
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
