@@ -39,6 +39,8 @@ Usage::
 
     .venv/bin/python bench/recovery.py                  # 3 kills each for 1 and 2 ranks (~5 min)
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
+    # the warm spare of a --launcher python job against a cold restart and torchrun (issue 35)
+    .venv/bin/python bench/recovery.py --ranks 1 --warm --cfrun-args '--launcher python'
     # ~1 GB of state, 3 s of start-up; before/after: the same with --cfrun-root /work/main
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1 --hidden 6500 --startup-s 3
 """
@@ -132,11 +134,13 @@ def work_args(args):
     return ["--hidden", str(args.hidden), "--startup-s", str(args.startup_s)]
 
 
-def plain_startup(ranks, work, timeout_s, args):
-    """Seconds from launching the plain script (no cfrun) to its first optimizer step."""
+def plain_startup(ranks, work, timeout_s, args, torchrun=False):
+    """Seconds from launching the plain script (no cfrun) to its first optimizer step: ``python
+    SCRIPT`` for one rank (``torchrun --standalone --nproc-per-node 1`` with ``torchrun``),
+    torchrun for several."""
     stamps = Path(tempfile.mkdtemp(dir=work)) / "stamps"
     script = [str(TRAIN_SCRIPT), "--stamps", str(stamps), "--steps", "3", *work_args(args)]
-    cmd = ([sys.executable, *script] if ranks == 1 else
+    cmd = ([sys.executable, *script] if ranks == 1 and not torchrun else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={ranks}", *script])
     t0 = time.time()
@@ -156,17 +160,20 @@ def events(job_dir):
     return scaling.co_events(job_dir)
 
 
-def one_kill(ranks, args, work):
+def one_kill(ranks, args, work, warm=False):
     """One cfrun run: wait for a commit, SIGKILL a rank, wait for the first step after the
-    resume; returns the breakdown (seconds per phase of :data:`PHASES`) and raw times."""
+    resume; returns the breakdown (seconds per phase of :data:`PHASES`) and raw times.
+    ``warm``: ``--launcher python`` with its warm spare (``CFRUN_STANDBY=1``), the kill once
+    the spare said it is ready (``standby_ready``), as in a job that failed hours in; else
+    ``CFRUN_STANDBY=0`` (every restart cold)."""
     run = Path(tempfile.mkdtemp(prefix=f"r{ranks}-", dir=work))
     job, stamps = run / "job", run / "stamps"
+    more = ["--launcher", "python"] if warm else shlex.split(args.cfrun_args)
     cmd = [sys.executable, "-m", "cfrun", "--interval", str(args.interval), "--job-dir",
            str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks),
-           *shlex.split(args.cfrun_args), str(TRAIN_SCRIPT),
-           "--stamps", str(stamps), *work_args(args)]
+           *more, str(TRAIN_SCRIPT), "--stamps", str(stamps), *work_args(args)]
     out = open(run / "cfrun.log", "w")
-    env = scaling.env_for("cfrun")
+    env = {**scaling.env_for("cfrun"), "CFRUN_STANDBY": "1" if warm else "0"}
     if args.cfrun_root:  # another checkout's cfrun (e.g. main's, for a before/after)
         env["PYTHONPATH"] = args.cfrun_root
     p = subprocess.Popen(cmd, env=env, cwd=run, stdout=out, stderr=out)
@@ -177,6 +184,9 @@ def one_kill(ranks, args, work):
         step0 = commit["step"]
         wait_for(lambda: any(s >= step0 + 3 for s, _ in read_stamps(stamps)), args.timeout,
                  "3 steps past the commit")
+        if warm:
+            wait_for(lambda: [e for e in events(job) if e.get("event") == "standby_ready"],
+                     args.timeout, "the warm spare")
         victim = rank_pids(p.pid)[-1]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
@@ -243,6 +253,9 @@ def main(argv=None):
     ap.add_argument("--cfrun-root", default="",
                     help="run the cfrun of this checkout instead (PYTHONPATH), e.g. /work/main "
                          "for a before/after comparison")
+    ap.add_argument("--warm", action="store_true",
+                    help="for 1 rank, also a --launcher python job with its warm spare, killed "
+                         "once the spare is ready, against torchrun's plain start-up")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--tmp-root", default=str(RESULTS_DIR / "tmp"))
     args = ap.parse_args(argv)
@@ -258,15 +271,25 @@ def main(argv=None):
         read = scaling.measure_read(work, state_bytes)
         floor_s = state_bytes / read["bandwidth_bytes_per_s"]
         for ranks in [int(x) for x in args.ranks.split(",") if x]:
-            plain, kills = [], []
-            for i in range(args.repeats):  # interleaved: a slow phase of the machine hits both
+            plain, kills, torchrun, warm = [], [], [], []
+            for i in range(args.repeats):  # interleaved: a slow phase of the machine hits all
                 plain.append(plain_startup(ranks, work, args.timeout, args))
                 rec = one_kill(ranks, args, work)
                 kills.append(rec)
                 print(f"[{ranks} rank(s)] plain start-up {plain[-1]:.2f} s; kill {i + 1}: "
                       f"recovered in {rec['recover_s']:.2f} s "
                       + " ".join(f"{k}={fmt(v)}" for k, v in rec["phases"].items()), flush=True)
+                if ranks == 1 and args.warm:
+                    torchrun.append(plain_startup(1, work, args.timeout, args, torchrun=True))
+                    warm.append(one_kill(1, args, work, warm=True))
+                    print(f"[1 rank, warm spare] plain torchrun start-up {torchrun[-1]:.2f} s; "
+                          f"kill {i + 1}: recovered in {warm[-1]['recover_s']:.2f} s "
+                          + " ".join(f"{k}={fmt(v)}" for k, v in warm[-1]["phases"].items()),
+                          flush=True)
             results.append({"ranks": ranks, "plain_startup_s": plain, "kills": kills})
+            if warm:
+                results.append({"ranks": "1 warm", "plain_startup_s": plain, "kills": warm,
+                                "plain_torchrun_startup_s": torchrun})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\ncommand: {command}")
@@ -287,10 +310,17 @@ def main(argv=None):
                                               *(fmt(phases[ph]) for ph in PHASES + EXTRA),
                                               fmt(limit),
                                               "PASS" if ok else "FAIL"]))
-    for s in summary:
+    for s, r in zip(summary, results):
         print(f"{s['ranks']} rank(s): {'PASS' if s['passed'] else 'FAIL'}  recover "
               f"{s['recover_s']:.2f} s <= plain start-up {s['plain_startup_s']:.2f} s + "
               f"{SLACK_S:g} s = {s['limit_s']:.2f} s")
+        if r.get("plain_torchrun_startup_s"):  # issue 35: <= 0.5x torchrun's start-up
+            t = statistics.median(r["plain_torchrun_startup_s"])
+            s["plain_torchrun_startup_s"] = t
+            s["ratio_to_torchrun"] = s["recover_s"] / t
+            print(f"{s['ranks']}: recover / plain torchrun start-up = {s['recover_s']:.2f} / "
+                  f"{t:.2f} = {s['recover_s'] / t:.2f}x (target <= 0.5x): "
+                  f"{'PASS' if s['recover_s'] <= 0.5 * t else 'FAIL'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": command, "state_bytes": state_bytes, "read": read,

@@ -54,7 +54,8 @@ _CKPT_FIGURES = ("step", "bytes", "stall_s", "snapshot_s", "persist_s", "pgt_s",
 EVENTS: dict[str, EventKind] = {
     # supervisor (cfrun.supervisor.core, .monitor, .machine)
     "state": _k("supervisor", ["state"], open=True),
-    "attempt_start": _k("supervisor", ["attempt", "argv"]),
+    "attempt_start": _k("supervisor", ["attempt", "argv"], ["warm"]),
+    "standby_ready": _k("supervisor", ["pid", "warmup_s"]),
     "attempt_end": _k("supervisor", ["attempt", "returncode", "duration_s"]),
     "hang": _k("supervisor", ["attempt", "hang_timeout_s"]),
     "signal_forwarded": _k("supervisor", ["signal", "ranks"]),
@@ -99,7 +100,7 @@ EVENTS: dict[str, EventKind] = {
     "checkpoint_corrupt": _k("a rank", ["step", "error"]),
     "resumed": _k("each rank", ["step", "attempt", "rank"],
                   ["variables", "process_start_unix_s", "agent_wait_s", "read_start_unix_s",
-                   "read_s", "read_sync_s", "read_wait_s", "restore_s"]),
+                   "read_s", "read_sync_s", "read_wait_s", "restore_s", "warm"]),
     "first_step": _k("rank 0", ["attempt", "step"]),
     "resharded": _k("rank 0", ["step", "attempt", "from_world_size", "to_world_size"], []),
     "not_exact": _k("a rank", ["reason"], ["step"]),

@@ -188,6 +188,9 @@ SHARD = _declare("CFRUN_SHARD", "choice", "1",
                  "1: each data-parallel rank persists 1/N of the replicated tensors "
                  "(DeepFreeze); 0: every rank persists its whole state; rank0: rank 0 alone "
                  "persists the replicated tensors", choices=("0", "1", "rank0"))
+STANDBY = _declare("CFRUN_STANDBY", "flag", "1",
+                   "1: a --launcher python job keeps a warm spare process (Python, torch and "
+                   "cfrun imported) that becomes the rank after a failure; 0: restarts start cold")
 EVENTS_ALL_RANKS = _declare("CFRUN_EVENTS_ALL_RANKS", "flag", "0",
                             "1: ranks other than 0 also log each checkpoint (checkpoint_rank "
                             "events)")

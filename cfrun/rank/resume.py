@@ -792,6 +792,11 @@ class Resume:
             out["process_start_unix_s"] = round(psutil.Process().create_time(), 3)
         except Exception:  # psutil missing or /proc unreadable: the breakdown lacks one line
             pass
+        spare = sys.modules.get("cfrun.rank.spare")
+        go_unix_s = getattr(spare, "go_unix_s", None)
+        if go_unix_s is not None:  # a warm spare: this process became the rank at its go
+            out["process_start_unix_s"] = round(go_unix_s, 3)
+            out["warm"] = True
         if self.agent_wait_s is not None:
             out["agent_wait_s"] = round(self.agent_wait_s, 4)
         if self._read_timing is not None:

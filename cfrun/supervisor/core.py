@@ -90,6 +90,7 @@ from cfrun.supervisor.machine import (
 )
 from cfrun.supervisor.machine import describe_returncode as _describe
 from cfrun.supervisor.monitor import Monitor
+from cfrun.supervisor.standby import Standby, standby_wanted
 
 logger = logging.getLogger("cfrun")
 
@@ -283,9 +284,14 @@ class Supervisor:
         self._pending_signals: list[int] = []
         self.policy = Policy.from_config(cfg, backoff_s, python_command)
         self.history = History()
+        self.standby = Standby(cfg) if standby_wanted(cfg) else None
+        """The warm spare of a ``--launcher python`` rank (:mod:`cfrun.supervisor.standby`)."""
         self.monitor = Monitor(cfg, self.jobdir, spawn_fn=spawn_fn,
                                check_agent=lambda: self._check_agent(),
-                               own_processes=lambda: (self.agent, self.reaper),
+                               own_processes=lambda: (
+                                   self.agent, self.reaper,
+                                   *(self.standby.processes() if self.standby else ())),
+                               standby=self.standby,
                                second_signal=lambda: self._second_signal,
                                pending_signals=self._pending_signals,
                                progress_s=self.progress_s)
@@ -370,6 +376,8 @@ class Supervisor:
         except SignalReceived as sig:
             return self._preempt(sig)
         finally:
+            if self.standby is not None:
+                self.standby.stop()
             try:
                 # from here on a signal ends at once (_on_signal) instead of raising
                 self._shutting_down = True

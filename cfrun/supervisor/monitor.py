@@ -35,6 +35,7 @@ from cfrun.contract.jobdir import JobDir
 from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome, RankError
+from cfrun.supervisor.standby import Standby
 from cfrun.supervisor.torchrun_log import read_rank_exits, read_usage_error
 
 logger = logging.getLogger("cfrun")
@@ -119,6 +120,8 @@ class Monitor:
         pending_signals: signal numbers queued by the supervisor's handler, forwarded to the
             ranks by :meth:`run` within 0.1 s.
         progress_s: seconds between progress lines on stderr (0: none).
+        standby: the warm spare (``--launcher python``): an attempt after the first becomes
+            it when it is ready; a new one starts once the attempt made a step.
     """
 
     def __init__(self, cfg: RunConfig, jobdir: JobDir, *,
@@ -127,7 +130,7 @@ class Monitor:
                  own_processes: Callable[[], Iterable[subprocess.Popen[bytes] | None]],
                  second_signal: Callable[[], bool],
                  pending_signals: list[int],
-                 progress_s: float = 0.0) -> None:
+                 progress_s: float = 0.0, standby: Standby | None = None) -> None:
         self.cfg = cfg
         self.jobdir = jobdir
         self.spawn_fn = spawn_fn
@@ -144,6 +147,7 @@ class Monitor:
         self._metrics_at = 0.0
         self._progress_step = (0.0, 0)
         self._pending_signals = pending_signals
+        self.standby = standby
 
     # ------------------------------------------------------------------ one attempt
 
@@ -159,7 +163,9 @@ class Monitor:
         argv = build_launch_argv(self.cfg, log_path=str(log_path),
                                  log_dir=str(self.jobdir.logs / "torchrun"))
         env = build_worker_env(self.cfg, attempt, mtbf_s=self.mtbf_s())
-        self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv)
+        warm = self.standby is not None and self.standby.ready()
+        self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv,
+                               **({"warm": True} if warm else {}))
         t0 = time.monotonic()
         started_unix_s = time.time()
         oom_before = oom_kill_count()
@@ -167,7 +173,9 @@ class Monitor:
         self.attempt = attempt
         # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
         # kill_ranks finds it among our descendants
-        self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+        self.proc = self.standby.promote(env) if warm and self.standby is not None else None
+        if self.proc is None:
+            self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
         hung = False
         agent_error = None
         checked_at = 0.0
@@ -188,6 +196,10 @@ class Monitor:
                     self.kill_ranks()
                     continue
                 self.reap_orphans()
+                if self.standby is not None:
+                    self.standby.tend(lambda: self.stepped_since(started_unix_s),
+                                      lambda: build_worker_env(self.cfg, attempt + 1),
+                                      self.jobdir.emit_event)
                 self.gpu_faults.poll()
                 if self.metrics is not None and time.monotonic() - self._metrics_at >= \
                         METRICS_TEXTFILE_S:

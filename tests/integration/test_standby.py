@@ -1,0 +1,272 @@
+"""The warm spare of a ``--launcher python`` job (issue 35, "a warm restart";
+:mod:`cfrun.supervisor.standby`, :mod:`cfrun.rank.spare`).
+
+Real processes and real SIGKILLs: a rank killed once the spare said it was ready is replaced by
+the spare (``attempt_start`` and ``resumed`` say ``warm``), twice in a row, and the run ends
+bit-identical to the plain ``python`` run; a killed spare is replaced and the restart still
+exact; cfrun SIGKILLed leaves no spare behind; ``CFRUN_STANDBY=0`` keeps none. The spare runs a
+script as ``python SCRIPT`` does: the same ``__file__``, ``sys.argv``, ``sys.path[0]``,
+``__main__`` attributes and the same traceback for an uncaught error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import (
+    SCRIPTS,
+    Run,
+    assert_bit_identical,
+    assert_resumed_from_newest,
+    clean_env,
+    final_line,
+)
+
+from cfrun.contract import faults
+
+TINY = str(SCRIPTS / "train_tiny.py")
+# 0.1 s a step (cfrun's hook sleeps; the plain run computes the same): ~16 s an epoch, time
+# for the spare to import torch on a busy machine before the test kills the rank
+SLOW = faults.arm({}, **{"rank.step_delay_s": 0.1})
+
+
+def _events(job: Path, kind: str | None = None) -> list[dict]:
+    path = job / "events.jsonl"
+    if not path.exists():
+        return []
+    out = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return [e for e in out if kind is None or e["event"] == kind]
+
+
+def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+           ) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j", *args],
+        cwd=tmp_path, env=clean_env({**SLOW, **(env or {})}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
+def _wait(cond, proc: subprocess.Popen[str], timeout_s: float = 180) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _ready_spare(job: Path, proc: subprocess.Popen[str], seen: int) -> int:
+    """The pid of the spare of the ``seen+1``-th ``standby_ready`` event, once it is logged."""
+    ready = _wait(lambda: _events(job, "standby_ready")[seen:], proc)
+    return ready[0]["pid"]  # type: ignore[index]
+
+
+def _cold_rank(proc: subprocess.Popen[str]) -> psutil.Process:
+    """The first attempt's rank, once started: cfrun's child running the script."""
+    def find() -> psutil.Process | None:
+        for c in psutil.Process(proc.pid).children():
+            try:
+                if "train_tiny.py" in " ".join(c.cmdline()):
+                    return c
+            except psutil.Error:
+                continue
+        return None
+
+    return _wait(find, proc)  # type: ignore[return-value]
+
+
+def _kill_when_spare_ready(job: Path, proc: subprocess.Popen[str], rank: psutil.Process,
+                           seen: int, commits: int) -> int:
+    """Once ``commits`` checkpoints are committed, SIGSTOP the rank (training stops: a busy
+    machine may take long to import torch in the spare), wait for the ``seen+1``-th
+    ``standby_ready``, then SIGKILL the rank. Returns the spare's pid, the next rank."""
+    _wait(lambda: len(_events(job, "commit")) >= commits, proc)
+    rank.send_signal(signal.SIGSTOP)
+    spare = _ready_spare(job, proc, seen)
+    rank.kill()
+    return spare
+
+
+def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    plain = subprocess.run([sys.executable, TINY, "--epochs", "3", "--out", "plain.pt"],
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                           timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return plain
+
+
+def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
+    """Each SIGKILL of the rank after a spare said it was ready: the next attempt is the spare
+    (no new interpreter: the process existed before the attempt started), resumes from the
+    newest committed step, and the run ends with the plain run's weights and final line."""
+    plain = _plain(tmp_path)
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
+    try:
+        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
+        _wait(lambda: _events(job, "resumed"), proc)
+        resumed_at = _events(job, "resumed")[0]["step"]
+        _wait(lambda: any(e["step"] > resumed_at for e in _events(job, "commit")), proc)
+        _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    starts = _events(job, "attempt_start")
+    assert len(starts) == 3 and not starts[0].get("warm"), starts
+    assert all(s.get("warm") for s in starts[1:]), starts
+    resumed = _events(job, "resumed")
+    assert len(resumed) == 2 and all(r.get("warm") for r in resumed), resumed
+    # the spare's "process start" is its go: after the attempt's start, not its fork
+    for s, r in zip(starts[1:], resumed):
+        assert r["process_start_unix_s"] >= s["t_unix_s"] - 0.01, (s, r)
+    assert_resumed_from_newest(Run(0, out, err, job), 2)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(out) == final_line(plain.stdout)
+
+
+def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
+    """SIGKILL the ready spare: the supervisor starts another (a second ``standby_ready`` in the
+    same attempt); a kill of the rank then restarts warm, from the second spare, and the run
+    ends bit-identical."""
+    _plain(tmp_path)
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
+    try:
+        rank = _cold_rank(proc)
+        _wait(lambda: _events(job, "commit"), proc)
+        rank.send_signal(signal.SIGSTOP)  # no step until the test is done with the spares
+        first = _ready_spare(job, proc, 0)
+        os.kill(first, signal.SIGKILL)
+        assert _ready_spare(job, proc, 1) != first
+        rank.kill()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    starts = _events(job, "attempt_start")
+    assert [bool(s.get("warm")) for s in starts] == [False, True], starts
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+
+
+def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
+    """SIGKILL of cfrun itself: the spare dies with it (parent-death signal; the reaper). With
+    ``CFRUN_STANDBY=0`` no spare starts and a restart is cold."""
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "2", "--out", "got.pt"])
+    rank = _cold_rank(proc)
+    _wait(lambda: _events(job, "commit"), proc)
+    rank.send_signal(signal.SIGSTOP)
+    spare = _ready_spare(job, proc, 0)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and psutil.pid_exists(spare) and \
+            psutil.Process(spare).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(spare) or psutil.Process(spare).status() == \
+        psutil.STATUS_ZOMBIE, "the spare outlived cfrun"
+
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    p = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j",
+                        "--interval", "10", "--inject-crash", "15", TINY, "--epochs", "1",
+                        "--out", "got.pt"], cwd=cold,
+                       env=clean_env({**faults.arm({}, **{"rank.step_delay_s": 0.02}),
+                                      "CFRUN_STANDBY": "0"}),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not _events(cold / "j", "standby_ready")
+    assert [bool(s.get("warm")) for s in _events(cold / "j", "attempt_start")] == [False, False]
+
+
+# ------------------------------------------------------------- the spare runs a script as python
+
+PROBE = '''import os, sys
+print("file", __file__)
+print("argv", sys.argv)
+print("path0", sys.path[0])
+print("main", __name__, __spec__, __package__, type(__loader__).__name__, __cached__)
+print("module", sys.modules["__main__"].__dict__ is globals())
+
+def f():
+    raise ValueError("boom " + sys.argv[1])
+
+f()
+'''
+
+
+def _spare_run(cwd: Path, script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """A spare made by hand (``cfrun.rank.spare FD``), sent the go of ``python SCRIPT ARGS``."""
+    from cfrun.supervisor.launcher import module_argv
+
+    ours, theirs = socket.socketpair()
+    env = clean_env()
+    p = subprocess.Popen(module_argv("cfrun.rank.spare", str(theirs.fileno())), cwd=cwd,
+                         env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    assert ours.recv(6) == b"ready\n"
+    ours.sendall(json.dumps({"env": env, "script": script, "module": None,
+                             "args": args}).encode())
+    ours.shutdown(socket.SHUT_WR)
+    out, err = p.communicate(timeout=120)
+    ours.close()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_the_spare_runs_a_script_as_python_does(tmp_path):
+    """``__file__``, ``sys.argv``, ``sys.path[0]``, the ``__main__`` module's attributes, the
+    uncaught error's traceback (no frame of cfrun's) and the exit code equal ``python
+    SCRIPT``'s, for a relative script path run from another directory."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    plain = subprocess.run([sys.executable, "sub/probe.py", "x"], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=60)
+    spare = _spare_run(tmp_path, "sub/probe.py", ["x"])
+    assert plain.returncode == 1 and spare.returncode == 1
+    assert spare.stdout == plain.stdout
+    assert spare.stderr == plain.stderr, spare.stderr
+    assert "cfrun" not in spare.stderr
+
+
+def test_a_spare_stopped_before_its_go_exits_quietly(tmp_path):
+    """The supervisor closing the socket (the job ended, the spare no longer wanted) ends the
+    spare with status 0 and nothing on its output."""
+    from cfrun.supervisor.launcher import module_argv
+
+    ours, theirs = socket.socketpair()
+    p = subprocess.Popen(module_argv("cfrun.rank.spare", str(theirs.fileno())), cwd=tmp_path,
+                         env=clean_env(), pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    assert ours.recv(6) == b"ready\n"
+    ours.close()
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, out, err) == (0, "", "")
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_a_bad_standby_setting_is_one_line_and_exit_2(tmp_path, value):
+    p = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j",
+                        TINY, "--epochs", "1", "--out", "got.pt"], cwd=tmp_path,
+                       env=clean_env({"CFRUN_STANDBY": value}), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "CFRUN_STANDBY" in p.stderr and value in p.stderr
+    assert not (tmp_path / "j" / "checkpoints").exists() or not any(
+        (tmp_path / "j" / "checkpoints").iterdir())
