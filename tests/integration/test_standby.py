@@ -107,6 +107,7 @@ def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return plain
 
 
+@pytest.mark.slow
 def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     """Each SIGKILL of the rank after a spare said it was ready: the next attempt is the spare
     (no new interpreter: the process existed before the attempt started), resumes from the
@@ -138,6 +139,7 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     assert final_line(out) == final_line(plain.stdout)
 
 
+@pytest.mark.slow
 def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
     """SIGKILL the ready spare: the supervisor starts another (a second ``standby_ready`` in the
     same attempt); a kill of the rank then restarts warm, from the second spare, and the run
