@@ -953,7 +953,8 @@ def status_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     plot: Annotated[str | None, typer.Option(
         "--plot", metavar="PNG",
-        help="Write a PNG: checkpoint stall and PGT by step, restarts.")] = None,
+        help="Write a PNG: the attempts on a timeline (start-up, restarts, training, commits, "
+             "failures, ETTR), and checkpoint stall and PGT by step.")] = None,
     metrics: Annotated[bool, typer.Option(
         "--metrics", help="Print the job's Prometheus metrics (text format) instead.")] = False,
     watch: Annotated[bool, typer.Option(
@@ -1165,30 +1166,9 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
 
 
 def _plot(jd: Any, out: Path) -> None:
-    try:
-        import matplotlib
+    from cfrun.cli.timeline import plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BadInputError("--plot needs matplotlib; pip install matplotlib") from None
-    events = jd.read_events()
-    ck = [e for e in events if e.get("event") == "checkpoint"]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([e["step"] for e in ck], [1000 * e["stall_s"] for e in ck], "o-", label="stall (ms)")
-    ax.plot([e["step"] for e in ck], [1000 * e["pgt_s"] for e in ck], "s-", label="PGT (ms)")
-    for e in events:
-        if e.get("event") == "failure" and e.get("step") is not None:
-            ax.axvline(e["step"], color="red", linestyle="--", label="restart")
-    windows = [e for e in events if e.get("event") == "adapt"]
-    if windows:  # step time per adaptation window (the policy measures it)
-        ax.plot([e["step"] for e in windows], [1000 * e["mean_iter_s"] for e in windows], "^-",
-                label="step time (ms, window mean)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms")
-    ax.set_title(f"cfrun {jd.root.name}: checkpoints, stalls, PGT, restarts")
-    ax.legend()
-    fig.savefig(out, dpi=100)
+    plot(jd.read_events(), jd.root.name, out)
 
 
 @app.command("ls", cls=CfrunCommand,

@@ -124,3 +124,61 @@ def goodput(events: Iterable[dict[str, Any]], *, now_unix_s: float | None = None
             "lost_s": {k: round(v, 3) for k, v in lost_s.items()},
             "recomputed_steps": recomputed, "step_s": round(step_s, 6) if step_s else None,
             "restarts": restarts}
+
+
+def timeline(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's timeline for ``cfrun status --plot`` (seconds from the first run's start):
+    ``spans``, one per attempt phase, ``{"attempt", "kind", "t0_s", "t1_s"}`` with ``kind``
+    ``startup`` or ``restart`` (the attempt's start-up, as :func:`goodput` counts it: from the
+    run's start or the previous attempt's end to the first optimizer step) and ``training``
+    (from that step to the attempt's end); ``commits``, ``[(t_s, step)]``; ``failures``,
+    ``[(t_s, attempt, cause)]``. None before any attempt started. The start-up and restart
+    spans add up to :func:`goodput`'s ``startup_s`` and ``restart_s``."""
+    events = list(events)
+    t_first = next((_num(e.get("t_unix_s")) for e in events
+                    if e.get("event") in ("state", "attempt_start")
+                    and _num(e.get("t_unix_s")) is not None), None)
+    if t_first is None or not any(e.get("event") == "attempt_start" for e in events):
+        return None
+    spans: list[dict[str, Any]] = []
+    commits: list[tuple[float, int]] = []
+    failures: list[tuple[float, Any, Any]] = []
+    prev_end: float | None = None
+    last_state: object = None
+    first_of_run = True
+    open_span: dict[str, Any] | None = None
+    for e in events:
+        kind, t = e.get("event"), _num(e.get("t_unix_s"))
+        if t is None:
+            continue
+        rel = t - t_first
+        att = e.get("attempt")
+        if kind == "state":
+            if e.get("state") == "running" and last_state not in ("restarting", "running"):
+                prev_end, first_of_run = rel, True
+            last_state = e.get("state")
+        elif kind == "attempt_start" and isinstance(att, int):
+            if prev_end is None:
+                prev_end = rel
+            open_span = {"attempt": att, "kind": "startup" if first_of_run else "restart",
+                         "t0_s": prev_end, "t1_s": None}
+        elif kind == "resumed" and e.get("rank", 0) == 0 and open_span is not None:
+            open_span["kind"] = "restart"
+        elif kind == "first_step" and open_span is not None and att == open_span["attempt"] \
+                and open_span["t1_s"] is None:
+            open_span["t1_s"] = rel
+            spans.append(open_span)
+            spans.append({"attempt": att, "kind": "training", "t0_s": rel, "t1_s": None})
+        elif kind == "attempt_end" and isinstance(att, int):
+            if spans and spans[-1]["attempt"] == att and spans[-1]["t1_s"] is None:
+                spans[-1]["t1_s"] = rel
+            prev_end, first_of_run, open_span = rel, False, None
+        elif kind == "commit" and isinstance(e.get("step"), int):
+            commits.append((rel, e["step"]))
+        elif kind == "failure":
+            failures.append((rel, att, e.get("cause")))
+    end = max(_num(e.get("t_unix_s")) or t_first for e in events) - t_first
+    for s in spans:
+        if s["t1_s"] is None:
+            s["t1_s"] = end
+    return {"spans": spans, "commits": commits, "failures": failures, "end_s": end}

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import SCRIPTS, run_cfrun
 
-from cfrun.contract.goodput import CAUSES
+from cfrun.contract.goodput import CAUSES, timeline
 
 pytestmark = pytest.mark.timeout(300)
 KILLS = (15, 35)
@@ -49,3 +49,20 @@ def test_status_gives_the_ettr_and_the_time_lost_per_cause_of_a_job_killed_twice
 
     table = run_cfrun(["status", "j"], cwd=tmp_path).stdout
     assert "ETTR" in table and "restart" in table, table
+
+    # the picture (status --plot): three attempts on the wall clock, each start-up or restart
+    # span as long as goodput counts it, the two failures and every commit on it
+    png = tmp_path / "timeline.png"
+    plotted = run_cfrun(["status", "j", "--plot", str(png)], cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    tl = timeline(run.events())
+    assert tl is not None
+    kinds = [(s["attempt"], s["kind"]) for s in tl["spans"]]
+    assert kinds == [(0, "startup"), (0, "training"), (1, "restart"), (1, "training"),
+                     (2, "restart"), (2, "training")], kinds
+    for cause in ("startup", "restart"):
+        spans_s = sum(s["t1_s"] - s["t0_s"] for s in tl["spans"] if s["kind"] == cause)
+        assert spans_s == pytest.approx(g["lost_s"][cause], abs=0.01), (cause, tl["spans"])
+    assert [a for _, a, _ in tl["failures"]] == [0, 1]
+    assert len(tl["commits"]) == len(run.events("commit"))
