@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,12 +28,12 @@ from cfrun.contract import coordination as co
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
-from cfrun.contract.events import overhead_seconds
 from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
-from cfrun.policy import learned_mtbf_s
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
-from cfrun.supervisor.machine import Outcome, RankError
+from cfrun.supervisor.machine import Outcome
+from cfrun.supervisor.progress import ProgressLine
+from cfrun.supervisor.records import RankRecords
 from cfrun.supervisor.standby import Standby
 from cfrun.supervisor.torchrun_log import read_rank_exits, read_usage_error
 
@@ -140,12 +139,12 @@ class Monitor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.attempt = -1
         """The attempt started last (-1: none yet)."""
-        self.progress_s = progress_s
-        self._progress_at = 0.0
+        self.records = RankRecords(cfg, jobdir)
+        """What the ranks left in the job dir (:mod:`cfrun.supervisor.records`)."""
+        self.line = ProgressLine(cfg, jobdir, progress_s)
         self.metrics: Any = None  # cfrun.supervisor.metrics.JobMetrics, set by the supervisor
         self.gpu_faults = FaultWatch()
         self._metrics_at = 0.0
-        self._progress_step = (0.0, 0)
         self._pending_signals = pending_signals
         self.standby = standby
 
@@ -162,7 +161,7 @@ class Monitor:
         log_path = self.jobdir.attempt_log_path(attempt)
         argv = build_launch_argv(self.cfg, log_path=str(log_path),
                                  log_dir=str(self.jobdir.logs / "torchrun"))
-        env = build_worker_env(self.cfg, attempt, mtbf_s=self.mtbf_s())
+        env = build_worker_env(self.cfg, attempt, mtbf_s=self.records.mtbf_s())
         warm = self.standby is not None and self.standby.ready()
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv,
                                **({"warm": True} if warm else {}))
@@ -176,16 +175,33 @@ class Monitor:
         self.proc = self.standby.promote(env) if warm and self.standby is not None else None
         if self.proc is None:
             self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+        rc, hung, agent_error = self._wait(attempt, started_unix_s)
+        self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
+        self.proc = None
+        duration_s = time.monotonic() - t0
+        self.jobdir.emit_event("attempt_end", attempt=attempt, returncode=rc,
+                               duration_s=round(duration_s, 3))
+        oom_after = oom_kill_count()
+        oom_kills = oom_after - oom_before if oom_before is not None and \
+            oom_after is not None else 0
+        return self._outcome(attempt, rc, duration_s, started_unix_s, log_path, hung=hung,
+                             agent_error=agent_error, oom_kills=max(oom_kills, 0))
+
+    def _wait(self, attempt: int, started_unix_s: float) -> tuple[int, bool, str | None]:
+        """Wait for the attempt's process in 0.1 s steps (signals forwarded, the progress
+        line), with the housekeeping every ``HOUSEKEEPING_S``: the agent checked, orphans
+        reaped, the warm spare tended, GPU faults and metrics, a hang's ranks killed. Returns
+        its exit code, whether it hung, and the agent's fatal error (the ranks then killed)."""
+        assert self.proc is not None
         hung = False
         agent_error = None
         checked_at = 0.0
         while True:
             try:
-                rc = self.proc.wait(timeout=0.1)
-                break
+                return self.proc.wait(timeout=0.1), hung, agent_error
             except subprocess.TimeoutExpired:
                 self.forward_pending()
-                self.progress(started_unix_s)
+                self.line.progress(started_unix_s)
                 if time.monotonic() - checked_at < HOUSEKEEPING_S:
                     continue
                 checked_at = time.monotonic()
@@ -197,7 +213,7 @@ class Monitor:
                     continue
                 self.reap_orphans()
                 if self.standby is not None:
-                    self.standby.tend(lambda: self.stepped_since(started_unix_s),
+                    self.standby.tend(lambda: self.records.stepped_since(started_unix_s),
                                       lambda: build_worker_env(self.cfg, attempt + 1),
                                       self.jobdir.emit_event)
                 self.gpu_faults.poll()
@@ -205,24 +221,21 @@ class Monitor:
                         METRICS_TEXTFILE_S:
                     self._metrics_at = time.monotonic()
                     self.metrics.write_textfile()
-                if self.is_hung(started_unix_s):
+                if self.records.is_hung(started_unix_s):
                     hung = True
                     logger.warning("cfrun: no optimizer step for %ss (--hang-timeout); killing "
                                    "the ranks", self.cfg.hang_timeout_s)
                     self.jobdir.emit_event("hang", attempt=attempt,
                                            hang_timeout_s=self.cfg.hang_timeout_s)
                     self.kill_ranks()
-        self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
-        self.proc = None
-        duration_s = time.monotonic() - t0
-        self.jobdir.emit_event("attempt_end", attempt=attempt, returncode=rc,
-                               duration_s=round(duration_s, 3))
-        oom_after = oom_kill_count()
-        oom_kills = oom_after - oom_before if oom_before is not None and \
-            oom_after is not None else 0
-        errors = self.rank_errors(attempt)
-        marks = self.ended_marks(attempt)
-        stopped = self.preempted_marks(attempt)
+
+    def _outcome(self, attempt: int, rc: int, duration_s: float, started_unix_s: float,
+                 log_path: Path, *, hung: bool, agent_error: str | None,
+                 oom_kills: int) -> Outcome:
+        """The attempt's :class:`Outcome` from its exit code and what the ranks left."""
+        errors = self.records.rank_errors(attempt)
+        marks = self.records.ended_marks(attempt)
+        stopped = self.records.preempted_marks(attempt)
         raised = {e.rank for e in errors}
         rank_exits = tuple(read_rank_exits(str(log_path))) if rc else ()
         return Outcome(
@@ -233,22 +246,22 @@ class Monitor:
             ranks_exited_nonzero=sum(1 for r, m in marks.items() if m.get("clean") is not True
                                      and not m.get("preempted") and r not in raised),
             ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
-            fatal_message=self.fatal_message(), last_step=self.last_step(),
-            oom_kills=max(oom_kills, 0), agent_error=agent_error,
+            fatal_message=self.records.fatal_message(), last_step=self.records.last_step(),
+            oom_kills=oom_kills, agent_error=agent_error,
             committed_steps=tuple(committed_steps(self.jobdir.checkpoints)),
             rank_exits=rank_exits,
             hardware_faults=tuple(self.gpu_faults.faults()) if rc else (),
-            made_a_step=self.stepped_since(started_unix_s), output_closed=output_closed(),
+            made_a_step=self.records.stepped_since(started_unix_s), output_closed=output_closed(),
             launch_error=read_usage_error(str(log_path)) if rc == 2 and not rank_exits
             and self.cfg.launcher == "torchrun" else None)
 
     def stopped(self, signame: str) -> Outcome:
         """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,
         read after :meth:`shutdown` and after the agent stopped (its final commit counts)."""
-        stopped = self.preempted_marks(self.attempt)
+        stopped = self.records.preempted_marks(self.attempt)
         return Outcome(attempt=self.attempt, returncode=None, signal=signame,
                        ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
-                       last_step=self.last_step(),
+                       last_step=self.records.last_step(),
                        committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))
 
     def forward_pending(self) -> None:
@@ -274,141 +287,6 @@ class Monitor:
             name = signal.Signals(signum).name
             logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
             self.jobdir.emit_event("signal_forwarded", signal=name, ranks=len(ranks))
-
-    def progress(self, started_unix_s: float) -> None:
-        """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
-        steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
-        ``write``, so it never cuts into a line of the script's own output (a script line
-        written in two parts, as ``print`` under ``python -u`` does, can still have a progress
-        line land between them)."""
-        now = time.monotonic()
-        if not self.progress_s or now - self._progress_at < self.progress_s:
-            return
-        self._progress_at = now
-        step = self.last_step()
-        if step is None:  # no beat yet, or one being rewritten: keep the previous sample
-            return
-        if self._progress_step[0] == 0.0:  # the first sample: a rate needs two
-            self._progress_step = (now, step)
-            return
-        t0, s0 = self._progress_step
-        rate = (step - s0) / max(now - t0, 1e-9)
-        self._progress_step = (now, step)
-        steps = committed_steps(self.jobdir.checkpoints)
-        line = (f"cfrun: step {step} ({rate:.2f} steps/s), newest checkpoint step "
-                f"{steps[0] if steps else 'none'}, {self.overhead_text(started_unix_s)}\n")
-        try:
-            os.write(sys.stderr.fileno(), line.encode())
-        except (OSError, ValueError):
-            pass
-
-    def overhead_text(self, started_unix_s: float) -> str:
-        """``overhead S% stalled (budget B%)``: the job's overhead as ``cfrun status`` shows it
-        (:func:`cfrun.contract.events.overhead_seconds`, to now), and the step slowdown the
-        policy measured in its latest window (``adapt`` events of this attempt, since
-        ``started_unix_s``) when there is one."""
-        events = self.jobdir.read_events()
-        stall_s, wall_s = overhead_seconds(events, now_unix_s=time.time())
-        measured = None
-        for e in events:
-            if e.get("event") == "adapt" and e.get("t_unix_s", 0) >= started_unix_s \
-                    and e.get("measured_overhead") is not None:
-                measured = float(e["measured_overhead"])
-        text = f"overhead {100 * stall_s / max(wall_s, 1e-9):.2f}% stalled"
-        if measured is not None:
-            text += f", last policy window {100 * measured:.2f}%"
-        if self.cfg.interval is not None:
-            return text + f" (budget {100 * self.cfg.overhead:.2f}%, not applied: --interval)"
-        return text + f" (budget {100 * self.cfg.overhead:.2f}%)"
-
-    def mtbf_s(self) -> float | None:
-        """``--mtbf``, else learned from this job's history (wall time per failure)."""
-        if self.cfg.mtbf_s:
-            return self.cfg.mtbf_s
-        events = self.jobdir.read_events()
-        wall_s = sum(float(e.get("duration_s", 0)) for e in events
-                     if e.get("event") == "attempt_end")
-        failures = sum(1 for e in events if e.get("event") == "failure")
-        return learned_mtbf_s(wall_s, failures)
-
-    def stepped_since(self, started_unix_s: float) -> bool:
-        """A rank wrote a heartbeat (one per optimizer step) at or after ``started_unix_s``."""
-        for p in co.heartbeat_paths(self.jobdir.root):
-            try:
-                if p.stat().st_mtime >= started_unix_s:
-                    return True
-            except OSError:  # removed meanwhile
-                continue
-        return False
-
-    def is_hung(self, started_unix_s: float) -> bool:
-        """No rank wrote a heartbeat (one per optimizer step) for ``hang_timeout_s``."""
-        limit = self.cfg.hang_timeout_s
-        if not limit:
-            return False
-        beats = []
-        for p in co.heartbeat_paths(self.jobdir.root):
-            try:
-                beats.append(p.stat().st_mtime)
-            except OSError:  # removed meanwhile
-                continue
-        beats = [t for t in beats if t >= started_unix_s]
-        if not beats:  # before the first step: startup, data loading, resume
-            return time.time() - started_unix_s > max(limit, 600.0)
-        return time.time() - min(beats) > limit
-
-    # ------------------------------------------------------------------ what the ranks left
-
-    def last_step(self) -> int | None:
-        """The highest step in the ranks' heartbeats (``heartbeat-rank-*``), None before any."""
-        return co.newest_heartbeat_step(self.jobdir.root)
-
-    def ended_marks(self, attempt: int) -> dict[int, dict[str, Any]]:
-        """rank -> the end-of-script mark this node's rank wrote in ``attempt``
-        (:class:`cfrun.contract.coordination.EndedMark`: ``clean``, ``preempted``, ``step``);
-        an unreadable or malformed mark reads as not clean."""
-        out: dict[int, dict[str, Any]] = {}
-        for rank, p in co.ended_of(self.jobdir.root, self.cfg.node_rank, attempt).items():
-            mark = co.read(p, co.EndedMark)
-            out[rank] = mark.to_json() if mark is not None else {"clean": False}
-        return out
-
-    def rank_errors(self, attempt: int) -> tuple[RankError, ...]:
-        """The ranks' errors of ``attempt`` (``errors/attempt-A-rank-R.json``,
-        :class:`cfrun.contract.coordination.RankError`); unreadable or malformed records are
-        skipped."""
-        out = []
-        for rank, path in co.errors_of(self.jobdir.root, attempt).items():
-            e = co.read(path, co.RankError)
-            if e is None:
-                continue
-            try:
-                t = e.t_unix_s if e.t_unix_s else path.stat().st_mtime
-            except OSError:
-                continue
-            out.append(RankError(rank=rank, type=e.type, message=e.message, step=e.step,
-                                 t_unix_s=float(t)))
-        return tuple(out)
-
-    def preempted_marks(self, attempt: int) -> list[int]:
-        """The stop steps of this node's ranks' ``preempted`` marks of ``attempt``
-        (cfrun.rank.preemption.Marks)."""
-        steps = []
-        for p in co.preempted_of(self.jobdir.root, self.cfg.node_rank, attempt).values():
-            mark = co.read(p, co.PreemptedMark)
-            if mark is not None:
-                steps.append(mark.step)
-        return steps
-
-    def fatal_message(self) -> str | None:
-        """``fatal.json``'s message (a rank found that resuming would be wrong), or None
-        without one; ``"unknown"`` when it exists but is unreadable or malformed (its presence
-        alone stops the job)."""
-        path = co.fatal_path(self.jobdir.root)
-        if not co.exists(path):
-            return None
-        fatal = co.read(path, co.Fatal)
-        return fatal.message if fatal is not None else "unknown"
 
     # ------------------------------------------------------------------ processes
 
