@@ -390,7 +390,7 @@ def run_cmd(
     cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
                               job_key_file=_job_key_path(job_key_file), reshard=reshard)
     if dry_run:
-        from cfrun.supervisor.core import dry_run_outcome
+        from cfrun.supervisor.admission import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv
 
         config = cfg.to_json()

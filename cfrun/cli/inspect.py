@@ -491,7 +491,7 @@ def export_note(jd: JobDir, step: int, *, asked: bool) -> str:
     final checkpoint failed (the ``final_checkpoint`` event's reason) or was never taken (a
     cfrun before final checkpoints); or the job did not finish (stopped, failed, preempted),
     so the steps after its newest checkpoint were not saved. Reads only."""
-    from cfrun.supervisor.core import finished_at
+    from cfrun.supervisor.admission import finished_at
 
     last = co.newest_heartbeat_step(jd.root)
     if last is None or step >= last:

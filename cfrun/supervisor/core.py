@@ -39,44 +39,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
-from cfrun.contract import coordination, early_signals, faults, ipc, slots
+from cfrun.contract import coordination, early_signals, faults, slots
 from cfrun.contract import settings as E
-from cfrun.contract.checkpoints import committed_steps, is_final
+from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import (
-    ACCEPTED,
-    FINISHED,
-    Command,
     Identity,
     RunConfig,
-    WorldSizeRefusedError,
-    check_identity,
     redact_url,
-    resume_command,
-)
-from cfrun.contract.errors import (
-    BadInputError,
-    ChangedCommandError,
-    FatalJobError,
-    JobDirLockedError,
 )
 from cfrun.contract.jobdir import (
-    FOREIGN_PREFIX,
-    PREVIOUS_CHECKPOINTS_PREFIX,
     JobDir,
     atomic_write_json,
-    step_dir_name,
 )
-from cfrun.contract.jobkey import ensure_job_key, existing_job_key
-from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
+from cfrun.contract.manifest import FORMAT_VERSION
+from cfrun.supervisor.admission import Admission
+from cfrun.supervisor.agentproc import AgentProcess
 from cfrun.supervisor.launcher import (
-    die_with_parent,
     kill_job_processes,
     leftover_agent_pid,
-    module_argv,
     spawn,
     start_reaper,
 )
@@ -88,7 +71,6 @@ from cfrun.supervisor.machine import (
     SupervisorState,
     decide,
 )
-from cfrun.supervisor.machine import describe_returncode as _describe
 from cfrun.supervisor.monitor import Monitor
 from cfrun.supervisor.standby import Standby, standby_wanted
 
@@ -125,26 +107,6 @@ def _become_subreaper() -> None:
         pass
 
 
-def _lock_held(path: Path) -> bool:
-    """True when a live process holds the job dir's lock at ``path``; probed with a shared
-    ``flock`` on a read-only descriptor, so the file is neither created nor truncated."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
-
-
 class SignalReceived(BaseException):
     """A stop signal (:func:`stop_signals`) arrived; ``signum`` says which.
 
@@ -157,97 +119,6 @@ class SignalReceived(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
-                    rerun: bool = False) -> str:
-    """What a run of ``cfg`` would do with its job dir, for ``cfrun --dry-run`` (issue 27,
-    item 8): ``new``, ``resume from step N``, ``start over`` (no checkpoint), ``finished``
-    (nothing to do), ``refused`` (a changed command, exit 2) or ``locked`` (exit 3), with the
-    reason. Reads only, as :meth:`Supervisor.run` decides before it writes anything."""
-    jd = JobDir(cfg.job_dir)
-    if not jd.root.exists():
-        return "new: the job dir does not exist yet; the job starts at step 0"
-    steps = committed_steps(jd.checkpoints)
-    try:
-        _, changes, _ = check_identity(
-            jd.identity_path, Command.of(cfg), job_name=cfg.job_name,
-            accept_changed=accept_changed_command, nnodes=cfg.nnodes, resumable=bool(steps),
-            reshard=cfg.reshard)
-    except BadInputError as e:
-        fresh = finished_changed(jd, cfg, e)
-        if fresh is not None:
-            return (f"start at step 0: the job finished {fresh} and its command changed; its "
-                    f"checkpoints would be moved to {jd.root / PREVIOUS_CHECKPOINTS_PREFIX}"
-                    "<UTC time>")
-        return f"refused (exit 2): {e}"
-    except WorldSizeRefusedError as e:
-        return f"refused (exit 5): {e}"
-    finished = None if changes or rerun else finished_at(jd, cfg.node_rank)
-    if finished is not None:
-        return f"finished {finished}: nothing to do (exit 0; --rerun runs it again)"
-    if _lock_held(jd.lock_path):
-        return "locked (exit 3): another cfrun runs this job"
-    resumable = [s for s in steps if not is_final(jd.checkpoints / step_dir_name(s))]
-    if resumable:  # a resume never starts from the final checkpoint (issue 27, item 2)
-        why = " (changed command accepted)" if changes else ""
-        try:
-            saved = read_manifest(jd.checkpoints / step_dir_name(resumable[0])).world_size
-        except Exception:  # unreadable: the ranks judge it
-            saved = None
-        world = cfg.nproc_per_node * cfg.nnodes
-        if saved is not None and saved != world:
-            why = (f" resharded from {saved} to {world} ranks (--reshard; not bit-exact)"
-                   if cfg.reshard else "")
-            if not cfg.reshard:
-                return (f"refused (exit 5): checkpoint step {resumable[0]} was written by "
-                        f"{saved} ranks and this run has {world}; add --reshard")
-        return f"resume from the checkpoint of step {resumable[0]}" + why
-    return "start at step 0: the job dir holds no checkpoint"
-
-
-def finished_changed(jd: JobDir, cfg: RunConfig, refusal: BadInputError) -> str | None:
-    """``"at step N on DATE"`` where ``refusal`` refused a changed command (the script edited,
-    other arguments) in the job dir of a job that finished (:func:`finished_at`) on one node,
-    and no ``--accept-changed-command`` asked to go on from its checkpoints: such a run starts
-    over, from step 0, with the finished run's checkpoints set aside (issue 37, item 2). None:
-    the refusal stands (an unfinished job's checkpoints are work to go on from). Reads only."""
-    if not isinstance(refusal, ChangedCommandError) or cfg.nnodes != 1:
-        return None
-    return finished_at(jd, cfg.node_rank)
-
-
-def finished_at(jd: JobDir, node_rank: int) -> str | None:
-    """``"at step N on DATE"`` when this node's last attempt of the job in ``jd`` succeeded
-    (its last ``state`` event is ``succeeded`` and no attempt started since) and the job
-    committed a checkpoint, else None: a run that never committed one (``cfrun profile``, a
-    script's ``-h``) did no training to protect, so its command runs again.
-
-    The step is the newest any rank's heartbeat reached (the script's end), else the newest
-    committed checkpoint; the date is the event's, in UTC. Reads only; never raises for a
-    missing or unreadable events file (None).
-    """
-    last_state: dict[str, Any] | None = None
-    if not committed_steps(jd.checkpoints):
-        return None
-    try:
-        events = jd.read_events()
-    except Exception:  # unreadable: not known to be finished
-        return None
-    for e in events:
-        if e.get("node", 0) != node_rank:
-            continue
-        if e.get("event") == "state":
-            last_state = e
-        elif e.get("event") == "attempt_start":
-            last_state = None
-    if last_state is None or last_state.get("state") != SupervisorState.SUCCEEDED.value:
-        return None
-    beat = coordination.newest_heartbeat_step(jd.root)
-    steps = [beat] if beat is not None else committed_steps(jd.checkpoints)[:1]
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(last_state.get("t_unix_s",
-                                                                                   0))))
-    return f"at step {max(steps)} on {when}" if steps else f"on {when}"
 
 
 class Supervisor:
@@ -274,8 +145,8 @@ class Supervisor:
         """The job dir's (device, inode) when its lock was taken."""
         self.identity: Identity | None = None  # the job's (None: cfrun profile)
         self.state = SupervisorState.STARTING
-        self.agent: subprocess.Popen[bytes] | None = None
-        self.slot_dir: Path | None = None  # the job's private slot directory (contract.slots)
+        self.agents = AgentProcess(cfg, self.jobdir)
+        """The node's persist agent (:mod:`cfrun.supervisor.agentproc`)."""
         self.reaper: subprocess.Popen[bytes] | None = None
         self._shutting_down = False
         self._second_signal = False
@@ -317,45 +188,15 @@ class Supervisor:
         """
         jd = self.jobdir
         jd.check_usable()
-        identity: Identity | None = None
-        changes: list[str] = []
-        write = False
-        fresh: str | None = None  # a finished job whose command changed: "at step N on DATE"
-        if not self.cfg.profile_only:  # reads only: a refused command changes nothing
-            command = Command.of(self.cfg)
-            try:
-                identity, changes, write = check_identity(
-                    jd.identity_path, command, job_name=self.cfg.job_name,
-                    accept_changed=self.accept_changed_command, nnodes=self.cfg.nnodes,
-                    resumable=bool(committed_steps(jd.checkpoints)), reshard=self.cfg.reshard)
-            except BadInputError as e:
-                if _lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
-                    raise JobDirLockedError(
-                        f"job dir {str(jd.root)!r} is in use by another cfrun") from None
-                fresh = finished_changed(jd, self.cfg, e)
-                if fresh is None:
-                    raise
-                identity, changes, write = check_identity(
-                    jd.identity_path, command, job_name=self.cfg.job_name, accept_changed=False,
-                    nnodes=self.cfg.nnodes, resumable=False, why=FINISHED)
-            finished = None if changes or self.rerun else finished_at(jd, self.cfg.node_rank)
-            if finished is not None:
-                resumable = [s for s in committed_steps(jd.checkpoints)
-                             if not is_final(jd.checkpoints / step_dir_name(s))]
-                rerun_from = f"from its checkpoint of step {resumable[0]}" if resumable \
-                    else "from step 0"
-                logger.info("cfrun: job %s finished %s; nothing to do. An edited script or "
-                            "other arguments start a new run (its checkpoints kept aside), so "
-                            "does a new --job-dir; to run it again %s: %s", jd.root, finished,
-                            rerun_from, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
-                return 0
+        admission = Admission(self.cfg, jd, accept_changed=self.accept_changed_command,
+                              rerun=self.rerun)
+        if not self.cfg.profile_only and admission.check():  # reads only
+            return 0  # a finished job: nothing to do (said in one line)
         try:  # a read-only or full disk, no permission: one line, exit 2, nothing started
             jd.create()
             jd.lock()
             self.jobdir_id = jd.dir_id()  # re-identified before each attempt (check_same)
-            previous = self._start_over(fresh, changes) if fresh is not None else None
-            if identity is not None:
-                self._take_identity(identity, changes, write, previous)
+            self.identity = admission.take()
             self._write_config()  # before a stop can be reported: `cfrun resume` needs it
         except OSError as e:
             raise jd.unwritable(e) from None
@@ -414,65 +255,6 @@ class Supervisor:
             else:
                 host = self.cfg.metrics.rpartition(":")[0]
                 logger.info("cfrun: metrics at http://%s:%d/metrics", host, port)
-
-    def _start_over(self, finished: str, changes: list[str]) -> Path:
-        """With the lock held: a finished job's command changed (``finished``: when it
-        finished). Its ``checkpoints/`` go aside (:meth:`JobDir.set_aside_checkpoints`), its
-        heartbeats (the old run's steps) are removed, and one line says so; returns where the
-        checkpoints went."""
-        previous = self.jobdir.set_aside_checkpoints()
-        for hb in coordination.heartbeat_paths(self.jobdir.root):
-            hb.unlink(missing_ok=True)
-        logger.info("cfrun: job %s finished %s and its command changed (%s): a new run starts "
-                    "at step 0; the finished run's checkpoints are kept in %s", self.jobdir.root,
-                    finished, "; ".join(changes), previous)
-        return previous
-
-    def _take_identity(self, identity: Identity, changes: list[str], write: bool,
-                       previous: Path | None = None) -> None:
-        """With the lock held: record the job's identity (new, or a change accepted with
-        ``--accept-changed-command``: a ``command_changed`` event and a warning; or a finished
-        job started over, its checkpoints set aside in ``previous``: the event) and set aside
-        checkpoints of another job found in ``checkpoints/`` (never resumed from)."""
-        self.identity = identity
-        if write:
-            atomic_write_json(self.jobdir.identity_path, identity.to_json())
-        if changes:
-            why = identity.changes[-1].get("why", ACCEPTED)
-            if previous is None:  # a started-over job said so already (_start_over)
-                logger.warning("cfrun: going on with a changed command (%s): %s", why,
-                               "; ".join(changes))
-            self.jobdir.emit_event(
-                "command_changed", changed=changes, fingerprint=identity.command.fingerprint,
-                why=why, **({"previous_checkpoints": str(previous)} if previous else {}))
-        self._set_aside_foreign(identity)
-
-    def _set_aside_foreign(self, identity: Identity) -> None:
-        """Move committed checkpoints whose manifest names another job id aside
-        (``foreign-step-N-<ms>``), with a ``foreign_checkpoint`` event each. Checkpoints without
-        a job id (an older cfrun wrote them into this job dir) stay."""
-        checkpoints = self.jobdir.checkpoints
-        for step in committed_steps(checkpoints):
-            src = checkpoints / step_dir_name(step)
-            try:
-                job_id = read_manifest(src).meta.get("job_id")
-            except Exception:  # an unreadable one is the resume's to judge and set aside
-                continue
-            if job_id is None or identity.owns(job_id):
-                continue
-            dst = checkpoints / f"{FOREIGN_PREFIX}{src.name}-{int(time.time() * 1000)}"
-            try:
-                os.rename(src, dst)
-            except FileNotFoundError:  # another node's supervisor moved it
-                continue
-            except OSError as e:
-                raise FatalJobError(f"checkpoint {src} is another job's (job id {job_id}) and "
-                                    f"cannot be moved aside ({e.strerror}); remove it") from None
-            logger.warning("cfrun: %s is another job's checkpoint (job id %s, this job %s); "
-                           "moved aside to %s, never resumed from", src, job_id,
-                           identity.job_id, dst.name)
-            self.jobdir.emit_event("foreign_checkpoint", step=step, job_id=str(job_id),
-                                   path=str(dst))
 
     def _queue_forward(self, signum: int, frame: Any) -> None:
         """Handler of :func:`forwarded_signals`: forwarded by the attempt's loop (≤ 0.1 s)."""
@@ -610,116 +392,23 @@ class Supervisor:
 
     # ------------------------------------------------------------------ persist agent
 
+    @property
+    def agent(self) -> subprocess.Popen[bytes] | None:
+        """The persist agent's process (:class:`cfrun.supervisor.agentproc.AgentProcess`)."""
+        return self.agents.proc
+
+    @agent.setter
+    def agent(self, proc: subprocess.Popen[bytes] | None) -> None:
+        self.agents.proc = proc
+
     def _start_agent(self) -> None:
-        """Start the node's persist agent (its own process group: it outlives rank restarts;
-        it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG).
-
-        Each start gets a new random socket name; the agent is in service once the process
-        answering there is the one started (pid and uid, ``SO_PEERCRED``) and ``agent.json``
-        names it. If another process answers (it took the name first), that is said in one
-        line, the agent is stopped and started again under a new name (3 tries).
-
-        Raises:
-            FatalJobError: no agent came up.
-            BadInputError: ``--job-key-file`` is not this job dir's key.
-        """
-        if self.cfg.job_key_file or not self.cfg.peer:  # the agent reads it there
-            ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
-        else:  # sealed under the peer token; an older cfrun's job.key still counts (issue 32)
-            existing_job_key(self.jobdir.root)
-        if self.slot_dir is None:
-            self.slot_dir = slots.create_dir(self.cfg.job_dir)
-        for _ in range(3):
-            address = ipc.new_agent_address()
-            if self._launch_agent(address):
-                return
-            if self.agent is not None and self.agent.poll() is None:
-                self.agent.kill()
-                self.agent.wait()
-        raise FatalJobError("the persist agent did not start (see its output above)")
-
-    def _launch_agent(self, address: str) -> bool:
-        """Start an agent at ``address``; True once it answers there and ``agent.json`` names
-        it, False if it died or another process answers."""
-        argv = [*module_argv("cfrun.agent"), "--job-dir", str(Path(self.cfg.job_dir).absolute()),
-                "--keep", str(self.cfg.keep),
-                "--world-size", str(self.cfg.nnodes * self.cfg.nproc_per_node)]
-        # the address and the level-2 URL (it may hold a password) go in the environment,
-        # which only this user reads: a command line is every user's (/proc/PID/cmdline), and
-        # a local user who read the address there bound it first (issue 24, items 5 and 7)
-        env = {**os.environ, E.AGENT_ADDRESS: address}
-        env.pop(E.PERSIST_TO, None)
-        if self.slot_dir is not None:
-            argv += ["--slot-dir", str(self.slot_dir)]
-        if self.cfg.peer:
-            argv += ["--peer", self.cfg.peer, "--peer-token-file", str(self.cfg.peer_token_file),
-                     "--peer-streams", str(self.cfg.peer_streams)]
-            if self.cfg.job_key_file:
-                argv += ["--per-job-key"]  # ensured in the job dir's job.key
-        if self.identity is not None:
-            argv += ["--peer-job", self.identity.job_name]
-        if self.cfg.persist_to:
-            env[E.PERSIST_TO] = self.cfg.persist_to
-        if self.cfg.nnodes > 1:
-            argv += ["--nnodes", str(self.cfg.nnodes), "--node-rank", str(self.cfg.node_rank),
-                     "--local-world-size", str(self.cfg.nproc_per_node)]
-        # dies with the supervisor: a SIGKILLed cfrun leaves no agent holding the socket
-        self.agent = subprocess.Popen(argv, start_new_session=True, cwd="/",  # not the user's
-                                      env=env, preexec_fn=die_with_parent())
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline and self.agent.poll() is None:
-            try:
-                ipc.connect(self.cfg.job_dir, timeout_s=1.0, address=address,
-                            expect_pid=self.agent.pid).close()
-            except ipc.RefusedPeer:
-                return False  # another process answers there (said in one line)
-            except OSError:
-                time.sleep(0.05)
-                continue
-            try:
-                if ipc.read_agent_record(self.cfg.job_dir).pid == self.agent.pid:
-                    return True
-            except OSError:
-                pass  # not written yet (or an old one)
-            time.sleep(0.05)
-        return False
+        """:meth:`AgentProcess.start` for this job's identity."""
+        self.agents.start(self.identity)
 
     def _check_agent(self) -> None:
-        """Restart the agent if it died; ranks reconnect at their next checkpoint."""
-        if self.agent is None or self.agent.poll() is None:
-            return
-        rc = self.agent.returncode
-        logger.warning("cfrun: the persist agent died (%s); restarting it", _describe(rc))
-        self.jobdir.emit_event("agent_restart", returncode=rc)
-        self._start_agent()
+        """:meth:`AgentProcess.check`: restart the agent if it died."""
+        self.agents.check(self.identity)
 
     def _stop_agent(self, deadline_s: float | None = None) -> None:
-        """Let the agent finish queued persists (SIGTERM), then make sure it is gone.
-
-        ``deadline_s`` (monotonic seconds; preemption): SIGKILL it if it is still running
-        then; an unfinished checkpoint stays uncommitted (staging is never visible). After a
-        second signal it is killed at once; otherwise it gets 120 s.
-        """
-        agent = self.agent
-        if agent is not None and agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            if self._second_signal:
-                wait_s = 0.0
-            elif deadline_s is not None:
-                wait_s = max(0.0, deadline_s - time.monotonic())
-            else:
-                wait_s = 120.0
-            try:
-                agent.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                if deadline_s is not None and not self._second_signal:
-                    logger.warning("cfrun: the persist agent did not finish by the grace "
-                                   "deadline; killed it (what it was writing is not committed)")
-                agent.kill()
-                try:
-                    agent.wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    pass
-        self.agent = None
-        slots.remove_dirs(self.jobdir.root)
-        self.slot_dir = None
+        """:meth:`AgentProcess.stop`, at once after a second signal."""
+        self.agents.stop(deadline_s, second_signal=self._second_signal)

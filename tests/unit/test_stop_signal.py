@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from cfrun.supervisor.agentproc import AgentProcess
 from cfrun.supervisor.core import SignalReceived, Supervisor
 
 
@@ -29,6 +30,7 @@ class _SignalledWhileFormatting(logging.StreamHandler):
 def test_a_sigterm_inside_a_log_call_reaches_the_supervisor():
     sup = Supervisor.__new__(Supervisor)  # only its signal handler is used
     sup._shutting_down = False
+    sup.agents = AgentProcess.__new__(AgentProcess)
     sup.agent = None
     logger = logging.getLogger("cfrun.test-stop-signal")
     logger.propagate = False
