@@ -38,12 +38,12 @@ def _num(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def goodput(events: Iterable[dict[str, Any]], *, now_unix_s: float | None = None
-            ) -> dict[str, Any] | None:
-    """``{wall_s, productive_s, ettr, lost_s: {cause: seconds}, recomputed_steps, step_s,
-    restarts}`` from the job's events in order, or None before any attempt started.
-    ``now_unix_s``: the end of an attempt still running (else its newest event). Never raises
-    for odd events (a missing field leaves its part at 0)."""
+def _scan(events: Iterable[dict[str, Any]]) -> tuple[
+        list[dict[str, Any]], dict[int, dict[str, Any]], list[tuple[int, int, float]], float,
+        float, float | None]:
+    """One pass over the events: the supervisor's runs (their start, their attempts), each
+    attempt's start, end, first step, resumed step and failed step, the checkpoints' (attempt,
+    step, time), the stalls' and the profile's sums, and the newest event's time."""
     runs: list[dict[str, Any]] = []
     attempts: dict[int, dict[str, Any]] = {}
     stall_s = profiling_s = 0.0
@@ -85,6 +85,16 @@ def goodput(events: Iterable[dict[str, Any]], *, now_unix_s: float | None = None
                 ckpts.append((att, e["step"], t))
         elif kind == "profile":
             profiling_s += max(0.0, _num(e.get("excess_s")) or 0.0)
+    return runs, attempts, ckpts, stall_s, profiling_s, last_t
+
+
+def goodput(events: Iterable[dict[str, Any]], *, now_unix_s: float | None = None
+            ) -> dict[str, Any] | None:
+    """``{wall_s, productive_s, ettr, lost_s: {cause: seconds}, recomputed_steps, step_s,
+    restarts}`` from the job's events in order, or None before any attempt started.
+    ``now_unix_s``: the end of an attempt still running (else its newest event). Never raises
+    for odd events (a missing field leaves its part at 0)."""
+    runs, attempts, ckpts, stall_s, profiling_s, last_t = _scan(events)
     if not attempts:
         return None
     per_step = [(t2 - t1) / (s2 - s1) for (a1, s1, t1), (a2, s2, t2) in zip(ckpts, ckpts[1:])
