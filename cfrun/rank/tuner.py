@@ -59,14 +59,14 @@ import json
 import math
 import statistics
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
 from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.policy import NEAR_STEPS, Costs, adapt_interval, choose_interval, measure_overhead
-from cfrun.rank.log import say
+from cfrun.rank.iterlog import IterationLog
+from cfrun.rank.plan import PlanBoard
 
 WARMUP_STEPS = 3
 QUIET_STEPS = 10
@@ -163,13 +163,8 @@ class Tuner:
         :meth:`on_step`): profiling probes :data:`PROBE_MODES_CUDA`."""
         self.profile_steps = PROFILE_MAX_STEPS
         self._gap = 0
-        self._last_t: float | None = None
-        self._iters: list[tuple[int, float, bool]] = []
-        """(step that ended the iteration, its duration in seconds, checkpoint in flight)."""
-        self._ckpts: list[int] = []
-        """Steps of the checkpoints taken (profiling and tuned), oldest first."""
-        self._pgt_s: dict[int, float] = {}
-        """Checkpoint step -> seconds from its boundary to its commit (rank 0's records)."""
+        self.log = IterationLog()
+        """The iterations and checkpoints measured (rank 0; :mod:`cfrun.rank.iterlog`)."""
         self._profile: dict[int, Any] = {}
         self._probe_steps: list[int] = []
         self._taken: dict[int, str] = {}
@@ -190,29 +185,13 @@ class Tuner:
         self.done_profiling = False
         self._first_step: int | None = None
         """This attempt's first step seen by :meth:`on_step`."""
-        self._plan_from: int | None = 0 if self.phase == "fixed" else None
-        """No checkpoint before this step; None: no plan of this attempt yet (no checkpoint)."""
-        self._prev: tuple[str, int, int] | None = None
-        """(phase, interval, base step) of the plan before the current one, which applies
-        until :attr:`_switch_step` (:meth:`due`)."""
-        self._switch_step = 0
-        self._in_force: tuple[str, int, int] | None = None
-        """(phase, interval, base step) of the newest plan published or adopted."""
+        self.board = PlanBoard(jobdir, rank=rank, attempt=attempt, node_rank=node_rank,
+                               fixed=self.phase == "fixed")
+        """The plan record every rank follows (:mod:`cfrun.rank.plan`)."""
         self._done_step: int | None = None
         """``cfrun profile``: the step at which every rank stops (the decision's step + 1)."""
-        self._seq = 0
-        """Rank 0: plans published this attempt. A follower: the last one adopted."""
-        self.attempt_id = uuid.uuid4().hex if rank == 0 else ""
-        self._stale_id: str | None = None
-        """A follower: the ``attempt_id`` in ``strategy.json`` when it started (an earlier
-        attempt's, never followed)."""
-        self._plan_stat: tuple[int, int] | None = None
-        self._late_said = False
-        if self.phase == "profiling":
-            if rank == 0:
-                self._load_cache()
-            else:  # rank 0's plan only: no cache of its own (issue 22)
-                self._stale_id = _record_of(self.jobdir.strategy_path).get("attempt_id")
+        if self.phase == "profiling" and rank == 0:  # a follower: rank 0's plan only, no
+            self._load_cache()  # cache of its own (issue 22)
 
     # ------------------------------------------------------------------ cache
 
@@ -244,7 +223,7 @@ class Tuner:
         cached, self.cached_state_bytes = self.cached_state_bytes, None
         if cached is not None and abs(nbytes - cached) > 0.1 * cached and self.phase == "tuned":
             self.phase, self.done_profiling = "profiling", False
-            self._iters, self._ckpts, self._pgt_s = [], [], {}
+            self.log.clear()
             self._profile, self._probe_steps, self._taken = {}, [], {}
             self._window_lo = None
             self.profile_steps = 0  # set from the current step below
@@ -259,10 +238,7 @@ class Tuner:
         in flight during it; rank 0 decides at the end of profiling and of each window."""
         if self.phase == "fixed":
             return  # nothing to measure
-        now = time.perf_counter()
-        if self._last_t is not None and self.rank == 0:
-            self._iters.append((step, now - self._last_t, inflight is not None))
-        self._last_t = now
+        self.log.tick(step, inflight is not None, keep=self.rank == 0)
         if self._first_step is None:
             self._first_step = step
         if self.rank != 0:
@@ -276,7 +252,7 @@ class Tuner:
         if self.phase == "profiling" and not self._probe_steps:
             self._plan_probes(step)
             self._publish(step, "profiling", "profiling: measuring the checkpoint costs", None)
-        elif self._plan_from is None:  # the cached decision, for this attempt's ranks
+        elif self.board.plan_from is None:  # the cached decision, for this attempt's ranks
             self._publish(step, "cache", self._cache_reason, None)
         probes = len(self._probe_steps)
         if (self.phase == "profiling" and self._profile
@@ -309,7 +285,7 @@ class Tuner:
         before a new one's effective step. Every rank then decides alike whether it read the
         new plan at its step ``s`` or ``s + 1`` (rank 0 decides at ``s``; the step is 2
         ahead); plans are at least that many steps apart, so none is skipped."""
-        if self._plan_from is None or step < self._plan_from:
+        if self.board.plan_from is None or step < self.board.plan_from:
             return False
         phase, interval, base = self._plan_at(step)
         if phase == "profiling":
@@ -328,16 +304,14 @@ class Tuner:
 
     def _plan_at(self, step: int) -> tuple[str, int, int]:
         """(phase, interval, base step) of the plan that applies at ``step``."""
-        if self._prev is not None and step < self._switch_step:
-            return self._prev
-        return self.phase, self.interval, self.base_step
+        return self.board.at(step, (self.phase, self.interval, self.base_step))
 
     def _period(self) -> int:
         return period_steps(self.interval)
 
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
-        self._ckpts.append(step)
+        self.log.ckpts.append(step)
         if self._plan_at(step)[0] != "profiling":  # a re-profile's plan not yet in force
             return self.mode
         modes = probe_modes(len(self._probe_steps))
@@ -351,7 +325,7 @@ class Tuner:
         """A checkpoint committed (rank 0 gets every record): keep its times."""
         if self.rank != 0:
             return
-        self._pgt_s[step] = float(record.get("pgt_s") or 0.0)
+        self.log.pgt_s[step] = float(record.get("pgt_s") or 0.0)
         if self.phase == "profiling" and step in self._taken:
             if self._taken[step] != "warmup":  # the first one pays one-time setup costs
                 self._profile[step] = record
@@ -368,14 +342,14 @@ class Tuner:
         warm = [p for p in taken if self._taken[p] == "warmup"]
         lo = (warm[0] + NEAR_STEPS + 1) if warm else 0
         hi = (max(taken) + self._gap) if taken else 0
-        window = measure_overhead(self._iters, taken, lo, hi, radius_steps=2 * self._gap)
+        window = measure_overhead(self.log.iters, taken, lo, hi, radius_steps=2 * self._gap)
         if window is None:
             # no clean iteration between the probes: each persist outlasted the gap (issue 33:
             # 3.4 s persists of 71 ms steps on an H100, gap 40), so every iteration there had
             # one in flight. The clean iterations before the first probe are the baseline, and
             # every later iteration is a probe's cost (before this, iter_s fell back to 1 s,
             # the interference to 0, and the policy chose k = 4 for a 49-step persist: +16%)
-            window = measure_overhead(self._iters, taken, 0, hi, radius_steps=None)
+            window = measure_overhead(self.log.iters, taken, 0, hi, radius_steps=None)
         excess: dict[str, list[float]] = {}
         records: dict[str, list[dict[str, Any]]] = {}
         for p in taken:
@@ -385,7 +359,7 @@ class Tuner:
             excess.setdefault(mode, []).append(window.excess_s.get(p, 0.0) if window else 0.0)
             records.setdefault(mode, []).append(self._profile[p])
         iter_s = window.base_s if window else (
-            statistics.median(dt for _, dt, _ in self._iters) if self._iters else 1.0)
+            statistics.median(dt for _, dt, _ in self.log.iters) if self.log.iters else 1.0)
         self.iter_s = iter_s
         self.probes = [{"step": p, "mode": self._taken[p],
                         "excess_s": round(window.excess_s[p], 6) if window and p in
@@ -414,7 +388,7 @@ class Tuner:
 
     def _decide(self, step: int) -> None:
         options = self.probe_costs()
-        spent = measure_overhead(self._iters, sorted(self._taken), 0, step + 1,
+        spent = measure_overhead(self.log.iters, sorted(self._taken), 0, step + 1,
                                  radius_steps=2 * self._gap)
         if spent is not None:  # the profile's cost, its warm-up probe included
             self._spent_s, self._base_total_s = spent.excess_total_s, spent.base_total_s
@@ -426,7 +400,7 @@ class Tuner:
         self.phase, self.done_profiling = "tuned", True
         self.base_step = step + PLAN_AHEAD_STEPS
         self._window_lo = self.base_step
-        self._prune(self.base_step)
+        self.log.prune(self.base_step)
         out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
                "model_bytes": model_bytes,
                "opt_step_s": statistics.median(self.opt_step_s) if self.opt_step_s else None,
@@ -454,14 +428,14 @@ class Tuner:
         if lo is None:  # no window open (the caller opens one first)
             return
         hi = lo + self._period()
-        window = measure_overhead(self._iters, self._ckpts, lo, hi,
+        window = measure_overhead(self.log.iters, self.log.ckpts, lo, hi,
                                   radius_steps=max(2 * self.interval, 20))
         self._window_lo = hi
         if window is None:
             self._always_in_flight(step, lo, hi)
-            self._prune(hi)
+            self.log.prune(hi)
             return
-        pgts = [self._pgt_s[p] for p in self._ckpts if lo <= p < hi and p in self._pgt_s]
+        pgts = [self.log.pgt_s[p] for p in self.log.ckpts if lo <= p < hi and p in self.log.pgt_s]
         k_min = self.k_min
         if pgts:  # one checkpoint in flight at the persist times this window saw
             k_min = max(1, math.ceil(statistics.median(pgts) / window.base_s - 1e-9))
@@ -489,7 +463,7 @@ class Tuner:
             self.base_step = step + PLAN_AHEAD_STEPS
             self._window_lo = self.base_step
             self._publish(step, "adapt", reason, None)
-        self._prune(self._window_lo)
+        self.log.prune(self._window_lo)
 
     def _always_in_flight(self, step: int, lo: int, hi: int) -> None:
         """A window without clean iterations: if a checkpoint was in flight during every one
@@ -497,12 +471,12 @@ class Tuner:
         an H100 kept one in flight all the time, every checkpoint deferred, +16%). Raise ``k``
         to the persist's length in steps, then at least double it, so that the next window
         has clean iterations to measure against."""
-        seen = [busy for s, _, busy in self._iters if lo <= s < hi]
+        seen = [busy for s, _, busy in self.log.iters if lo <= s < hi]
         if len(seen) < 3 or not all(seen):
             return
-        base_s = self.iter_s or statistics.median(dt for s, dt, _ in self._iters
+        base_s = self.iter_s or statistics.median(dt for s, dt, _ in self.log.iters
                                                    if lo <= s < hi)
-        pgts = [t for p, t in self._pgt_s.items() if t > 0]
+        pgts = [t for p, t in self.log.pgt_s.items() if t > 0]
         k_min = max(self.k_min, math.ceil(max(pgts) / base_s) if pgts else 1)
         new = max(k_min + 1, 2 * self.interval)
         self.k_min = k_min
@@ -517,13 +491,6 @@ class Tuner:
         self.base_step = step + PLAN_AHEAD_STEPS
         self._window_lo = self.base_step
         self._publish(step, "adapt", reason, None)
-
-    def _prune(self, lo: int) -> None:
-        """Keep only what the next window needs (one window in memory)."""
-        keep = lo - 2 * NEAR_STEPS
-        self._iters = [it for it in self._iters if it[0] >= keep]
-        self._ckpts = [p for p in self._ckpts if p >= keep]
-        self._pgt_s = {p: t for p, t in self._pgt_s.items() if p >= keep}
 
     def profile_done(self, step: int) -> bool:
         """``cfrun profile``: whether the script stops after ``step``. Every rank stops at the
@@ -544,71 +511,33 @@ class Tuner:
             "fingerprint": self.key, "source": source, "reason": reason,
             "predicted_overhead": predicted, "budget": self.budget,
             "attempt": self.attempt, "node_rank": self.node_rank,
-            "attempt_id": self.attempt_id, "seq": self._seq}
+            "attempt_id": self.board.attempt_id, "seq": self.board.seq}
 
     def _publish(self, step: int, source: str, reason: str, predicted: float | None) -> None:
         """Rank 0: publish the plan made at ``step`` (:meth:`plan`), for steps from
         ``step + PLAN_AHEAD_STEPS`` on; rank 0 itself follows it from there too."""
-        self._seq += 1
-        record = self.plan(step, source, reason, predicted)
-        self._switch_to(record)
+        self.board.seq += 1
         self._done_step = (self._done_step or step + 1) if self.phase == "tuned" else None
-        try:
-            atomic_write_json(self.jobdir.strategy_path, record)
-        except OSError as e:  # the followers take no checkpoints: the agent fails rank 0's
-            say(f"WARNING: the checkpoint plan could not be written ({e!r})")
-
-    def _switch_to(self, record: dict[str, Any]) -> None:
-        """``record`` (published or adopted) is the plan from its effective step on; the one
-        before it (as of the last record) applies until then."""
-        effective = int(record["effective_step"])
-        if self._plan_from is None:
-            self._plan_from = effective
-        else:
-            self._prev = self._in_force
-        self._in_force = (str(record["phase"]), int(record.get("interval") or 0),
-                          int(record["base_step"]))
-        self._switch_step = effective
+        self.board.publish(self.plan(step, source, reason, predicted))
 
     def _follow_strategy(self, step: int) -> None:
         """Ranks other than 0 adopt rank 0's newest plan of this attempt from ``strategy.json``
         (read when the file changed). Without one, no checkpoint; said once after
         :data:`PLAN_LATE_STEPS` steps."""
-        path = self.jobdir.strategy_path
-        try:
-            st = path.stat()
-        except OSError:
-            st = None
-        key = (st.st_ino, st.st_mtime_ns) if st is not None else None
-        if key is not None and key != self._plan_stat:
-            self._plan_stat = key
-            record = _record_of(path)
-            if self._of_this_attempt(record) and int(record.get("seq", 0)) > self._seq:
-                self._adopt(record)
+        record = self.board.newer()
+        if record is not None:
+            self._adopt(record)
         first = self._first_step if self._first_step is not None else step
-        if self._plan_from is None and step >= first + PLAN_LATE_STEPS and not self._late_said:
-            self._late_said = True
-            say(f"WARNING: no checkpoint plan from rank 0 for attempt {self.attempt} after "
-                f"{PLAN_LATE_STEPS} steps ({path}); this rank takes no checkpoints until it "
-                "comes")
-
-    def _of_this_attempt(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` is rank 0's plan of the current attempt: on rank 0's node its
-        attempt number; on another node an ``attempt_id`` other than the stale one."""
-        if not record.get("attempt_id"):
-            return False
-        if record.get("node_rank") == self.node_rank:
-            return record.get("attempt") == self.attempt
-        return record["attempt_id"] != self._stale_id
+        self.board.warn_if_late(step, first, PLAN_LATE_STEPS)
 
     def _adopt(self, record: dict[str, Any]) -> None:
         """Follow ``record`` (a follower): its phase, interval, mode and steps. A new probe plan
         starts the follower's probes afresh, as :meth:`_plan_probes` does rank 0's."""
-        self._seq = int(record["seq"])
+        self.board.seq = int(record["seq"])
         self.phase, self.mode = str(record["phase"]), str(record["mode"])
         self.interval = int(record.get("interval") or 0)
         self.base_step = int(record["base_step"])
-        self._switch_to(record)
+        self.board.switch_to(record)
         probes = [int(p) for p in record.get("probe_steps") or []]
         if self.phase == "profiling" and probes != self._probe_steps:
             self._probe_steps, self._taken = probes, {}
@@ -617,15 +546,6 @@ class Tuner:
         self.done_profiling = self.phase == "tuned"
         self._done_step = (self._done_step or int(record["effective_step"]) - 1) \
             if self.done_profiling else None
-
-
-def _record_of(path: Path) -> dict[str, Any]:
-    """``strategy.json``'s record, or ``{}`` when it is missing or unreadable."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
 
 
 def _memory() -> str:

@@ -30,8 +30,8 @@ def _profiled(t: Tuner) -> Tuner:
     record = {"stall_s": 0.026, "snapshot_s": 0.08, "persist_s": 3.4, "bytes": 4_426_938_223,
               "pgt_s": 3.48}
     t._profile = {71: dict(record), 111: dict(record)}
-    t._pgt_s = {31: 3.48, 71: 3.48, 111: 3.48}
-    t._iters = [(s, CLEAN_S if s <= 31 else BUSY_S, s > 31) for s in range(4, 152)]
+    t.log.pgt_s = {31: 3.48, 71: 3.48, 111: 3.48}
+    t.log.iters = [(s, CLEAN_S if s <= 31 else BUSY_S, s > 31) for s in range(4, 152)]
     return t
 
 
@@ -54,9 +54,9 @@ def test_a_window_with_a_persist_always_in_flight_raises_the_interval(tmp_path):
     t = _tuner(tmp_path)
     t.phase, t.done_profiling, t.interval, t.k_min, t.iter_s = "tuned", True, 19, 4, CLEAN_S
     t._window_lo = 100
-    t._pgt_s = {p: 3.48 for p in range(100, 170, 19)}
-    t._ckpts = sorted(t._pgt_s)
-    t._iters = [(s, BUSY_S, True) for s in range(100, 200)]
+    t.log.pgt_s = {p: 3.48 for p in range(100, 170, 19)}
+    t.log.ckpts = sorted(t.log.pgt_s)
+    t.log.iters = [(s, BUSY_S, True) for s in range(100, 200)]
     t._adapt(199)
     assert t.interval >= PERSIST_STEPS + 1 and t.k_min >= PERSIST_STEPS, (t.interval, t.k_min)
     adapt = [e for e in t.jobdir.read_events() if e["event"] == "adapt"]
