@@ -204,15 +204,22 @@ def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
     deadline = time.time() + 30  # a live supervisor, held in its slow start: a job to watch
     while not (tmp_path / "j" / "config.json").exists() and time.time() < deadline:
         time.sleep(0.1)
-    proc = subprocess.Popen([sys.executable, "-m", "cfrun", "status", "--watch", "j"],
-                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    watch_out = tmp_path / "watch.out"
+    with open(watch_out, "w") as out_f:
+        proc = subprocess.Popen([sys.executable, "-m", "cfrun", "status", "--watch", "j"],
+                                cwd=tmp_path, env=clean_env(), stdout=out_f,
+                                stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3.0)
+        # watching: its first refresh is out (on a busy machine the start alone takes seconds)
+        deadline = time.time() + 60
+        while watch_out.stat().st_size == 0 and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=4)  # the job is still held in its slow start
-        assert proc.returncode == -signal.SIGTERM, (proc.returncode, out[-500:], err[-1000:])
+        _, err = proc.communicate(timeout=30)  # the watch would go on as long as the job
+        assert proc.returncode == -signal.SIGTERM, (proc.returncode, watch_out.read_text()[-500:],
+                                                    err[-1000:])
     finally:
         proc.kill()
         job.send_signal(signal.SIGTERM)
