@@ -82,7 +82,7 @@ PROCESS_FACTOR = 2.2
 the dense gradient, Adam's state and its temporaries)."""
 BUDGET = 0.035
 PROFILE_STEPS = 50
-"""``cfrun.rank.tuner.PROFILE_MAX_STEPS``: the policy's overhead is judged after them."""
+"""``cfrun.rank.probes.PROFILE_MAX_STEPS``: the policy's overhead is judged after them."""
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
 RUN_FIELDS = ["contender", "ok", "ms_per_iter", "overhead", "steady_overhead", "stall_s",
               "pgt_s", "snapshot_s", "persist_s", "n_checkpoints", "extra_host_bytes",

@@ -681,7 +681,7 @@ def profile_cmd(
     from cfrun.contract.checkpoints import committed_steps
     from cfrun.contract.gpus import samples as gpu_samples
     from cfrun.contract.jobdir import JobDir
-    from cfrun.rank.tuner import PROBE_MODES
+    from cfrun.rank.probes import PROBE_MODES
     from cfrun.supervisor.core import Supervisor
 
     nproc_per_node = _one_node_launch(nproc_per_node, standalone, rdzv_backend, master_addr,

@@ -67,32 +67,11 @@ from cfrun.contract.jobdir import JobDir, atomic_write_json
 from cfrun.policy import NEAR_STEPS, Costs, adapt_interval, choose_interval, measure_overhead
 from cfrun.rank.iterlog import IterationLog
 from cfrun.rank.plan import PlanBoard
+from cfrun.rank.probes import Probes
 
-WARMUP_STEPS = 3
 QUIET_STEPS = 10
 """Steps at the start of each adaptation period without checkpoints: clean iterations for the
 window's baseline even when ``k`` is smaller than ``NEAR_STEPS``."""
-PROBE_MODES = ("warmup", "thread", "inline", "thread", "inline")
-"""Profiling checkpoints in order: one that pays one-time costs (model discovery, slot
-allocation), then two per snapshot mode, alternating (a drift of the machine hits both). Each
-probe checkpoints far more often than the chosen interval will: on a 2-core machine the five
-cost ~0.4 s, 0.5% of a 1000-step job (seven cost up to 0.8 s)."""
-PROBE_MODES_CUDA = ("warmup", "thread", "thread")
-"""The probes when the state is on a GPU: there ``inline`` is never chosen (its stall is the
-whole device-to-host copy, the background mode's only the part the next forward and backward
-do not hide, and their interference is pooled: :meth:`Tuner.probe_costs`), so its probes
-would only cost the run (on an H200, 4.4 GB: inline probes stalled 102-104 ms, background ones
-13-27 ms, and each probe cost 100-160 ms of step time)."""
-
-
-def probe_modes(probes: int) -> tuple[str, ...]:
-    """The snapshot mode of each of ``probes`` profiling checkpoints (every rank derives them
-    from the number of probe steps rank 0 planned): :data:`PROBE_MODES_CUDA` for 3,
-    :data:`PROBE_MODES` otherwise."""
-    return PROBE_MODES_CUDA if probes == len(PROBE_MODES_CUDA) else PROBE_MODES
-
-
-PROFILE_MAX_STEPS = 50
 PLAN_AHEAD_STEPS = 2
 """A plan rank 0 publishes in its hook of step ``s`` applies from step ``s + 2``: followers read
 it in their hook of step ``s + 1`` at the latest (lock-step DDP ranks)."""
@@ -161,14 +140,10 @@ class Tuner:
         self.cuda_state = False
         """Rank 0: the state is on a GPU (set by the boundary before the first step's
         :meth:`on_step`): profiling probes :data:`PROBE_MODES_CUDA`."""
-        self.profile_steps = PROFILE_MAX_STEPS
-        self._gap = 0
+        self.profile = Probes()
+        """The profile's probes (:mod:`cfrun.rank.probes`)."""
         self.log = IterationLog()
         """The iterations and checkpoints measured (rank 0; :mod:`cfrun.rank.iterlog`)."""
-        self._profile: dict[int, Any] = {}
-        self._probe_steps: list[int] = []
-        self._taken: dict[int, str] = {}
-        """Profiling checkpoints taken: step -> snapshot mode."""
         self._spent_s = 0.0
         self._base_total_s = 0.0
         """This attempt's checkpoint cost so far and its time without checkpoints (seconds),
@@ -180,8 +155,6 @@ class Tuner:
         """Durations of ``optimizer.step()`` seen while profiling."""
         self.model_bytes = 0
         self._cache_reason = ""
-        self.probes: list[dict[str, Any]] = []
-        """Per profiling checkpoint: step, mode, excess_s, stall_s (for the profile event)."""
         self.done_profiling = False
         self._first_step: int | None = None
         """This attempt's first step seen by :meth:`on_step`."""
@@ -224,9 +197,8 @@ class Tuner:
         if cached is not None and abs(nbytes - cached) > 0.1 * cached and self.phase == "tuned":
             self.phase, self.done_profiling = "profiling", False
             self.log.clear()
-            self._profile, self._probe_steps, self._taken = {}, [], {}
+            self.profile.reset()
             self._window_lo = None
-            self.profile_steps = 0  # set from the current step below
             if self.rank == 0:
                 self.jobdir.emit_event("reprofile", reason="state size changed",
                                        cached_bytes=cached, state_bytes=nbytes)
@@ -249,35 +221,18 @@ class Tuner:
     def _lead(self, step: int) -> None:
         """Rank 0's part of :meth:`on_step`: publish this attempt's plan at its first step (and
         a new probe plan after a re-profile), decide at the end of profiling, adapt."""
-        if self.phase == "profiling" and not self._probe_steps:
-            self._plan_probes(step)
+        if self.phase == "profiling" and not self.profile.steps:
+            self.profile.plan(step, self.cuda_state)
             self._publish(step, "profiling", "profiling: measuring the checkpoint costs", None)
         elif self.board.plan_from is None:  # the cached decision, for this attempt's ranks
             self._publish(step, "cache", self._cache_reason, None)
-        probes = len(self._probe_steps)
-        if (self.phase == "profiling" and self._profile
-                and len(self._taken) == probes
-                and step >= max(self._taken) + self._gap
-                and (len(self._profile) == probes - 1
-                     or step >= max(self._taken) + 10 * self._gap)):  # a probe failed
+        if self.phase == "profiling" and self.profile.complete(step):
             self._decide(step)
         elif self.phase == "tuned":
             if self._window_lo is None:
                 self._window_lo = max(step, self.base_step)
             elif step >= self._window_lo + self._period() + NEAR_STEPS:
                 self._adapt(step)
-
-    def _plan_probes(self, start: int) -> None:
-        """Probe steps, the same on every rank (steps alone): after ``WARMUP_STEPS``, one probe
-        every ``gap`` steps, each followed by at least 2 clean iterations; three probes when the
-        state is on a GPU (:data:`PROBE_MODES_CUDA`), five otherwise."""
-        steps = PROFILE_MAX_STEPS
-        first = start + WARMUP_STEPS + 1
-        modes = PROBE_MODES_CUDA if self.cuda_state else PROBE_MODES
-        self._gap = max(NEAR_STEPS + 2, (start + steps - first) // len(modes))
-        self._probe_steps = [first + i * self._gap for i in range(len(modes))]
-        self.profile_steps = self._probe_steps[-1] + self._gap
-        self._taken = {}  # a re-profile's checkpoint at its state-size check is no probe
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due right after ``step``: never before this attempt's first
@@ -289,13 +244,7 @@ class Tuner:
             return False
         phase, interval, base = self._plan_at(step)
         if phase == "profiling":
-            # the next probe at its planned step, or later when a probe was deferred (one
-            # rank, previous persist still in flight), but always ``gap`` steps after the last
-            n = len(self._taken)
-            if not self._probe_steps or n >= len(self._probe_steps) \
-                    or step < self._probe_steps[n]:
-                return False
-            return not self._taken or step >= max(self._taken) + self._gap
+            return self.profile.due(step)
         if interval <= 0 or step < base:
             return False
         if phase == "tuned" and (step - base) % period_steps(interval) < QUIET_STEPS:
@@ -314,10 +263,7 @@ class Tuner:
         self.log.ckpts.append(step)
         if self._plan_at(step)[0] != "profiling":  # a re-profile's plan not yet in force
             return self.mode
-        modes = probe_modes(len(self._probe_steps))
-        mode = modes[min(len(self._taken), len(modes) - 1)]
-        self._taken[step] = mode
-        return "thread" if mode == "warmup" else mode
+        return self.profile.take(step)
 
     # ------------------------------------------------------------------ measurements
 
@@ -326,70 +272,19 @@ class Tuner:
         if self.rank != 0:
             return
         self.log.pgt_s[step] = float(record.get("pgt_s") or 0.0)
-        if self.phase == "profiling" and step in self._taken:
-            if self._taken[step] != "warmup":  # the first one pays one-time setup costs
-                self._profile[step] = record
+        if self.phase == "profiling":
+            self.profile.done(step, record)
 
     def probe_costs(self) -> dict[str, Costs]:
-        """Per snapshot mode, the measured :class:`cfrun.policy.Costs` (profiling, rank 0).
-
-        ``iter_s`` is the median clean iteration of the profile (after the warm-up probe's
-        iterations); a probe's cost is its excess over the clean iterations near it. A mode's
-        cost is its median stall plus ``interference_s``, the median over all probes of their
-        excess beyond their stall (pooled: per-probe noise exceeds the modes' difference in
-        it, which is in the stall)."""
-        taken = sorted(self._taken)
-        warm = [p for p in taken if self._taken[p] == "warmup"]
-        lo = (warm[0] + NEAR_STEPS + 1) if warm else 0
-        hi = (max(taken) + self._gap) if taken else 0
-        window = measure_overhead(self.log.iters, taken, lo, hi, radius_steps=2 * self._gap)
-        if window is None:
-            # no clean iteration between the probes: each persist outlasted the gap (issue 33:
-            # 3.4 s persists of 71 ms steps on an H100, gap 40), so every iteration there had
-            # one in flight. The clean iterations before the first probe are the baseline, and
-            # every later iteration is a probe's cost (before this, iter_s fell back to 1 s,
-            # the interference to 0, and the policy chose k = 4 for a 49-step persist: +16%)
-            window = measure_overhead(self.log.iters, taken, 0, hi, radius_steps=None)
-        excess: dict[str, list[float]] = {}
-        records: dict[str, list[dict[str, Any]]] = {}
-        for p in taken:
-            if p not in self._profile:
-                continue
-            mode = self._taken[p]
-            excess.setdefault(mode, []).append(window.excess_s.get(p, 0.0) if window else 0.0)
-            records.setdefault(mode, []).append(self._profile[p])
-        iter_s = window.base_s if window else (
-            statistics.median(dt for _, dt, _ in self.log.iters) if self.log.iters else 1.0)
-        self.iter_s = iter_s
-        self.probes = [{"step": p, "mode": self._taken[p],
-                        "excess_s": round(window.excess_s[p], 6) if window and p in
-                        window.excess_s else None,
-                        "stall_s": self._profile[p]["stall_s"] if p in self._profile else None}
-                       for p in taken]
-        # the interference (excess beyond the stall) pooled over every probe: one probe's
-        # excess varies 30-250 ms on a shared machine, more than the modes differ in it
-        pooled = [e - float(r["stall_s"]) for m in records
-                  for e, r in zip(excess[m], records[m])]
-        interference_s = max(0.0, statistics.median(pooled)) if pooled else 0.0
-        if window is not None and pooled:  # a cost the machine's noise hides is not 0: take
-            # the standard error of the pooled median (NEAR_STEPS noisy iterations per probe)
-            # as its least value, so noise buys fewer checkpoints, never more (issue 16)
-            noise_s = window.iter_spread_s * math.sqrt(NEAR_STEPS) * 1.2533 / math.sqrt(
-                len(pooled))
-            interference_s = max(interference_s, noise_s)
-        out = {}
-        for mode, recs in records.items():
-            stall_s = statistics.median(float(r["stall_s"]) for r in recs)
-            out[mode] = Costs(
-                iter_s=iter_s, stall_s=stall_s, interference_s=interference_s,
-                persist_s=max(float(r["snapshot_s"]) + float(r["persist_s"]) for r in recs),
-                state_bytes=int(recs[-1]["bytes"]))
-        return out
+        """Per snapshot mode, the measured :class:`cfrun.policy.Costs` of the profile's probes
+        (rank 0; :meth:`cfrun.rank.probes.Probes.costs`); sets :attr:`iter_s`."""
+        costs, self.iter_s = self.profile.costs(self.log.iters)
+        return costs
 
     def _decide(self, step: int) -> None:
         options = self.probe_costs()
-        spent = measure_overhead(self.log.iters, sorted(self._taken), 0, step + 1,
-                                 radius_steps=2 * self._gap)
+        spent = measure_overhead(self.log.iters, sorted(self.profile.taken), 0, step + 1,
+                                 radius_steps=2 * self.profile.gap)
         if spent is not None:  # the profile's cost, its warm-up probe included
             self._spent_s, self._base_total_s = spent.excess_total_s, spent.base_total_s
         model_bytes = self.model_bytes
@@ -407,11 +302,11 @@ class Tuner:
                "memory": _memory(),
                "modes": {m: vars(c) for m, c in options.items()}, "budget": self.budget,
                "mtbf_s": self.mtbf_s, "decision": decision.to_json(),
-               "profile_steps": self.profile_steps, "created_unix_s": time.time()}
+               "profile_steps": self.profile.profile_steps, "created_unix_s": time.time()}
         self.cache_path.parent.mkdir(exist_ok=True)
         atomic_write_json(self.cache_path, out)
         self._publish(step, "profile", decision.reason, decision.predicted_overhead)
-        self.jobdir.emit_event("profile", probes=self.probes,
+        self.jobdir.emit_event("profile", probes=self.profile.summary,
                                excess_s=round(spent.excess_total_s, 6) if spent else None,
                                **{k: out[k] for k in ("costs", "mode", "modes")})
         self.jobdir.emit_event("decision", source="profile", interval=self.interval,
@@ -506,8 +401,8 @@ class Tuner:
             "phase": self.phase, "interval": self.interval if self.phase == "tuned" else None,
             "mode": self.mode, "base_step": self.base_step,
             "effective_step": step + PLAN_AHEAD_STEPS,
-            "probe_steps": self._probe_steps if self.phase == "profiling" else [],
-            "probe_gap": self._gap, "profile_steps": self.profile_steps,
+            "probe_steps": self.profile.steps if self.phase == "profiling" else [],
+            "probe_gap": self.profile.gap, "profile_steps": self.profile.profile_steps,
             "fingerprint": self.key, "source": source, "reason": reason,
             "predicted_overhead": predicted, "budget": self.budget,
             "attempt": self.attempt, "node_rank": self.node_rank,
@@ -539,10 +434,8 @@ class Tuner:
         self.base_step = int(record["base_step"])
         self.board.switch_to(record)
         probes = [int(p) for p in record.get("probe_steps") or []]
-        if self.phase == "profiling" and probes != self._probe_steps:
-            self._probe_steps, self._taken = probes, {}
-            self._gap = int(record["probe_gap"])
-            self.profile_steps = int(record["profile_steps"])
+        if self.phase == "profiling" and probes != self.profile.steps:
+            self.profile.adopt(probes, int(record["probe_gap"]), int(record["profile_steps"]))
         self.done_profiling = self.phase == "tuned"
         self._done_step = (self._done_step or int(record["effective_step"]) - 1) \
             if self.done_profiling else None

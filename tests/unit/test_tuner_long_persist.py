@@ -25,11 +25,11 @@ def _tuner(tmp_path) -> Tuner:
 def _profiled(t: Tuner) -> Tuner:
     """The profile's record: probes at 31 (warm-up), 71, 111; every iteration from the
     warm-up probe on has a persist in flight."""
-    t._taken = {31: "warmup", 71: "thread", 111: "thread"}
-    t._gap = 40
+    t.profile.taken = {31: "warmup", 71: "thread", 111: "thread"}
+    t.profile.gap = 40
     record = {"stall_s": 0.026, "snapshot_s": 0.08, "persist_s": 3.4, "bytes": 4_426_938_223,
               "pgt_s": 3.48}
-    t._profile = {71: dict(record), 111: dict(record)}
+    t.profile.records = {71: dict(record), 111: dict(record)}
     t.log.pgt_s = {31: 3.48, 71: 3.48, 111: 3.48}
     t.log.iters = [(s, CLEAN_S if s <= 31 else BUSY_S, s > 31) for s in range(4, 152)]
     return t

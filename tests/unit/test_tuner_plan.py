@@ -17,6 +17,7 @@ import pytest
 
 from cfrun.contract.fsio import atomic_write_json
 from cfrun.contract.jobdir import JobDir
+from cfrun.rank import probes
 from cfrun.rank import tuner as T
 from cfrun.rank.tuner import PLAN_AHEAD_STEPS, Tuner
 
@@ -106,7 +107,7 @@ def test_a_reprofile_on_rank_0_is_followed_probe_for_probe(tmp_path, follower_fi
     taken = _run(ranks, 42, 200, 5000, follower_first)
     assert [e["event"] for e in jd.read_events() if e["event"] == "reprofile"] == ["reprofile"]
     assert ranks[0].done_profiling and ranks[1].done_profiling, taken
-    assert len(taken) >= 1 + len(T.PROBE_MODES), taken  # the cached one, the probes
+    assert len(taken) >= 1 + len(probes.PROBE_MODES), taken  # the cached one, the probes
 
 
 @pytest.mark.parametrize("interval", [2, 3, 4, 5])
@@ -160,7 +161,7 @@ def test_profiling_probes_no_inline_copy_when_the_state_is_on_a_gpu(tmp_path, cu
         assert due[0] == due[1], step
         if due[0]:
             got = [t.mode_for(step) for t in ranks]
-            seen.append((step, ranks[0]._taken[step], ranks[1]._taken[step]))
+            seen.append((step, ranks[0].profile.taken[step], ranks[1].profile.taken[step]))
             assert got[0] == got[1], (step, got)
             if step == seen[0][0]:
                 for t in ranks:
