@@ -258,13 +258,17 @@ class Supervisor:
     ``rerun`` (``--rerun``) runs a finished job's command again (else it says it finished and
     exits 0); ``python_command``: the command line as typed with ``--launcher python``, the
     hint of a one-rank script that went distributed under torchrun
-    (:func:`cfrun.supervisor.machine.went_distributed`)."""
+    (:func:`cfrun.supervisor.machine.went_distributed`); ``default_job_dir``: the job dir is
+    the command's default (no ``--job-dir``), so one this run creates is removed again when
+    the run trained nothing (:meth:`_drop_untrained`)."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
                  backoff_s: float = 0.5, accept_changed_command: bool = False,
-                 rerun: bool = False, python_command: str | None = None) -> None:
+                 rerun: bool = False, python_command: str | None = None,
+                 default_job_dir: bool = False) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
+        self.default_job_dir = default_job_dir
         self.accept_changed_command = accept_changed_command
         self.rerun = rerun
         self.metrics: Any = None  # JobMetrics once the job runs
@@ -343,6 +347,7 @@ class Supervisor:
                             "does a new --job-dir; to run it again %s: %s", jd.root, finished,
                             rerun_from, resume_command(jd.root, self.cfg.node_rank, "--rerun"))
                 return 0
+        made = [p for p in (jd.root.parent, jd.root) if not p.exists()]  # by this run
         try:  # a read-only or full disk, no permission: one line, exit 2, nothing started
             jd.create()
             jd.lock()
@@ -388,6 +393,34 @@ class Supervisor:
                     self.metrics_server.shutdown()
                 jd.unlock()
                 self._stop_reaper()
+                if made:
+                    self._drop_untrained(made)
+
+    def _drop_untrained(self, made: list[Path]) -> None:
+        """After a run that created its default job dir (``made``: the directories it
+        created, outermost first): remove them again when no rank made an optimizer step (no
+        heartbeat, no checkpoint) and the run ended by itself (succeeded, failed, fatal; a
+        preempted one keeps its resume line), saying so in one line. A ``-h``, an argparse
+        typo, a script that fails at its import leave nothing behind; a job dir is there
+        only for runs that trained (issue 37, item 4). One node only (several share it)."""
+        import shutil
+
+        jd = self.jobdir
+        if not self.default_job_dir or self.cfg.nnodes != 1 or self.state not in (
+                SupervisorState.SUCCEEDED, SupervisorState.FAILED, SupervisorState.FATAL):
+            return
+        if coordination.heartbeat_paths(jd.root) or committed_steps(jd.checkpoints) \
+                or jd.is_locked():
+            return
+        shutil.rmtree(jd.root, ignore_errors=True)
+        for d in reversed(made[:-1]):  # ./cfrun-jobs when this run made it and it is empty
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        logger.info("cfrun: no optimizer step was made, so job dir %s is removed (cfrun keeps "
+                    "the default job dirs of runs that trained; --job-dir keeps one anyway)",
+                    jd.root)
 
     def _start_metrics(self) -> None:
         """Metrics (:mod:`cfrun.supervisor.metrics`): ``metrics.prom`` written by the monitor

@@ -596,6 +596,10 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
     up (:func:`decide`)."""
     attempt, cause, failure = outcome.attempt, outcome.cause, outcome.failure
     hint = f"fix the script, then: {_resume_changed(policy)}"
+    if not outcome.committed_steps:  # nothing to go on from: a resume would replay the same
+        # arguments, and a usage error is in them (issue 37, item 7)
+        hint = ("nothing was checkpointed, so there is nothing to resume: fix the script or "
+                "its arguments, then run the command again")
     if outcome.output_closed:  # the script's BrokenPipeError reads as a peer's: name it
         error = first_error(outcome.errors)
         said = describe_error(error) if error is not None else outcome.detail
@@ -638,5 +642,6 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
         return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
                      error=f"the script failed ({what}) and --max-restarts "
                            f"{policy.max_restarts} restarts are used up",
-                     hint=f"fix the cause, then continue with: {_resume_changed(policy)}")
+                     hint=hint if not outcome.committed_steps else
+                     f"fix the cause, then continue with: {_resume_changed(policy)}")
     return None

@@ -66,8 +66,8 @@ def worker_killed(step: int = 12, **kw) -> Outcome:
     return Outcome(attempt=0, returncode=1, errors=(error,), last_step=step, **kw)
 
 
-def torchrun_killed(step: int = 12) -> Outcome:
-    return Outcome(attempt=0, returncode=-9, last_step=step)
+def torchrun_killed(step: int = 12, **kw) -> Outcome:
+    return Outcome(attempt=0, returncode=-9, last_step=step, **kw)
 
 
 def hung(step: int = 12) -> Outcome:
@@ -120,7 +120,7 @@ def test_crash_loop_is_the_same_failure_of_the_script_n_times(outcomes, states) 
 
 
 def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
-    *_, last = drive([raised(12)] * 3)
+    *_, last = drive([raised(12, committed_steps=(10,))] * 3)
     assert last.exit_code == EXIT_FATAL == 5
     assert last.state_fields == {"attempt": 2, "cause": "crash loop", "error": (
         "crash loop: the same failure 3 times in a row at step 12: ValueError: bad batch at "
@@ -134,6 +134,16 @@ def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
         "attempt": 2, "cause": "exit code 1", "returncode": 1, "hung": False, "step": 12,
         "error": {"type": "ValueError", "message": "bad batch at step 12", "step": 12,
                   "rank": 0}, "made_a_step": True, "detail": "ValueError: bad batch at step 12"}
+
+
+def test_a_stop_without_a_checkpoint_asks_for_the_command_again_not_a_resume() -> None:
+    """Nothing committed: ``cfrun resume`` would replay the same arguments (an argparse typo's
+    crash loop; issue 37, item 7), so the hint says to fix them and run the command again."""
+    for outcomes, policy in (([raised(12)] * 3, POLICY),
+                             ([raised(12)], Policy(max_restarts=0, job_dir="/jobs/j"))):
+        *_, last = drive(outcomes, policy)
+        assert last.hint is not None and "cfrun resume" not in last.hint
+        assert "fix the script or its arguments, then run the command again" in last.hint
 
 
 def test_crash_loop_of_a_hang_names_the_cause() -> None:
@@ -175,7 +185,7 @@ def test_first_failing_rank_is_reported_not_the_peer_that_lost_it() -> None:
 @pytest.mark.parametrize("max_restarts", [0, 1, 3])
 def test_restarts_stop_at_max_restarts_with_exit_4(max_restarts: int) -> None:
     policy = Policy(max_restarts=max_restarts, crash_loop_limit=0, job_dir="/jobs/j")
-    actions = drive([torchrun_killed(s) for s in range(10)], policy)
+    actions = drive([torchrun_killed(s, committed_steps=(1,)) for s in range(10)], policy)
     assert _kinds(actions) == ["restarting"] * max_restarts + ["failed"]
     last = actions[-1]
     assert last.exit_code == EXIT_FAILED == 4
