@@ -45,6 +45,7 @@ from cfrun.cli.options import (
     ScriptArgsArgument,
     ScriptArgument,
     StandaloneOption,
+    TotalStepsOption,
 )
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
@@ -322,6 +323,7 @@ def run_cmd(
     hang_timeout: HangTimeoutOption = "1800",
     crash_loop: CrashLoopOption = "3",
     retry_before_first_step: RetryBeforeFirstStepOption = False,
+    total_steps: TotalStepsOption = None,
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", metavar="STEP[@ATTEMPT],...", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
@@ -387,8 +389,11 @@ def run_cmd(
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher, metrics=metrics,
                         local_addr=local_addr, module=module)
-    cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
-                              job_key_file=_job_key_path(job_key_file), reshard=reshard)
+    cfg = dataclasses.replace(
+        cfg, retry_before_first_step=retry_before_first_step,
+        job_key_file=_job_key_path(job_key_file), reshard=reshard,
+        total_steps=parse_positive_int("--total-steps", total_steps, minimum=1)
+        if total_steps is not None else None)
     if dry_run:
         from cfrun.supervisor.core import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv

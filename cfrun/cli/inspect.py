@@ -282,9 +282,9 @@ def status(jd: JobDir) -> dict[str, Any]:
     (supervisor pid N gone)`` when it died without one.
 
     Keys: job_dir, script, module, command, state, is_running, current_step, total_steps,
-    steps_per_s, eta_s, last_committed_step, resume_command (:func:`summary`), interval ({steps, why}), overhead ({budget_pct,
-    stall_pct, definition}: :func:`cfrun.contract.events.overhead_seconds`, live), stall_s
-    and pgt_s statistics
+    steps_per_s, eta_s, last_committed_step, resume_command (:func:`summary`), interval
+    ({steps, why}), overhead ({budget_pct, stall_pct, definition}:
+    :func:`cfrun.contract.events.overhead_seconds`, live), stall_s and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
     restarts ([{attempt, cause, step, where}]), disk_bytes, error (the message that stopped a

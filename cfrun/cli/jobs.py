@@ -1,8 +1,10 @@
 """``cfrun status DIR`` and ``cfrun ls DIR`` of a directory of job dirs (``./cfrun-jobs``): one
 line per job that tells it apart from the others (issue 37, item 4)::
 
-    cfrun-jobs/train-1a2b3c4d  running    step 91 of 200 (2.10 steps/s, ETA 52s)  newest checkpoint 80   train.py --lr 0.1
-    cfrun-jobs/train-5e6f7a8b  succeeded  step 200 of 200                         newest checkpoint 200  train.py --lr 0.2
+    cfrun-jobs/train-1a2b3c4d  running    step 91 of 200 (2.10 steps/s, ETA 52s)  newest ...
+    cfrun-jobs/train-5e6f7a8b  succeeded  step 200 of 200                         newest ...
+
+(each line goes on with ``newest checkpoint 80   train.py --lr 0.1``)
 
 The job dir (relative to the working directory where it lies under it), the state
 (:func:`cfrun.cli.inspect.summary`), the step of the run's total with the step rate and the
