@@ -32,9 +32,10 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
         FAILED before the attempt's first optimizer step, one rank under torchrun, an error
             naming NCCL, RANK or init_process_group (the script went distributed because
             torchrun set RANK; the hint: the --launcher python line)  -> stop, exit 5
-        FAILED before the attempt's first optimizer step, after an attempt that did too
-            (a SyntaxError, an ImportError, a usage error: it will fail again; not with
-            --retry-before-first-step)                               -> stop, exit 5
+        FAILED before the attempt's first optimizer step with an error every start meets
+            again (a SyntaxError, an ImportError, a NameError, an argparse usage error),
+            or after an attempt that failed before its first step too (it will fail
+            again); not with --retry-before-first-step              -> stop, exit 5
         the same failure of the script --crash-loop times in a row   -> stop, exit 5
         --max-restarts restarts used up                              -> stop, exit 4
         otherwise                    -> restart at once when the attempt committed a newer
@@ -434,6 +435,26 @@ def went_distributed(outcome: Outcome, policy: Policy) -> bool:
     return _WENT_DISTRIBUTED.search(text) is not None
 
 
+DETERMINISTIC_EARLY_ERRORS = frozenset({
+    "SyntaxError", "IndentationError", "TabError", "ImportError", "ModuleNotFoundError",
+    "NameError", "SystemExit"})
+"""Error types a script that fails before its first step meets again on every start: it
+does not compile, imports what is not installed, names what it never defined, or argparse
+refused its arguments (recorded as ``SystemExit`` by :mod:`cfrun.rank.early`)."""
+
+
+def is_deterministic_early(outcome: Outcome) -> bool:
+    """The attempt failed before its first step with an error that a second start meets
+    again (:data:`DETERMINISTIC_EARLY_ERRORS`): the job stops after this one attempt, as
+    torchrun's run of it would, plus cfrun's one start (issue 37, item 5), instead of a
+    second attempt and its backoff. Other failures before the first step (an ``OSError`` of
+    a data mount, a plain ``sys.exit(1)``) get their second attempt."""
+    error = first_error(outcome.errors)
+    if error is None:  # torchrun refused its own command line
+        return outcome.launch_error is not None
+    return error.type in DETERMINISTIC_EARLY_ERRORS
+
+
 class ActionKind(str, enum.Enum):
     RESTART = "restart"
     STOP = "stop"
@@ -617,6 +638,13 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                            f"time. --launcher python runs it as python SCRIPT does, without RANK",
                      hint="run it as plain python under cfrun: "
                           f"{policy.python_command or 'cfrun --launcher python SCRIPT [ARGS]'}")
+    if early and not policy.retry_before_first_step and is_deterministic_early(outcome):
+        return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                     {"attempt": attempt, "cause": "failed before the first step"},
+                     error=f"the script failed before its first step ({outcome.detail}); "
+                           f"cfrun does not restart a failure that happens before any step "
+                           f"and fails the same way every time (--retry-before-first-step "
+                           f"does)", hint=hint)
     if early and not policy.retry_before_first_step:
         previous = history.outcomes[-1] if history.outcomes else None
         if previous is not None and previous.kind is OutcomeKind.FAILED \

@@ -248,14 +248,36 @@ def before_first_step(type_: str = "SyntaxError", message: str = "invalid syntax
 @pytest.mark.parametrize("first", [
     before_first_step(),
     before_first_step("ModuleNotFoundError", "No module named 'torhc'"),
+    before_first_step("NameError", "name 'modle' is not defined"),
     # argparse's usage error (exit 2), recorded as SystemExit with argparse's line
     before_first_step("SystemExit", "t.py: error: the following arguments are required: --lr"),
     # torchrun's own usage error: it exited 2 before starting a rank
     Outcome(attempt=0, returncode=2, made_a_step=False,
             launch_error="run.py: error: ambiguous option: --d could match --dup"),
+], ids=["syntax", "import", "name", "argparse", "torchrun-usage"])
+def test_a_failure_every_start_meets_again_stops_after_one_attempt(first) -> None:
+    """Issue 37, item 5: a script that does not compile, imports what is not there, names
+    what it never defined or has its arguments refused fails the same way on a second start:
+    one attempt, as torchrun's run of it, plus cfrun's start."""
+    assert first.kind is OutcomeKind.FAILED
+    [stop] = drive([first])
+    detail = first.detail
+    assert stop.kind is ActionKind.STOP and stop.exit_code == EXIT_FATAL
+    assert stop.error == (f"the script failed before its first step ({detail}); cfrun does not "
+                          "restart a failure that happens before any step and fails the same "
+                          "way every time (--retry-before-first-step does)")
+    assert stop.state_fields["error"] == stop.error  # cfrun status shows it
+    assert stop.hint is not None and "run the command again" in stop.hint
+    [(kind, fields)] = stop.events
+    assert kind == "failure" and fields["made_a_step"] is False and fields["detail"] == detail
+
+
+@pytest.mark.parametrize("first", [
+    before_first_step("FileNotFoundError", "[Errno 2] No such file or directory: '/data/x'"),
+    before_first_step("RuntimeError", "CUDA error: out of memory"),
     # a rank's own sys.exit(2) before cfrun's runtime started: no record, torchrun's report
     Outcome(attempt=0, returncode=1, made_a_step=False, rank_exits=((0, 2),)),
-], ids=["syntax", "import", "argparse", "torchrun-usage", "bare-exit"])
+], ids=["data-mount", "runtime", "bare-exit"])
 def test_a_failure_before_the_first_step_runs_twice_then_stops_with_its_message(first) -> None:
     assert first.kind is OutcomeKind.FAILED
     restart, stop = drive([first, first])
@@ -286,10 +308,9 @@ def test_only_failures_before_the_first_step_in_a_row_stop_the_job() -> None:
     # a step made in between: each such failure gets its restart; a kill is no failure at all
     killed_early = Outcome(attempt=0, returncode=-9, made_a_step=False)
     assert killed_early.kind is OutcomeKind.KILLED
-    assert _kinds(drive([before_first_step(), raised(12), before_first_step()])) == \
-        ["restarting"] * 3
-    assert _kinds(drive([killed_early, killed_early, before_first_step()])) == \
-        ["restarting"] * 3
+    mount = before_first_step("FileNotFoundError", "/data/train.bin")
+    assert _kinds(drive([mount, raised(12), mount])) == ["restarting"] * 3
+    assert _kinds(drive([killed_early, killed_early, mount])) == ["restarting"] * 3
 
 
 @pytest.mark.parametrize("outcome", [
@@ -552,7 +573,7 @@ def test_a_one_rank_script_that_went_distributed_under_torchrun_stops_at_once(ou
     (replace(POLICY, launcher="python"), NCCL_MISSING),  # python set no RANK: its own error
     (replace(POLICY, world_size=2), NCCL_MISSING),  # several ranks: distributed on purpose
     (POLICY, replace(NCCL_MISSING, made_a_step=True)),  # it trained: not the start
-    (POLICY, before_first_step("ModuleNotFoundError", "No module named 'torhc'")),
+    (POLICY, before_first_step("FileNotFoundError", "/data/train.bin")),
 ], ids=["launcher-python", "two-ranks", "after-a-step", "other-error"])
 def test_other_failures_keep_the_usual_rules(policy, outcome) -> None:
     assert _kinds(drive([outcome], policy))[0] == "restarting"
