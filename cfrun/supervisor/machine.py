@@ -36,6 +36,9 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
             again (a SyntaxError, an ImportError, a NameError, an argparse usage error),
             or after an attempt that failed before its first step too (it will fail
             again); not with --retry-before-first-step              -> stop, exit 5
+        FAILED after a step with a bug's exception (KeyError, TypeError, ...) and no
+            checkpoint committed: a restart starts over and meets it again (not with
+            --crash-loop 0)                                          -> stop, exit 5
         the same failure of the script --crash-loop times in a row   -> stop, exit 5
         --max-restarts restarts used up                              -> stop, exit 4
         otherwise                    -> restart at once when the attempt committed a newer
@@ -455,6 +458,27 @@ def is_deterministic_early(outcome: Outcome) -> bool:
     return error.type in DETERMINISTIC_EARLY_ERRORS
 
 
+BUG_ERRORS = frozenset({
+    "KeyError", "IndexError", "TypeError", "AttributeError", "NameError", "UnboundLocalError",
+    "ZeroDivisionError", "AssertionError", "NotImplementedError"})
+"""Exceptions of a bug in the script's own Python: a deterministic script raises them at the
+same step on every run from the same start."""
+
+
+def is_bug_before_any_checkpoint(outcome: Outcome, policy: Policy) -> bool:
+    """The script raised one of :data:`BUG_ERRORS` after its first step, with no checkpoint
+    committed (issue 37, item 5): a restart could only start over from step 0 and raise it
+    again at the same step, so the job stops after this attempt, as torchrun's run of it
+    would, plus cfrun's one start. Not with ``--crash-loop 0`` (no crash loop detection: it
+    restarts) nor for a failure another cause may have made (a kill, a hang, an OOM, a GPU
+    fault, a peer's death: :attr:`Outcome.is_script_failure` and the error's type)."""
+    if not policy.crash_loop_limit or outcome.kind is not OutcomeKind.FAILED \
+            or not outcome.made_a_step or outcome.committed_steps or outcome.oom_kills:
+        return False
+    error = first_error(outcome.errors)
+    return error is not None and not error.is_transport and error.type in BUG_ERRORS
+
+
 class ActionKind(str, enum.Enum):
     RESTART = "restart"
     STOP = "stop"
@@ -655,6 +679,13 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                                f"({outcome.detail}); cfrun does not restart a failure that "
                                f"happens before any step (--retry-before-first-step does)",
                          hint=hint)
+    if is_bug_before_any_checkpoint(outcome, policy):
+        where = f"at step {failure.step}" if failure.step is not None else "after its first step"
+        return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                     {"attempt": attempt, "cause": "bug before any checkpoint"},
+                     error=f"the script raised {outcome.detail} {where}, before any checkpoint: "
+                           f"a restart would start over from step 0 and raise it again; not "
+                           f"restarted (--crash-loop 0 restarts it)", hint=hint)
     n = policy.crash_loop_limit
     if n and outcome.kind is not OutcomeKind.KILLED and not early:
         row = (*history.script_failures, failure)

@@ -146,6 +146,34 @@ def test_a_stop_without_a_checkpoint_asks_for_the_command_again_not_a_resume() -
         assert "fix the script or its arguments, then run the command again" in last.hint
 
 
+def _bug(step: int = 3, type_: str = "KeyError", **kw) -> Outcome:
+    return Outcome(attempt=0, returncode=1, last_step=step, errors=(_error(
+        step, type_=type_, message="'y'"),), **kw)
+
+
+def test_a_bugs_exception_before_any_checkpoint_stops_after_one_attempt() -> None:
+    """Issue 37, item 5: a KeyError with nothing committed; a restart starts over from step 0
+    and raises it again: one attempt, exit 5."""
+    [stop] = drive([_bug()])
+    assert stop.exit_code == EXIT_FATAL and stop.state_fields["cause"] == \
+        "bug before any checkpoint"
+    assert stop.error == ("the script raised KeyError: 'y' at step 3, before any checkpoint: a "
+                          "restart would start over from step 0 and raise it again; not "
+                          "restarted (--crash-loop 0 restarts it)")
+    assert stop.hint is not None and "run the command again" in stop.hint
+
+
+@pytest.mark.parametrize("outcome, policy", [
+    (_bug(committed_steps=(2,)), POLICY),  # a checkpoint to go on from: the usual crash loop
+    (_bug(), replace(POLICY, crash_loop_limit=0)),  # --crash-loop 0: restart
+    (_bug(type_="ValueError"), POLICY),  # may depend on the data, a file, the network
+    (_bug(type_="RuntimeError"), POLICY),  # CUDA, NCCL: not the script's Python
+    (_bug(oom_kills=1), POLICY),  # the kernel killed a worker: not the script's bug
+], ids=["checkpointed", "crash-loop-off", "value-error", "runtime-error", "oom"])
+def test_other_failures_after_a_step_are_restarted(outcome, policy) -> None:
+    assert _kinds(drive([outcome], policy)) == ["restarting"]
+
+
 def test_crash_loop_of_a_hang_names_the_cause() -> None:
     *_, last = drive([hung(7)] * 3)
     assert last.error == ("crash loop: the same failure 3 times in a row at step 7: "
