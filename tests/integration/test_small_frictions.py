@@ -102,6 +102,7 @@ def test_a_one_rank_jobs_own_connection_error_is_not_another_ranks(tmp_path):
     assert "Traceback" in run.stderr and "ConnectionResetError" in run.stderr
 
 
+@pytest.mark.slow
 def test_the_changed_arguments_line_names_the_option_whose_value_changed(tmp_path):
     """``--epochs 2`` then ``--epochs 3 --lr 0.2`` on a job with a checkpoint: the refusal
     names ``--epochs`` on both sides (it said ``2 -> 3 --lr 0.2``)."""
@@ -116,6 +117,7 @@ def test_the_changed_arguments_line_names_the_option_whose_value_changed(tmp_pat
     assert "arguments --epochs 2 -> --epochs 3 --lr 0.2" in outcome, outcome
 
 
+@pytest.mark.slow
 def test_a_group_writable_checkout_is_warned_about_once_per_job_dir(tmp_path):
     """A checkout of mode 775 (``git archive``, a shared project dir): the warning comes when
     the default job dir is made, not on every later run of the job."""
