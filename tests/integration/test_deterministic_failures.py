@@ -45,4 +45,4 @@ def test_the_bench_prints_every_case_against_torchrun():
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in p.stdout.splitlines() if line.split()}
     for case, codes in (("usage", ["1,", "5"]), ("keyerror", ["1,", "5"]), ("ok", ["0,", "0"])):
-        assert rows[case][4:] == codes and float(rows[case][2]) > 0, p.stdout
+        assert rows[case][5:] == codes and float(rows[case][2]) > 0, p.stdout
