@@ -1051,7 +1051,7 @@ def _step_text(st: dict[str, Any]) -> str:
     if st["current_step"] is None:
         return "no step seen yet"
     text = progress.step_text(st["current_step"], st.get("total_steps"))
-    if st.get("total_steps") is None:
+    if st.get("total_steps") is None and st.get("is_running"):
         text += " (total not known: --total-steps N gives one)"
     rate = progress.rate_text(st.get("steps_per_s"), st.get("eta_s"))
     return text + (f", {rate}" if rate else "")

@@ -36,9 +36,10 @@ print("FINAL")
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A working directory with job dir ``j``: ``train_tiny.py --epochs 1`` run to its end
-    (23 steps, checkpoints every 10, a final one at 23); tests copy it."""
+    (23 steps; no checkpoint due before its end, so none is in flight at the end of a run on a
+    loaded machine: the final one at 23 is taken); tests copy it."""
     cwd = tmp_path_factory.mktemp("finished")
-    run = run_cfrun(["--interval", "10", "--job-dir", "j", str(SCRIPTS / "train_tiny.py"),
+    run = run_cfrun(["--interval", "100", "--job-dir", "j", str(SCRIPTS / "train_tiny.py"),
                      "--epochs", "1", "--out", "o.pt"], cwd=cwd)
     assert run.returncode == 0, run.stderr[-3000:]
     return cwd
@@ -53,6 +54,8 @@ def test_a_negative_overhead_is_out_of_range_not_not_a_number(tmp_path):
 
 
 def test_ls_shows_a_final_checkpoint_without_none(finished):
+    assert any(r["final"] for r in json.loads(cfrun_in_process(["ls", "j", "--json"],
+                                                               cwd=finished).stdout))
     run = cfrun_in_process(["ls", "j"], cwd=finished, env={"COLUMNS": "200"})
     assert run.returncode == 0, run.stderr
     final = next(ln for ln in run.stdout.splitlines() if "(final)" in ln)
