@@ -399,8 +399,9 @@ class Supervisor:
     def _drop_untrained(self, made: list[Path]) -> None:
         """After a run that created its default job dir (``made``: the directories it
         created, outermost first): remove them again when no rank made an optimizer step (no
-        heartbeat, no checkpoint) and the run ended by itself (succeeded, failed, fatal; a
-        preempted one keeps its resume line), saying so in one line. A ``-h``, an argparse
+        heartbeat, no checkpoint, no ``unprotected`` record of a script cfrun could not see
+        train) and the run ended by itself (succeeded, failed, fatal; a preempted one keeps
+        its resume line), saying so in one line. A ``-h``, an argparse
         typo, a script that fails at its import leave nothing behind; a job dir is there
         only for runs that trained (issue 37, item 4). One node only (several share it)."""
         import shutil
@@ -411,6 +412,11 @@ class Supervisor:
             return
         if coordination.heartbeat_paths(jd.root) or committed_steps(jd.checkpoints) \
                 or jd.is_locked():
+            return
+        try:  # a script without a torch optimizer trains unseen: its record stays
+            if any(e.get("event") == "unprotected" for e in jd.read_events()):
+                return
+        except Exception:  # unreadable: keep it
             return
         shutil.rmtree(jd.root, ignore_errors=True)
         for d in reversed(made[:-1]):  # ./cfrun-jobs when this run made it and it is empty
