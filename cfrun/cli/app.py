@@ -45,6 +45,7 @@ from cfrun.cli.options import (
     ScriptArgsArgument,
     ScriptArgument,
     StandaloneOption,
+    TotalStepsOption,
 )
 from cfrun.contract import coordination, early_signals, faults
 from cfrun.contract import settings as E
@@ -322,6 +323,7 @@ def run_cmd(
     hang_timeout: HangTimeoutOption = "1800",
     crash_loop: CrashLoopOption = "3",
     retry_before_first_step: RetryBeforeFirstStepOption = False,
+    total_steps: TotalStepsOption = None,
     inject_crash: Annotated[str, typer.Option(
         "--inject-crash", metavar="STEP[@ATTEMPT],...", envvar=E.INJECT_CRASH,
         help="Testing aid: STEP[@ATTEMPT],... rank 0 SIGKILLs itself after that step.")] = "",
@@ -387,8 +389,11 @@ def run_cmd(
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                         job_name=job_name, launcher=launcher, metrics=metrics,
                         local_addr=local_addr, module=module)
-    cfg = dataclasses.replace(cfg, retry_before_first_step=retry_before_first_step,
-                              job_key_file=_job_key_path(job_key_file), reshard=reshard)
+    cfg = dataclasses.replace(
+        cfg, retry_before_first_step=retry_before_first_step,
+        job_key_file=_job_key_path(job_key_file), reshard=reshard,
+        total_steps=parse_positive_int("--total-steps", total_steps, minimum=1)
+        if total_steps is not None else None)
     if dry_run:
         from cfrun.supervisor.admission import dry_run_outcome
         from cfrun.supervisor.launcher import build_launch_argv
@@ -401,7 +406,8 @@ def run_cmd(
                               rerun=rerun)}, indent=1))
         return
     _run(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
-         retry=_run_retry(ctx), python_command=_python_launcher_line(ctx))
+         retry=_run_retry(ctx), python_command=_python_launcher_line(ctx),
+         default_job_dir=job_dir is None)
 
 
 def _torchrun_rendezvous(standalone: bool, nnodes: str, backend: str, endpoint: str | None,
@@ -968,7 +974,9 @@ def status_cmd(
 
     found = report.find_jobs(job_dir, Path.cwd())
     if isinstance(found, list):
-        _list_jobs([report.summary(j) for j in found], as_json=as_json)
+        from cfrun.cli.jobs import print_jobs
+
+        print_jobs(found, as_json=as_json)
         return
     jd = found
     if metrics:
@@ -979,6 +987,9 @@ def status_cmd(
     st = report.status(jd)
     if plot:
         _plot(jd, Path(plot))
+        if not as_json:  # where it went, as export says (issue 37, item 7)
+            print(f"cfrun: wrote the plot of {jd.root} to {Path(plot).absolute()}",
+                  file=sys.stderr)
     if as_json:
         print(json.dumps(st, indent=1))
         return
@@ -988,20 +999,6 @@ def status_cmd(
     Console().print(_status_table(st))
 
 
-def _list_jobs(rows: list[dict[str, Any]], *, as_json: bool) -> None:
-    """``cfrun status`` of several jobs: one line each, ``DIR  STATE  step N  newest
-    checkpoint M`` (JSON: the :func:`cfrun.cli.inspect.summary` of each)."""
-    if as_json:
-        print(json.dumps(rows, indent=1))
-        return
-    cwd = Path.cwd()
-    for r in rows:
-        path = Path(r["job_dir"])
-        shown = path.relative_to(cwd) if path.is_relative_to(cwd) else path
-        print(f"{shown}  {r['state']}  step {_or(r['current_step'], 'none yet')}  newest "
-              f"checkpoint {_or(r['last_committed_step'], 'none yet')}")
-
-
 def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str, str]]:
     """The rows of ``cfrun status``'s table (never "None": :func:`_or`); ``rate``: the steps/s
     row of ``--watch``."""
@@ -1009,8 +1006,7 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
         ("state", st["state"]),
         ("script", str(st["script"] or "unknown (no config.json)")
          + (f" (-m {st['module']})" if st.get("module") else "")),
-        ("current step", _or(st["current_step"], "no step seen yet")
-         + (f" ({rate})" if rate else "")),
+        ("current step", _step_text(st) + (f" ({rate})" if rate else "")),
         ("last committed step", _or(st["last_committed_step"], "none yet")),
         ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
          if st["interval"]["steps"] is not None
@@ -1047,6 +1043,21 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
 
 
 
+def _step_text(st: dict[str, Any]) -> str:
+    """``91 of 200``: the newest step and the run's total where known
+    (:mod:`cfrun.contract.progress`), with the step rate and the time left of a running job
+    (the one-shot table: the attempt's rate since its first checkpoint)."""
+    from cfrun.contract import progress
+
+    if st["current_step"] is None:
+        return "no step seen yet"
+    text = progress.step_text(st["current_step"], st.get("total_steps"))
+    if st.get("total_steps") is None and st.get("is_running"):
+        text += " (total not known: --total-steps N gives one)"
+    rate = progress.rate_text(st.get("steps_per_s"), st.get("eta_s"))
+    return text + (f", {rate}" if rate else "")
+
+
 def _overhead_text(overhead: dict[str, Any]) -> str:
     """``0.95% stalled (budget 3.5%)``: the job's overhead, the one figure of
     :data:`cfrun.contract.events.OVERHEAD_DEFINITION`, in the table and ``--watch``."""
@@ -1075,8 +1086,11 @@ def _resume_text(r: dict[str, Any] | None) -> str:
     parts = ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {r[name]:.2f} s"
                       for name in r if name.endswith("_s") and name != "total_s"
                       and r[name] is not None)
-    total = f"{r['total_s']:.2f} s" if r.get("total_s") is not None else "?"
-    return f"attempt {r['attempt']} at step {r['step']}: {total} ({parts})"
+    where = f"attempt {r['attempt']} at step {r['step']}"
+    if r.get("total_s") is None:  # the previous attempt's end is not recorded (issue 37, 7)
+        return f"{where}: {parts or 'no part measured'} (total not known: the attempt " \
+               "before it has no recorded end)"
+    return f"{where}: {r['total_s']:.2f} s ({parts})"
 
 
 def _gpu_text(gpus: list[dict[str, Any]]) -> str:
@@ -1095,26 +1109,6 @@ def _status_table(st: dict[str, Any], rate: str | None = None) -> Any:
     return table
 
 
-def _eta_s(st: dict[str, Any], steps_per_s: float) -> float | None:
-    """Seconds left: the batches left over the epoch loop (the newest checkpoint's
-    ``progress``), in optimizer steps at this job's steps per batch, at ``steps_per_s``."""
-    p, step = st.get("progress"), st.get("current_step")
-    if not p or step is None or steps_per_s <= 0 or not p.get("done_batches") \
-            or p.get("step") is None:
-        return None
-    steps_per_batch = p["step"] / p["done_batches"]
-    left = (p["total_batches"] - p["done_batches"]) * steps_per_batch - (step - p["step"])
-    return max(left, 0.0) / steps_per_s
-
-
-def _fmt_duration(seconds: float) -> str:
-    """``1h02m``, ``4m05s``, ``12s``."""
-    s = int(round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 def _watch(jd: Any, status: Any, *, every_s: float) -> None:
     """``cfrun status --watch``: refresh every ``every_s`` until the job stops running (then
     the final state) or Ctrl-C. On a terminal a live rich table; elsewhere one line per
@@ -1123,6 +1117,8 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
 
     from rich.console import Console
     from rich.live import Live
+
+    from cfrun.contract import progress
 
     console = Console()
     last: tuple[float, int] | None = None
@@ -1134,10 +1130,8 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
         rate = None
         if step is not None and last is not None and now > last[0]:
             per_s = (step - last[1]) / (now - last[0])
-            rate = f"{per_s:.2f} steps/s"
-            eta_s = _eta_s(st, per_s)
-            if eta_s is not None:
-                rate += f", ETA {_fmt_duration(eta_s)}"
+            rate = progress.rate_text(per_s, progress.eta_s(step, st.get("total_steps"), per_s))
+            st = {**st, "steps_per_s": None, "eta_s": None}  # the row shows this rate
         if step is not None:
             last = (now, step)
         return st, rate
@@ -1153,7 +1147,8 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
             return
         while True:
             st, rate = snapshot()
-            print(f"cfrun status: {st['state']}, step {_or(st['current_step'], 'none yet')}"
+            print(f"cfrun status: {st['state']}, step "
+                  f"{progress.step_text(st['current_step'], st.get('total_steps'))}"
                   f"{f' ({rate})' if rate else ''}, newest checkpoint "
                   f"{_or(st['last_committed_step'], 'none yet')}, overhead "
                   f"{_overhead_text(st['overhead'])}, restarts {len(st['restarts'])}",
@@ -1172,9 +1167,12 @@ def _plot(jd: Any, out: Path) -> None:
 
 
 @app.command("ls", cls=CfrunCommand,
-             help="Committed checkpoints: step, epoch, size, age and verification state.")
+             help="Committed checkpoints: step, epoch, size, age and verification state. With "
+                  "a directory of job dirs, one line per job.")
 def ls_cmd(
-    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", help="The job dir.")],
+    job_dir: Annotated[str, typer.Argument(
+        metavar="JOB_DIR", help="The job dir, or a directory of job dirs (./cfrun-jobs): one "
+                                "line per job, as cfrun status lists them.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     check: Annotated[bool, typer.Option("--verify/--no-verify",
                                         help="Check every file's checksum.")] = True,
@@ -1184,7 +1182,12 @@ def ls_cmd(
     from rich.table import Table
 
     from cfrun.cli import inspect as report
+    from cfrun.cli.jobs import jobs_in, print_jobs
 
+    several = jobs_in(Path(job_dir).expanduser())
+    if several is not None:
+        print_jobs(several, as_json=as_json)
+        return
     rows = report.checkpoints(report.open_job_dir(job_dir), check=check)
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -1195,7 +1198,9 @@ def ls_cmd(
         size = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f} MB"
         age = "-" if r["age_s"] is None else f"{r['age_s']:.0f} s"
         step = f"{r['step']} (final)" if r.get("final") else str(r["step"])
-        table.add_row(step, str(r["epoch"]), str(r["batches"]), size, age, r["verified"])
+        # a final checkpoint holds no data position: "-", never "None" (issue 37, item 7)
+        table.add_row(step, _or(r["epoch"], "-"), _or(r["batches"], "-"), size, age,
+                      r["verified"])
     Console().print(table)
     report.check_listing(rows)
 
@@ -1289,11 +1294,13 @@ def peer_cmd(
 
 
 def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = False,
-         retry: list[str] | None = None, python_command: str | None = None) -> None:
+         retry: list[str] | None = None, python_command: str | None = None,
+         default_job_dir: bool = False) -> None:
     """Run the job's supervisor and exit with its code. ``retry``: the command line that goes
     on with a refused changed command (the hint of :class:`ChangedCommandError`);
     ``python_command``: the one that runs it with ``--launcher python`` (the hint of a one-rank
-    script that went distributed under torchrun)."""
+    script that went distributed under torchrun); ``default_job_dir``: no ``--job-dir`` was
+    given (a new one is removed again if the run trains nothing)."""
     from cfrun.supervisor.core import Supervisor
 
     # the node's identity names its config, lock, agent socket and slots
@@ -1304,7 +1311,7 @@ def _run(cfg: RunConfig, *, accept_changed_command: bool = False, rerun: bool = 
              f"interval {cfg.interval}" if cfg.interval else f"overhead budget {cfg.overhead:.2%}")
     try:
         code = Supervisor(cfg, accept_changed_command=accept_changed_command, rerun=rerun,
-                          python_command=python_command).run()
+                          python_command=python_command, default_job_dir=default_job_dir).run()
     except ChangedCommandError as e:
         if not retry:
             raise

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cfrun.contract import coordination as co
-from cfrun.contract import gpus
+from cfrun.contract import gpus, progress
 from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.config import resume_command
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
@@ -103,7 +103,7 @@ JOBS_DIR = "cfrun-jobs"
 (:func:`cfrun.contract.config.default_job_dir`)."""
 
 
-def _jobs_under(root: Path) -> list[JobDir]:
+def jobs_under(root: Path) -> list[JobDir]:
     """The job dirs directly inside ``root`` (those with ``config.json``), by name."""
     try:
         children = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
@@ -142,13 +142,13 @@ def find_jobs(path: str | None, cwd: Path) -> JobDir | list[JobDir]:
     p = (cwd / Path(path).expanduser())
     if p.is_file():
         script = str(p.resolve())
-        jobs = [jd for jd in _jobs_under(cwd / JOBS_DIR) if _recorded_script(jd) == script]
+        jobs = [jd for jd in jobs_under(cwd / JOBS_DIR) if _recorded_script(jd) == script]
         if not jobs:
             raise BadInputError(f"no job of {path!r} in ./{JOBS_DIR}; give the --job-dir it ran "
                                 "with, or run cfrun status where it was started")
         return jobs[0] if len(jobs) == 1 else jobs
     if p.is_dir() and not JobDir(p).config_path.is_file():
-        jobs = _jobs_under(p)
+        jobs = jobs_under(p)
         if not jobs:
             raise BadInputError(f"{path!r} is not a cfrun job dir (no config.json) and holds "
                                 "none; give the --job-dir of a run")
@@ -158,23 +158,50 @@ def find_jobs(path: str | None, cwd: Path) -> JobDir | list[JobDir]:
 
 def summary(jd: JobDir, config: dict[str, Any] | None = None,
             events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A job's one-line facts (``cfrun status`` of several jobs, and the head of
-    :func:`status`): job_dir, script, module (``-m MODULE``; None: a script file), state,
-    is_running, current_step, last_committed_step, resume_command (the ``cfrun resume`` line
-    that goes on with a stopped, failed, fatal, preempted or dead job; None while it runs or
-    after it succeeded)."""
+    """A job's one-line facts (``cfrun status`` and ``cfrun ls`` of several jobs, and the head
+    of :func:`status`): job_dir, script, module (``-m MODULE``; None: a script file), command
+    (:func:`command_text`), state, is_running, current_step, total_steps (the step the run
+    ends at: ``--total-steps``, else the epoch loop's length, :mod:`cfrun.contract.progress`;
+    None where unknown), steps_per_s and eta_s (seconds left; both None unless the job runs
+    and they are known), last_committed_step, resume_command (the ``cfrun resume`` line that
+    goes on with a stopped, failed, fatal, preempted or dead job; None while it runs or after
+    it succeeded)."""
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES) if config is None else config
     events = _read_events(jd) if events is None else events
     states = [e for e in events if e.get("event") == "state"]
     running, state = _liveness(jd, config, states[-1]["state"] if states else None)
     node = config.get("node_rank")
     module = config.get("module")
+    beat = co.newest_heartbeat(jd.root)
+    step = beat[0] if beat is not None else None
+    total = progress.total_steps(config.get("total_steps"), events)
+    rate = progress.steps_per_s(events, step, beat[1]) if running and beat else None
     return {"job_dir": str(jd.root), "script": config.get("script"),
-            "module": module if isinstance(module, str) else None, "state": state,
-            "is_running": running, "current_step": co.newest_heartbeat_step(jd.root),
+            "module": module if isinstance(module, str) else None,
+            "command": command_text(config), "state": state,
+            "is_running": running, "current_step": step, "total_steps": total,
+            "steps_per_s": None if rate is None else round(rate, 4),
+            "eta_s": _round(progress.eta_s(step, total, rate)),
             "last_committed_step": _newest_readable(jd),
             "resume_command": None if running or state == "succeeded"
             else resume_command(jd.root, node if isinstance(node, int) else 0)}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def command_text(config: dict[str, Any]) -> str:
+    """The job's script and arguments as a shell would show them, the script by its file name
+    (``train.py --lr 0.1``, ``-m pkg.train --lr 0.1``): what tells jobs of one script apart
+    in a list of jobs. ``?`` where ``config.json`` does not say."""
+    import shlex
+
+    module, script, args = config.get("module"), config.get("script"), config.get("script_args")
+    head = ["-m", module] if isinstance(module, str) else \
+        [Path(script).name] if isinstance(script, str) else ["?"]
+    words = [a for a in args if isinstance(a, str)] if isinstance(args, list) else []
+    return shlex.join([*head, *words])
 
 
 def _stats(values: list[float]) -> dict[str, float | int | None]:
@@ -254,10 +281,10 @@ def status(jd: JobDir) -> dict[str, Any]:
     last state it wrote (``succeeded``, ``failed``, ``fatal``, ``preempted``) or ``dead
     (supervisor pid N gone)`` when it died without one.
 
-    Keys: job_dir, script, state, is_running, current_step, last_committed_step,
-    resume_command (:func:`summary`), interval ({steps, why}), overhead ({budget_pct,
-    stall_pct, definition}: :func:`cfrun.contract.events.overhead_seconds`, live), stall_s
-    and pgt_s statistics
+    Keys: job_dir, script, module, command, state, is_running, current_step, total_steps,
+    steps_per_s, eta_s, last_committed_step, resume_command (:func:`summary`), interval
+    ({steps, why}), overhead ({budget_pct, stall_pct, definition}:
+    :func:`cfrun.contract.events.overhead_seconds`, live), stall_s and pgt_s statistics
     ({count, median, p95, max}), checkpoints_taken, checkpoints_failed (steps the agent could
     not write or commit), checkpoints_skipped (steps skipped for lack of space), attempts,
     restarts ([{attempt, cause, step, where}]), disk_bytes, error (the message that stopped a

@@ -41,6 +41,12 @@ LauncherOption = Annotated[str, typer.Option(
          "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
 )]
 
+TotalStepsOption = Annotated[str | None, typer.Option(
+    "--total-steps", metavar="INTEGER", envvar=E.TOTAL_STEPS,
+    help="The optimizer step the run ends at (a while loop's max_iters): gives cfrun status "
+         "and the progress line a total and an ETA. Default: the epoch loop's length where "
+         "cfrun can read it.")]
+
 MaxRestartsOption = Annotated[str, typer.Option(
     "--max-restarts", "--max_restarts", metavar="INTEGER", envvar=E.MAX_RESTARTS,
     help="Restarts after failures before giving up (exit code 4).")]

@@ -18,7 +18,7 @@ from typing import Any
 
 from cfrun.contract.errors import BadInputError, ChangedCommandError, FatalJobError
 
-_OVERHEAD_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%?)\s*$")
+_OVERHEAD_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*(%?)\s*$")
 
 
 MIN_OVERHEAD_PCT = 0.1
@@ -35,14 +35,14 @@ def parse_overhead(text: str) -> float:
 
     Raises:
         BadInputError: not a number, below 0.1% (a fraction such as 0.035 is refused with the
-            percentage it probably meant), or >= 100%.
+            percentage it probably meant; a negative number or 0 as out of range), or >= 100%.
     """
     m = _OVERHEAD_RE.match(text)
     if m is None:
         raise BadInputError(
             f"--overhead {text!r} is not a number; give a percentage such as 3.5%"
         )
-    pct = float(m.group(1))
+    pct = float(m.group(1))  # -1 is a number, out of range (issue 37, item 7)
     if 0.0 < pct < MIN_OVERHEAD_PCT:
         raise BadInputError(
             f"--overhead {text!r} means {pct:g}%, below the {MIN_OVERHEAD_PCT:g}% cfrun can hold; "
@@ -178,6 +178,11 @@ class RunConfig:
     late)."""
     mtbf_s: float | None = None
     """Mean time between failures (``--mtbf``); None: learned from this job's restarts."""
+    total_steps: int | None = None
+    """The optimizer step the run ends at (``--total-steps``): the total and the ETA of
+    ``cfrun status`` and the progress line for a loop cfrun cannot size (``while iter_num <
+    max_iters``); None: the epoch loop's length where cfrun reads it
+    (:mod:`cfrun.contract.progress`). Not part of the job's command."""
     profile_only: bool = False
     """``cfrun profile``: stop the script once the interval is decided."""
     inject_crash: str = ""
@@ -256,6 +261,8 @@ class RunConfig:
                 f"starts several ranks) or run one rank")
         if self.max_restarts < 0:
             raise BadInputError(f"--max-restarts {self.max_restarts} must be at least 0")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise BadInputError(f"--total-steps {self.total_steps} must be at least 1")
         if self.keep < 1:
             raise BadInputError(f"--keep {self.keep} must be at least 1")
         if self.peer and not self.peer_token_file:
@@ -632,6 +639,11 @@ def _describe_args(old: list[str], new: list[str]) -> str:
     a_s, b_s = shlex.join(a) or "(none)", shlex.join(b) or "(none)"
     if head and old[head - 1].startswith("-") and not any(x.startswith("-") for x in a + b):
         return f"argument {old[head - 1]}: {a_s} -> {b_s}"
+    if head and old[head - 1].startswith("-") and not (a[:1] + b[:1])[0].startswith("-"):
+        # the run starts with the values of the option before it: name it on both sides
+        # (``--epochs 2 -> --epochs 3 --lr 0.2``, not ``2 -> 3 --lr 0.2``; issue 37, item 7)
+        a, b = old[head - 1:len(old) - tail], new[head - 1:len(new) - tail]
+        a_s, b_s = shlex.join(a), shlex.join(b)
     return f"arguments {a_s} -> {b_s}"
 
 

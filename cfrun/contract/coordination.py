@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, fields
@@ -108,6 +109,23 @@ def newest_heartbeat_step(job_dir: Path) -> int | None:
     malformed file counts as absent, :meth:`Heartbeat.read`)."""
     steps = [b.step for b in map(Heartbeat.read, heartbeat_paths(job_dir)) if b is not None]
     return max(steps) if steps else None
+
+
+def newest_heartbeat(job_dir: Path) -> tuple[int, float] | None:
+    """``(step, mtime_unix_s)`` of the heartbeat with the highest step (the time that step
+    was reached: a beat's mtime), None before any (:func:`newest_heartbeat_step`)."""
+    best: tuple[int, float] | None = None
+    for path in heartbeat_paths(job_dir):
+        beat = Heartbeat.read(path)
+        if beat is None:
+            continue
+        try:
+            mtime_s = os.stat(path).st_mtime
+        except OSError:
+            continue
+        if best is None or beat.step > best[0]:
+            best = (beat.step, mtime_s)
+    return best
 
 
 _TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

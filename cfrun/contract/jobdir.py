@@ -158,7 +158,8 @@ def check_ancestors(path: Path | str) -> None:
     their checkpoint (issue 24, item 3).
 
     A directory writable by its group (a cluster's setgid project dir, a Kubernetes volume
-    mounted with ``fsGroup``, mode 2775) is said in one warning line instead of refused: the
+    mounted with ``fsGroup``, a checkout of mode 775) is said in one warning line instead of
+    refused, when the job dir is made (not on every run of the job: issue 37, item 7): the
     job dir is also re-identified by device and inode before each attempt and commit
     (:meth:`JobDir.check_same`), so a member of the group who swaps it stops the job (exit 5)
     rather than feeding it a checkpoint.
@@ -169,6 +170,7 @@ def check_ancestors(path: Path | str) -> None:
     """
     me = os.getuid()
     here = Path(os.path.realpath(Path(path).absolute()))
+    is_new = not here.exists()
     for d in here.parents:
         try:
             st = os.stat(d)
@@ -184,7 +186,7 @@ def check_ancestors(path: Path | str) -> None:
             raise BadInputError(
                 f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by others: they could "
                 f"swap the job dir; run `chmod o-w {d}` or give a --job-dir elsewhere")
-        if st.st_mode & 0o020:
+        if st.st_mode & 0o020 and is_new:
             print(f"cfrun: warning: --job-dir {str(path)!r} lies under {str(d)!r}, writable by "
                   f"its group: a member could swap the job dir (cfrun then stops the job, exit "
                   f"5); `chmod g-w {d}` closes this", file=sys.stderr)

@@ -223,6 +223,8 @@ def _transport_note(rt: Any, exc_type: Any, exc: Any) -> str | None:
     from cfrun.contract import coordination as co
 
     message = str(exc)
+    if rt.marks.s.world_size < 2:  # no other rank: the script's own connection failed
+        return None  # (issue 37, item 7)
     if not co.is_transport_error(getattr(exc_type, "__name__", None), message):
         return None
     path = co.error_path(rt.marks.jobdir.root, rt.marks.s.attempt, rt.marks.s.rank)

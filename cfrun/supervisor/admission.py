@@ -161,6 +161,39 @@ def finished_at(jd: JobDir, node_rank: int) -> str | None:
     return f"at step {max(steps)} on {when}" if steps else f"on {when}"
 
 
+def drop_untrained(jd: JobDir, cfg: RunConfig, state: SupervisorState,
+                   made: list[Path]) -> None:
+    """After a run that created its default job dir (no ``--job-dir``; ``made``: the
+    directories it created, outermost first), in ``state``: remove them again when no rank
+    made an optimizer step (no heartbeat, no checkpoint, no ``unprotected`` record of a
+    script cfrun could not see train) and the run ended by itself (succeeded, failed, fatal;
+    a preempted one keeps its resume line), saying so in one line. A ``-h``, an argparse
+    typo, a script that fails at its import leave nothing behind; a job dir is there only
+    for runs that trained (issue 37, item 4). One node only (several share it)."""
+    import shutil
+
+    if cfg.nnodes != 1 or state not in (
+            SupervisorState.SUCCEEDED, SupervisorState.FAILED, SupervisorState.FATAL):
+        return
+    if coordination.heartbeat_paths(jd.root) or committed_steps(jd.checkpoints) \
+            or jd.is_locked():
+        return
+    try:  # a script without a torch optimizer trains unseen: its record stays
+        if any(e.get("event") == "unprotected" for e in jd.read_events()):
+            return
+    except Exception:  # unreadable: keep it
+        return
+    shutil.rmtree(jd.root, ignore_errors=True)
+    for d in reversed(made[:-1]):  # ./cfrun-jobs when this run made it and it is empty
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    logger.info("cfrun: no optimizer step was made, so job dir %s is removed (cfrun keeps "
+                "the default job dirs of runs that trained; --job-dir keeps one anyway)",
+                jd.root)
+
+
 class Admission:
     """The job's identity on its job dir for one run of ``cfg`` (:meth:`check`, then
     :meth:`take` with the lock held).

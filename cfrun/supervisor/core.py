@@ -55,7 +55,7 @@ from cfrun.contract.jobdir import (
     atomic_write_json,
 )
 from cfrun.contract.manifest import FORMAT_VERSION
-from cfrun.supervisor.admission import Admission
+from cfrun.supervisor.admission import Admission, drop_untrained
 from cfrun.supervisor.agentproc import AgentProcess
 from cfrun.supervisor.launcher import (
     kill_job_processes,
@@ -130,13 +130,17 @@ class Supervisor:
     ``rerun`` (``--rerun``) runs a finished job's command again (else it says it finished and
     exits 0); ``python_command``: the command line as typed with ``--launcher python``, the
     hint of a one-rank script that went distributed under torchrun
-    (:func:`cfrun.supervisor.machine.went_distributed`)."""
+    (:func:`cfrun.supervisor.machine.went_distributed`); ``default_job_dir``: the job dir is
+    the command's default (no ``--job-dir``), so one this run creates is removed again when
+    the run trained nothing (:func:`cfrun.supervisor.admission.drop_untrained`)."""
 
     def __init__(self, cfg: RunConfig, *, spawn_fn: Callable[..., Any] = spawn,
                  backoff_s: float = 0.5, accept_changed_command: bool = False,
-                 rerun: bool = False, python_command: str | None = None) -> None:
+                 rerun: bool = False, python_command: str | None = None,
+                 default_job_dir: bool = False) -> None:
         self.cfg = cfg
         self.jobdir = JobDir(cfg.job_dir)
+        self.default_job_dir = default_job_dir
         self.accept_changed_command = accept_changed_command
         self.rerun = rerun
         self.metrics: Any = None  # JobMetrics once the job runs
@@ -192,6 +196,7 @@ class Supervisor:
                               rerun=self.rerun)
         if not self.cfg.profile_only and admission.check():  # reads only
             return 0  # a finished job: nothing to do (said in one line)
+        made = [p for p in (jd.root.parent, jd.root) if not p.exists()]  # by this run
         try:  # a read-only or full disk, no permission: one line, exit 2, nothing started
             jd.create()
             jd.lock()
@@ -237,6 +242,8 @@ class Supervisor:
                     self.metrics_server.shutdown()
                 jd.unlock()
                 self._stop_reaper()
+                if made and self.default_job_dir:
+                    drop_untrained(jd, self.cfg, self.state, made)
 
     def _start_metrics(self) -> None:
         """Metrics (:mod:`cfrun.supervisor.metrics`): ``metrics.prom`` written by the monitor

@@ -32,9 +32,13 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
         FAILED before the attempt's first optimizer step, one rank under torchrun, an error
             naming NCCL, RANK or init_process_group (the script went distributed because
             torchrun set RANK; the hint: the --launcher python line)  -> stop, exit 5
-        FAILED before the attempt's first optimizer step, after an attempt that did too
-            (a SyntaxError, an ImportError, a usage error: it will fail again; not with
-            --retry-before-first-step)                               -> stop, exit 5
+        FAILED before the attempt's first optimizer step with an error every start meets
+            again (a SyntaxError, an ImportError, a NameError, an argparse usage error),
+            or after an attempt that failed before its first step too (it will fail
+            again); not with --retry-before-first-step              -> stop, exit 5
+        FAILED after a step with a bug's exception (KeyError, TypeError, ...) and no
+            checkpoint committed: a restart starts over and meets it again (not with
+            --crash-loop 0)                                          -> stop, exit 5
         the same failure of the script --crash-loop times in a row   -> stop, exit 5
         --max-restarts restarts used up                              -> stop, exit 4
         otherwise                    -> restart at once when the attempt committed a newer
@@ -434,6 +438,47 @@ def went_distributed(outcome: Outcome, policy: Policy) -> bool:
     return _WENT_DISTRIBUTED.search(text) is not None
 
 
+DETERMINISTIC_EARLY_ERRORS = frozenset({
+    "SyntaxError", "IndentationError", "TabError", "ImportError", "ModuleNotFoundError",
+    "NameError", "SystemExit"})
+"""Error types a script that fails before its first step meets again on every start: it
+does not compile, imports what is not installed, names what it never defined, or argparse
+refused its arguments (recorded as ``SystemExit`` by :mod:`cfrun.rank.early`)."""
+
+
+def is_deterministic_early(outcome: Outcome) -> bool:
+    """The attempt failed before its first step with an error that a second start meets
+    again (:data:`DETERMINISTIC_EARLY_ERRORS`): the job stops after this one attempt, as
+    torchrun's run of it would, plus cfrun's one start (issue 37, item 5), instead of a
+    second attempt and its backoff. Other failures before the first step (an ``OSError`` of
+    a data mount, a plain ``sys.exit(1)``) get their second attempt."""
+    error = first_error(outcome.errors)
+    if error is None:  # torchrun refused its own command line
+        return outcome.launch_error is not None
+    return error.type in DETERMINISTIC_EARLY_ERRORS
+
+
+BUG_ERRORS = frozenset({
+    "KeyError", "IndexError", "TypeError", "AttributeError", "NameError", "UnboundLocalError",
+    "ZeroDivisionError", "AssertionError", "NotImplementedError"})
+"""Exceptions of a bug in the script's own Python: a deterministic script raises them at the
+same step on every run from the same start."""
+
+
+def is_bug_before_any_checkpoint(outcome: Outcome, policy: Policy) -> bool:
+    """The script raised one of :data:`BUG_ERRORS` after its first step, with no checkpoint
+    committed (issue 37, item 5): a restart could only start over from step 0 and raise it
+    again at the same step, so the job stops after this attempt, as torchrun's run of it
+    would, plus cfrun's one start. Not with ``--crash-loop 0`` (no crash loop detection: it
+    restarts) nor for a failure another cause may have made (a kill, a hang, an OOM, a GPU
+    fault, a peer's death: :attr:`Outcome.is_script_failure` and the error's type)."""
+    if not policy.crash_loop_limit or outcome.kind is not OutcomeKind.FAILED \
+            or not outcome.made_a_step or outcome.committed_steps or outcome.oom_kills:
+        return False
+    error = first_error(outcome.errors)
+    return error is not None and not error.is_transport and error.type in BUG_ERRORS
+
+
 class ActionKind(str, enum.Enum):
     RESTART = "restart"
     STOP = "stop"
@@ -596,6 +641,10 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
     up (:func:`decide`)."""
     attempt, cause, failure = outcome.attempt, outcome.cause, outcome.failure
     hint = f"fix the script, then: {_resume_changed(policy)}"
+    if not outcome.committed_steps:  # nothing to go on from: a resume would replay the same
+        # arguments, and a usage error is in them (issue 37, item 7)
+        hint = ("nothing was checkpointed, so there is nothing to resume: fix the script or "
+                "its arguments, then run the command again")
     if outcome.output_closed:  # the script's BrokenPipeError reads as a peer's: name it
         error = first_error(outcome.errors)
         said = describe_error(error) if error is not None else outcome.detail
@@ -613,6 +662,13 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                            f"time. --launcher python runs it as python SCRIPT does, without RANK",
                      hint="run it as plain python under cfrun: "
                           f"{policy.python_command or 'cfrun --launcher python SCRIPT [ARGS]'}")
+    if early and not policy.retry_before_first_step and is_deterministic_early(outcome):
+        return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                     {"attempt": attempt, "cause": "failed before the first step"},
+                     error=f"the script failed before its first step ({outcome.detail}); "
+                           f"cfrun does not restart a failure that happens before any step "
+                           f"and fails the same way every time (--retry-before-first-step "
+                           f"does)", hint=hint)
     if early and not policy.retry_before_first_step:
         previous = history.outcomes[-1] if history.outcomes else None
         if previous is not None and previous.kind is OutcomeKind.FAILED \
@@ -623,6 +679,13 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                                f"({outcome.detail}); cfrun does not restart a failure that "
                                f"happens before any step (--retry-before-first-step does)",
                          hint=hint)
+    if is_bug_before_any_checkpoint(outcome, policy):
+        where = f"at step {failure.step}" if failure.step is not None else "after its first step"
+        return _stop(SupervisorState.FATAL, EXIT_FATAL,
+                     {"attempt": attempt, "cause": "bug before any checkpoint"},
+                     error=f"the script raised {outcome.detail} {where}, before any checkpoint: "
+                           f"a restart would start over from step 0 and raise it again; not "
+                           f"restarted (--crash-loop 0 restarts it)", hint=hint)
     n = policy.crash_loop_limit
     if n and outcome.kind is not OutcomeKind.KILLED and not early:
         row = (*history.script_failures, failure)
@@ -638,5 +701,6 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
         return _stop(SupervisorState.FAILED, EXIT_FAILED, {"attempt": attempt, "cause": cause},
                      error=f"the script failed ({what}) and --max-restarts "
                            f"{policy.max_restarts} restarts are used up",
-                     hint=f"fix the cause, then continue with: {_resume_changed(policy)}")
+                     hint=hint if not outcome.committed_steps else
+                     f"fix the cause, then continue with: {_resume_changed(policy)}")
     return None

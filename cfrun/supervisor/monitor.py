@@ -167,6 +167,7 @@ class Monitor:
                                **({"warm": True} if warm else {}))
         t0 = time.monotonic()
         started_unix_s = time.time()
+        self.line.start(t0)  # the first progress line progress_s from now
         oom_before = oom_kill_count()
         self.gpu_faults.start()
         self.attempt = attempt

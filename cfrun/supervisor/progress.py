@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 from cfrun.contract import coordination as co
+from cfrun.contract import progress
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.events import overhead_seconds
@@ -31,41 +33,68 @@ class ProgressLine:
         self.jobdir = jobdir
         self.progress_s = progress_s
         self._progress_at = 0.0
-        self._progress_step = (0.0, 0)
+        """When the previous progress line was due (monotonic s; the attempt's start first)."""
+        self._attempt_started_at = 0.0
+        """The running attempt's start (monotonic s)."""
+        self._progress_step: tuple[float, int] | None = None
+        """``(monotonic s, step)`` the next progress line's rate is measured from."""
+
+    def start(self, t0: float) -> None:
+        """An attempt started at ``t0`` (monotonic s): its first line ``progress_s`` later, its
+        rate from its first step on."""
+        self._progress_at = self._attempt_started_at = t0
+        self._progress_step = None
 
     def progress(self, started_unix_s: float) -> None:
-        """Every ``progress_s``, one whole line on cfrun's stderr (a terminal only): step,
-        steps/s, newest checkpoint, overhead against the budget. Each line goes out in one
+        """One whole line on cfrun's stderr (a terminal only) ``progress_s`` after the
+        attempt's start and every ``progress_s`` after it (issue 37, item 4: the first came
+        after twice that): the step of the run's total, the steps/s since the previous line
+        (the first: since the attempt's first step) and the time left where the total is
+        known (:mod:`cfrun.contract.progress`), the newest checkpoint, the overhead against the
+        budget; before the first step, that there is none yet. Each line goes out in one
         ``write``, so it never cuts into a line of the script's own output (a script line
         written in two parts, as ``print`` under ``python -u`` does, can still have a progress
         line land between them)."""
+        if not self.progress_s:
+            return
         now = time.monotonic()
-        if not self.progress_s or now - self._progress_at < self.progress_s:
+        if self._progress_step is None:  # the rate's start: the attempt's first step
+            first = co.newest_heartbeat_step(self.jobdir.root)
+            if first is not None:
+                self._progress_step = (now, first)
+        if now - self._progress_at < self.progress_s:
             return
         self._progress_at = now
         step = co.newest_heartbeat_step(self.jobdir.root)
-        if step is None:  # no beat yet, or one being rewritten: keep the previous sample
-            return
-        if self._progress_step[0] == 0.0:  # the first sample: a rate needs two
+        if step is None:
+            line = (f"cfrun: no optimizer step yet, {now - self._attempt_started_at:.0f} s "
+                    "after the attempt's start\n")
+        else:
+            events = self.jobdir.read_events()
+            total = progress.total_steps(self.cfg.total_steps, events)
+            rate = None
+            if self._progress_step is not None and now > self._progress_step[0]:
+                rate = (step - self._progress_step[1]) / (now - self._progress_step[0])
             self._progress_step = (now, step)
-            return
-        t0, s0 = self._progress_step
-        rate = (step - s0) / max(now - t0, 1e-9)
-        self._progress_step = (now, step)
-        steps = committed_steps(self.jobdir.checkpoints)
-        line = (f"cfrun: step {step} ({rate:.2f} steps/s), newest checkpoint step "
-                f"{steps[0] if steps else 'none'}, {self.overhead_text(started_unix_s)}\n")
+            said = progress.rate_text(rate, progress.eta_s(step, total, rate)) \
+                or "rate not measured yet"
+            steps = committed_steps(self.jobdir.checkpoints)
+            line = (f"cfrun: step {progress.step_text(step, total)}"
+                    f"{f' ({said})' if said else ''}, newest checkpoint step "
+                    f"{steps[0] if steps else 'none'}, "
+                    f"{self.overhead_text(started_unix_s, events)}\n")
         try:
             os.write(sys.stderr.fileno(), line.encode())
         except (OSError, ValueError):
             pass
 
-    def overhead_text(self, started_unix_s: float) -> str:
+    def overhead_text(self, started_unix_s: float,
+                      events: list[dict[str, Any]] | None = None) -> str:
         """``overhead S% stalled (budget B%)``: the job's overhead as ``cfrun status`` shows it
         (:func:`cfrun.contract.events.overhead_seconds`, to now), and the step slowdown the
         policy measured in its latest window (``adapt`` events of this attempt, since
-        ``started_unix_s``) when there is one."""
-        events = self.jobdir.read_events()
+        ``started_unix_s``) when there is one. ``events``: the job's, read here when None."""
+        events = self.jobdir.read_events() if events is None else events
         stall_s, wall_s = overhead_seconds(events, now_unix_s=time.time())
         measured = None
         for e in events:

@@ -82,12 +82,17 @@ def test_foreign_directory_is_not_used_as_job_dir(tmp_path):
 
 def test_script_args_pass_through_untouched_and_env_sets_options(tmp_path):
     passthrough = ["--interval", "5", "--job-dir", "elsewhere", "-x", "--", "plain"]
-    run = run_cfrun([str(SCRIPTS / "print_argv.py"), *passthrough], cwd=tmp_path,
-                    env={"CFRUN_INTERVAL": "3", "CFRUN_MAX_RESTARTS": "2"})
+    env = {"CFRUN_INTERVAL": "3", "CFRUN_MAX_RESTARTS": "2"}
+    run = run_cfrun([str(SCRIPTS / "print_argv.py"), *passthrough], cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr
     assert f"ARGV {json.dumps(passthrough)}" in run.stdout.splitlines()
-    [job] = (tmp_path / "cfrun-jobs").glob("print_argv-*")  # the default job dir
-    config = json.loads((job / "config.json").read_text())
+    # it trained nothing: its default job dir is gone again (issue 37, item 4); the same
+    # command's --dry-run shows what it ran with
+    assert not (tmp_path / "cfrun-jobs").exists()
+    dry = run_cfrun(["--dry-run", str(SCRIPTS / "print_argv.py"), *passthrough], cwd=tmp_path,
+                    env=env)
+    config = json.loads(dry.stdout)["config"]
+    assert config["job_dir"].startswith(str(tmp_path / "cfrun-jobs" / "print_argv-"))
     assert config["interval"] == 3 and config["max_restarts"] == 2
     assert config["script_args"] == passthrough
     assert not (tmp_path / "elsewhere").exists()

@@ -198,9 +198,10 @@ def test_an_edited_script_is_refused_and_the_accept_flag_resumes_and_records_it(
 def test_two_scripts_with_one_file_name_get_two_default_job_dirs(tmp_path):
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
-        shutil.copy(SCRIPTS / "print_argv.py", tmp_path / d / "train.py")
+        # a script that trains: a run that trains nothing keeps no default job dir
+        shutil.copy(SCRIPTS / "train_argv.py", tmp_path / d / "train.py")
     for d in ("a", "b", "a"):  # the same script again: the same job dir
-        run = run_cfrun(["--rerun", f"{d}/train.py", "x"], cwd=tmp_path)
+        run = run_cfrun(["--rerun", f"{d}/train.py", "--steps", "3"], cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
     jobs = sorted((tmp_path / "cfrun-jobs").iterdir())
     assert len(jobs) == 2 and all(j.name.startswith("train-") for j in jobs)

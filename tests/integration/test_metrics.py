@@ -120,7 +120,7 @@ def test_status_estimates_progress_over_a_range_epoch_loop_and_the_eta(tmp_path)
     """A loader of known length under ``for epoch in range(...)``: the checkpoint events carry
     the batches done and in all, each as it was at its own boundary, status --json shows them,
     and --watch's ETA follows."""
-    from cfrun.cli.app import _eta_s, _fmt_duration
+    from cfrun.contract.progress import eta_s, fmt_duration
 
     # commits 0.3 s late: a checkpoint's event is written after later boundaries (its
     # progress once came from one of them: step 80 said 92 batches done)
@@ -136,7 +136,7 @@ def test_status_estimates_progress_over_a_range_epoch_loop_and_the_eta(tmp_path)
     assert p["done_batches"] == p["step"] and 0 < p["step"] <= 92  # one step per batch
     for e in run_events(tmp_path / "j", "checkpoint"):  # each its own boundary's progress
         assert e["progress"]["done_batches"] == e["step"], e
-    st["current_step"] = p["step"]
-    assert _eta_s(st, 2.0) == pytest.approx((92 - p["step"]) / 2.0)
-    assert _eta_s({**st, "progress": None}, 2.0) is None
-    assert [_fmt_duration(x) for x in (12, 245, 3725)] == ["12s", "4m05s", "1h02m"]
+    assert st["total_steps"] == 92  # the run's end, from the epoch loop (issue 37, item 4)
+    assert eta_s(p["step"], st["total_steps"], 2.0) == pytest.approx((92 - p["step"]) / 2.0)
+    assert eta_s(p["step"], None, 2.0) is None
+    assert [fmt_duration(x) for x in (12, 245, 3725)] == ["12s", "4m05s", "1h02m"]

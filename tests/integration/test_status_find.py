@@ -25,11 +25,12 @@ def jobs(tmp_path_factory):
     def make(cwd):
         shutil.copy(SCRIPTS / "train_tiny.py", cwd / "train.py")
         shutil.copy(SCRIPTS / "digits.py", cwd / "digits.py")
-        shutil.copy(SCRIPTS / "fail_always.py", cwd / "fail.py")
+        # fails after its first steps: a job dir stays only for a run that trained (issue 37)
+        shutil.copy(SCRIPTS / "fail_at_step.py", cwd / "fail.py")
         ok = run_cfrun(["--interval", "10", "train.py", "--epochs", "1", "--out", "final.pt"],
                        cwd=cwd)
         assert ok.returncode == 0, ok.stderr[-2000:]
-        return run_cfrun(["--max-restarts", "0", "fail.py"], cwd=cwd)
+        return run_cfrun(["--max-restarts", "0", "fail.py", "2"], cwd=cwd)
 
     run = shared_run(tmp_path_factory, "status-find-jobs", make)
     assert run.returncode != 0, run.stderr[-2000:]

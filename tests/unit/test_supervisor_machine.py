@@ -66,8 +66,8 @@ def worker_killed(step: int = 12, **kw) -> Outcome:
     return Outcome(attempt=0, returncode=1, errors=(error,), last_step=step, **kw)
 
 
-def torchrun_killed(step: int = 12) -> Outcome:
-    return Outcome(attempt=0, returncode=-9, last_step=step)
+def torchrun_killed(step: int = 12, **kw) -> Outcome:
+    return Outcome(attempt=0, returncode=-9, last_step=step, **kw)
 
 
 def hung(step: int = 12) -> Outcome:
@@ -120,7 +120,7 @@ def test_crash_loop_is_the_same_failure_of_the_script_n_times(outcomes, states) 
 
 
 def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
-    *_, last = drive([raised(12)] * 3)
+    *_, last = drive([raised(12, committed_steps=(10,))] * 3)
     assert last.exit_code == EXIT_FATAL == 5
     assert last.state_fields == {"attempt": 2, "cause": "crash loop", "error": (
         "crash loop: the same failure 3 times in a row at step 12: ValueError: bad batch at "
@@ -134,6 +134,44 @@ def test_crash_loop_stop_names_the_error_exit_5_and_the_next_command() -> None:
         "attempt": 2, "cause": "exit code 1", "returncode": 1, "hung": False, "step": 12,
         "error": {"type": "ValueError", "message": "bad batch at step 12", "step": 12,
                   "rank": 0}, "made_a_step": True, "detail": "ValueError: bad batch at step 12"}
+
+
+def test_a_stop_without_a_checkpoint_asks_for_the_command_again_not_a_resume() -> None:
+    """Nothing committed: ``cfrun resume`` would replay the same arguments (an argparse typo's
+    crash loop; issue 37, item 7), so the hint says to fix them and run the command again."""
+    for outcomes, policy in (([raised(12)] * 3, POLICY),
+                             ([raised(12)], Policy(max_restarts=0, job_dir="/jobs/j"))):
+        *_, last = drive(outcomes, policy)
+        assert last.hint is not None and "cfrun resume" not in last.hint
+        assert "fix the script or its arguments, then run the command again" in last.hint
+
+
+def _bug(step: int = 3, type_: str = "KeyError", **kw) -> Outcome:
+    return Outcome(attempt=0, returncode=1, last_step=step, errors=(_error(
+        step, type_=type_, message="'y'"),), **kw)
+
+
+def test_a_bugs_exception_before_any_checkpoint_stops_after_one_attempt() -> None:
+    """Issue 37, item 5: a KeyError with nothing committed; a restart starts over from step 0
+    and raises it again: one attempt, exit 5."""
+    [stop] = drive([_bug()])
+    assert stop.exit_code == EXIT_FATAL and stop.state_fields["cause"] == \
+        "bug before any checkpoint"
+    assert stop.error == ("the script raised KeyError: 'y' at step 3, before any checkpoint: a "
+                          "restart would start over from step 0 and raise it again; not "
+                          "restarted (--crash-loop 0 restarts it)")
+    assert stop.hint is not None and "run the command again" in stop.hint
+
+
+@pytest.mark.parametrize("outcome, policy", [
+    (_bug(committed_steps=(2,)), POLICY),  # a checkpoint to go on from: the usual crash loop
+    (_bug(), replace(POLICY, crash_loop_limit=0)),  # --crash-loop 0: restart
+    (_bug(type_="ValueError"), POLICY),  # may depend on the data, a file, the network
+    (_bug(type_="RuntimeError"), POLICY),  # CUDA, NCCL: not the script's Python
+    (_bug(oom_kills=1), POLICY),  # the kernel killed a worker: not the script's bug
+], ids=["checkpointed", "crash-loop-off", "value-error", "runtime-error", "oom"])
+def test_other_failures_after_a_step_are_restarted(outcome, policy) -> None:
+    assert _kinds(drive([outcome], policy)) == ["restarting"]
 
 
 def test_crash_loop_of_a_hang_names_the_cause() -> None:
@@ -175,7 +213,7 @@ def test_first_failing_rank_is_reported_not_the_peer_that_lost_it() -> None:
 @pytest.mark.parametrize("max_restarts", [0, 1, 3])
 def test_restarts_stop_at_max_restarts_with_exit_4(max_restarts: int) -> None:
     policy = Policy(max_restarts=max_restarts, crash_loop_limit=0, job_dir="/jobs/j")
-    actions = drive([torchrun_killed(s) for s in range(10)], policy)
+    actions = drive([torchrun_killed(s, committed_steps=(1,)) for s in range(10)], policy)
     assert _kinds(actions) == ["restarting"] * max_restarts + ["failed"]
     last = actions[-1]
     assert last.exit_code == EXIT_FAILED == 4
@@ -238,14 +276,36 @@ def before_first_step(type_: str = "SyntaxError", message: str = "invalid syntax
 @pytest.mark.parametrize("first", [
     before_first_step(),
     before_first_step("ModuleNotFoundError", "No module named 'torhc'"),
+    before_first_step("NameError", "name 'modle' is not defined"),
     # argparse's usage error (exit 2), recorded as SystemExit with argparse's line
     before_first_step("SystemExit", "t.py: error: the following arguments are required: --lr"),
     # torchrun's own usage error: it exited 2 before starting a rank
     Outcome(attempt=0, returncode=2, made_a_step=False,
             launch_error="run.py: error: ambiguous option: --d could match --dup"),
+], ids=["syntax", "import", "name", "argparse", "torchrun-usage"])
+def test_a_failure_every_start_meets_again_stops_after_one_attempt(first) -> None:
+    """Issue 37, item 5: a script that does not compile, imports what is not there, names
+    what it never defined or has its arguments refused fails the same way on a second start:
+    one attempt, as torchrun's run of it, plus cfrun's start."""
+    assert first.kind is OutcomeKind.FAILED
+    [stop] = drive([first])
+    detail = first.detail
+    assert stop.kind is ActionKind.STOP and stop.exit_code == EXIT_FATAL
+    assert stop.error == (f"the script failed before its first step ({detail}); cfrun does not "
+                          "restart a failure that happens before any step and fails the same "
+                          "way every time (--retry-before-first-step does)")
+    assert stop.state_fields["error"] == stop.error  # cfrun status shows it
+    assert stop.hint is not None and "run the command again" in stop.hint
+    [(kind, fields)] = stop.events
+    assert kind == "failure" and fields["made_a_step"] is False and fields["detail"] == detail
+
+
+@pytest.mark.parametrize("first", [
+    before_first_step("FileNotFoundError", "[Errno 2] No such file or directory: '/data/x'"),
+    before_first_step("RuntimeError", "CUDA error: out of memory"),
     # a rank's own sys.exit(2) before cfrun's runtime started: no record, torchrun's report
     Outcome(attempt=0, returncode=1, made_a_step=False, rank_exits=((0, 2),)),
-], ids=["syntax", "import", "argparse", "torchrun-usage", "bare-exit"])
+], ids=["data-mount", "runtime", "bare-exit"])
 def test_a_failure_before_the_first_step_runs_twice_then_stops_with_its_message(first) -> None:
     assert first.kind is OutcomeKind.FAILED
     restart, stop = drive([first, first])
@@ -276,10 +336,9 @@ def test_only_failures_before_the_first_step_in_a_row_stop_the_job() -> None:
     # a step made in between: each such failure gets its restart; a kill is no failure at all
     killed_early = Outcome(attempt=0, returncode=-9, made_a_step=False)
     assert killed_early.kind is OutcomeKind.KILLED
-    assert _kinds(drive([before_first_step(), raised(12), before_first_step()])) == \
-        ["restarting"] * 3
-    assert _kinds(drive([killed_early, killed_early, before_first_step()])) == \
-        ["restarting"] * 3
+    mount = before_first_step("FileNotFoundError", "/data/train.bin")
+    assert _kinds(drive([mount, raised(12), mount])) == ["restarting"] * 3
+    assert _kinds(drive([killed_early, killed_early, mount])) == ["restarting"] * 3
 
 
 @pytest.mark.parametrize("outcome", [
@@ -542,7 +601,7 @@ def test_a_one_rank_script_that_went_distributed_under_torchrun_stops_at_once(ou
     (replace(POLICY, launcher="python"), NCCL_MISSING),  # python set no RANK: its own error
     (replace(POLICY, world_size=2), NCCL_MISSING),  # several ranks: distributed on purpose
     (POLICY, replace(NCCL_MISSING, made_a_step=True)),  # it trained: not the start
-    (POLICY, before_first_step("ModuleNotFoundError", "No module named 'torhc'")),
+    (POLICY, before_first_step("FileNotFoundError", "/data/train.bin")),
 ], ids=["launcher-python", "two-ranks", "after-a-step", "other-error"])
 def test_other_failures_keep_the_usual_rules(policy, outcome) -> None:
     assert _kinds(drive([outcome], policy))[0] == "restarting"
