@@ -149,6 +149,18 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def allow_group_writable() -> bool:
+    """``CFRUN_ALLOW_GROUP_WRITABLE``: whether a group-writable ancestor of the job dir is
+    accepted (:func:`check_ancestors`).
+
+    Raises:
+        BadInputError: the variable is neither 1 nor 0 (and kin).
+    """
+    from cfrun.contract import settings as E
+
+    return E.get_flag(E.ALLOW_GROUP_WRITABLE)
+
+
 def check_ancestors(path: Path | str) -> None:
     """Refuse a job dir that another user could swap: every existing directory above ``path``
     (its real path: a link is judged by where it leads) must be owned by root or by this user,
@@ -158,14 +170,19 @@ def check_ancestors(path: Path | str) -> None:
     their checkpoint (issue 24, item 3).
 
     A directory writable by its group (a cluster's setgid project dir, a Kubernetes volume
-    mounted with ``fsGroup``, mode 2775) is said in one warning line instead of refused: the
-    job dir is also re-identified by device and inode before each attempt and commit
-    (:meth:`JobDir.check_same`), so a member of the group who swaps it stops the job (exit 5)
-    rather than feeding it a checkpoint.
+    mounted with ``fsGroup``, mode 2775) is refused as well unless the user opts in with
+    ``CFRUN_ALLOW_GROUP_WRITABLE=1`` (issue 32, finding 2: a group member swapped the job dir
+    as the ranks started and the job resumed from their checkpoint); then it is said in one
+    warning line, and what guards the job is what the warning says: the job dir is
+    re-identified by device and inode by the supervisor before each attempt, by every rank
+    before it reads anything of it (:meth:`cfrun.rank.runtime.Runtime.check_job_dir`) and by
+    the agent before each commit (:meth:`JobDir.check_same`), and a manifest is read only with
+    the job dir's MAC (:meth:`cfrun.contract.manifest.Manifest.check_mac`).
 
     Raises:
-        BadInputError: an ancestor owned by another user, or writable by others without the
-            sticky bit; one line naming it and the fix.
+        BadInputError: an ancestor owned by another user, writable by others without the
+            sticky bit, or writable by its group without the opt-in; one line naming it and
+            the fix (exit 2, nothing started).
     """
     me = os.getuid()
     here = Path(os.path.realpath(Path(path).absolute()))
@@ -185,9 +202,16 @@ def check_ancestors(path: Path | str) -> None:
                 f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by others: they could "
                 f"swap the job dir; run `chmod o-w {d}` or give a --job-dir elsewhere")
         if st.st_mode & 0o020:
+            if not allow_group_writable():
+                raise BadInputError(
+                    f"--job-dir {str(path)!r} lies under {str(d)!r}, writable by its group: a "
+                    f"member could swap the job dir; run `chmod g-w {d}`, give a --job-dir "
+                    "elsewhere, or accept it with CFRUN_ALLOW_GROUP_WRITABLE=1")
             print(f"cfrun: warning: --job-dir {str(path)!r} lies under {str(d)!r}, writable by "
-                  f"its group: a member could swap the job dir (cfrun then stops the job, exit "
-                  f"5); `chmod g-w {d}` closes this", file=sys.stderr)
+                  "its group (CFRUN_ALLOW_GROUP_WRITABLE=1): a member who swaps the job dir "
+                  "stops the job (every rank checks its identity before reading it, exit 5) "
+                  f"but cannot feed it a checkpoint; `chmod g-w {d}` closes this",
+                  file=sys.stderr)
 
 
 class JobDir:

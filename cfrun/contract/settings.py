@@ -154,6 +154,10 @@ PEER_STREAMS = _declare("CFRUN_PEER_STREAMS", "int", "4",
                         "parallel connections per rank to the peer (1..64)")
 PERSIST_TO = _declare("CFRUN_PERSIST_TO", "url", None,
                       "level 2 (directory or fsspec URL) that a resume also searches")
+ALLOW_GROUP_WRITABLE = _declare("CFRUN_ALLOW_GROUP_WRITABLE", "flag", "0",
+                                "1: accept a job dir under a directory its group may write (a "
+                                "setgid project dir, a Kubernetes fsGroup volume); the ranks "
+                                "then check the job dir's identity before reading it")
 JOB_KEY_FILE = _declare("CFRUN_JOB_KEY_FILE", "path", None,
                         "a key of the job's own: checkpoints at the peer and level 2 are "
                         "sealed under it, not under the peer token, and only its seals count")

@@ -202,6 +202,7 @@ def _install() -> Any:
             sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
 
     atexit.register(at_exit)
+    rt.check_job_dir()
     rt.connect_agent()
     rt.load_plan()
     return rt

@@ -70,8 +70,8 @@ from cfrun.contract.jobdir import (
     atomic_write_json,
     step_dir_name,
 )
-from cfrun.contract.jobkey import ensure_job_key, existing_job_key
-from cfrun.contract.manifest import FORMAT_VERSION, read_manifest
+from cfrun.contract.jobkey import ensure_job_key
+from cfrun.contract.manifest import FORMAT_VERSION, ManifestKeys, read_manifest
 from cfrun.supervisor.launcher import (
     die_with_parent,
     kill_job_processes,
@@ -615,10 +615,12 @@ class Supervisor:
             FatalJobError: no agent came up.
             BadInputError: ``--job-key-file`` is not this job dir's key.
         """
-        if self.cfg.job_key_file or not self.cfg.peer:  # the agent reads it there
-            ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
-        else:  # sealed under the peer token; an older cfrun's job.key still counts (issue 32)
-            existing_job_key(self.jobdir.root)
+        # every job dir has its own job.key: its manifests carry a MAC under it, which the
+        # ranks check at resume (issue 32, finding 4); with --peer and no --job-key-file, seals
+        # at the peer and level 2 are under the token (an older cfrun's job.key still counts)
+        key = ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
+        self.monitor.manifest_keys = ManifestKeys.of_job_key(key).to_hex()
+        self.monitor.job_dir_id = self.jobdir_id
         if self.slot_dir is None:
             self.slot_dir = slots.create_dir(self.cfg.job_dir)
         for _ in range(3):

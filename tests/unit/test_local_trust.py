@@ -274,26 +274,36 @@ def test_level2_directories_are_private(tmp_path) -> None:
         assert st.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
-@pytest.mark.parametrize("mode,ok", [(0o755, "yes"), (0o1777, "yes"), (0o2775, "warned"),
-                                     (0o757, "no"), (0o777, "no")])
-def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, capfd, mode,
-                                                                 ok) -> None:
+@pytest.mark.parametrize("mode,ok", [(0o755, "yes"), (0o1777, "yes"), (0o2775, "no-group"),
+                                     (0o2775, "warned"), (0o757, "no"), (0o777, "no")])
+def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, capfd, monkeypatch,
+                                                                 mode, ok) -> None:
     """Issue 24, item 3: whoever can write an ancestor can rename a running job's dir away
     and plant their own; the next restart loaded its checkpoint. Like OpenSSH's StrictModes:
     other-writable ancestors are refused unless sticky (/tmp); a group-writable one (a
-    setgid project dir, a Kubernetes fsGroup volume) is warned about, the swap itself being
-    caught by the re-identification before each attempt."""
-    from cfrun.contract.errors import BadInputError
+    setgid project dir, a Kubernetes fsGroup volume) too (issue 32, finding 2: a group member
+    swapped it as the ranks started), unless the user opts in with
+    CFRUN_ALLOW_GROUP_WRITABLE=1: then it is warned about, the ranks checking the job dir's
+    identity before they read it."""
+    from cfrun.contract.errors import EXIT_BAD_INPUT, BadInputError
     from cfrun.contract.jobdir import JobDir
 
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(mode)
     jd = JobDir(shared / "cfrun-jobs" / "j")
+    if ok == "warned":
+        monkeypatch.setenv("CFRUN_ALLOW_GROUP_WRITABLE", "1")
     if ok == "no":
         with pytest.raises(BadInputError, match="could swap the job dir") as e:
             jd.check_usable()
         assert "chmod o-w" in str(e.value) and "\n" not in str(e.value)
+    elif ok == "no-group":
+        with pytest.raises(BadInputError, match="writable by its group") as e:
+            jd.check_usable()
+        assert f"chmod g-w {shared}" in str(e.value) and "\n" not in str(e.value)
+        assert "CFRUN_ALLOW_GROUP_WRITABLE=1" in str(e.value)
+        assert e.value.exit_code == EXIT_BAD_INPUT
     else:
         jd.check_usable()
         err = capfd.readouterr().err
