@@ -153,27 +153,37 @@ def check_good(step_dir: Path) -> Manifest:
     return check_complete(step_dir)
 
 
-def good_steps(checkpoints: Path, *, keys: ManifestKeys | None = None) -> list[int]:
-    """Committed steps that pass :func:`check_good`, newest first; with ``keys``, only those
-    whose manifest is the job's (:meth:`Manifest.check_mac`, a MAC-less one only in a job dir
-    where none carries a MAC): a planted step neither counts toward ``keep`` nor is deleted."""
+def _good(checkpoints: Path) -> list[tuple[int, Manifest]]:
+    """Committed steps that pass :func:`check_good` with their manifests, newest first."""
     good: list[tuple[int, Manifest]] = []
     for step in committed_steps(checkpoints):
         try:
             good.append((step, check_good(checkpoints / step_dir_name(step))))
         except (CheckpointCorruptError, IncompatibleFormatError):
             continue
-    if keys is not None:
-        require = mac_required([m for _, m in good])
-        ours = []
-        for step, m in good:
-            try:
-                m.check_mac(keys, require=require)
-            except CheckpointCorruptError:
-                continue
-            ours.append((step, m))
-        good = ours
-    return [step for step, _ in good]
+    return good
+
+
+def _ours(good: list[tuple[int, Manifest]], keys: ManifestKeys) -> list[int]:
+    """The steps of ``good`` whose manifest is the job's (:meth:`Manifest.check_mac`; a
+    MAC-less one only where none carries a MAC: :func:`mac_required`)."""
+    require = mac_required([m for _, m in good])
+    ours = []
+    for step, m in good:
+        try:
+            m.check_mac(keys, require=require)
+        except CheckpointCorruptError:
+            continue
+        ours.append(step)
+    return ours
+
+
+def good_steps(checkpoints: Path, *, keys: ManifestKeys | None = None) -> list[int]:
+    """Committed steps that pass :func:`check_good`, newest first; with ``keys``, only those
+    whose manifest is the job's (:func:`_ours`): a planted step neither counts toward
+    ``keep`` nor is deleted."""
+    good = _good(checkpoints)
+    return _ours(good, keys) if keys is not None else [step for step, _ in good]
 
 
 def apply_retention(checkpoints: Path, keep: int, *, keys: ManifestKeys | None = None
@@ -184,13 +194,23 @@ def apply_retention(checkpoints: Path, keep: int, *, keys: ManifestKeys | None =
     is never deleted (``keep`` below 1 counts as 1): checkpoints of another ``format_version``
     or with a missing file, even higher-numbered ones, neither count nor get deleted here (a
     resume moves them aside with their reason, :func:`quarantine`). With ``keys`` only the
-    job's own count and are deleted (:func:`good_steps`): a step planted through a link or a
-    swapped directory makes retention delete nothing of the job's (issue 32, finding 1).
+    job's own count (:func:`good_steps`): a step planted through a link or a swapped
+    directory makes retention delete nothing of the job's (issue 32, finding 1). A step
+    without a MAC older than the oldest one kept goes too once the job's own are MAC'd (the
+    job's checkpoints from before issue 32); a step with another key's MAC is never deleted.
     Called by the persist agent after each commit (:mod:`cfrun.agent.commit`) and by
     :func:`commit`.
     """
+    keep = max(keep, 1)
+    good = _good(checkpoints)
+    ours = _ours(good, keys) if keys is not None else [step for step, _ in good]
+    doomed = ours[keep:]
+    if keys is not None and len(ours) >= keep:
+        oldest_kept = ours[keep - 1]
+        doomed += [step for step, m in good if not m.mac and step < oldest_kept
+                   and step not in doomed]
     deleted = []
-    for step in good_steps(checkpoints, keys=keys)[max(keep, 1):]:
+    for step in sorted(doomed, reverse=True):
         shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
         deleted.append(step)
     return deleted

@@ -393,6 +393,7 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
         f_locals = frame.f_locals
         assigned = _loop_assigned(frame) if keep_invariants else None
         bindable = bound_names(frame.f_code)
+        anchors = path_anchors(f_locals)
         for name, item in rec["values"].items():
             if name not in bindable or name.startswith("__"):  # never captured: refused
                 say(f"WARNING: checkpoint names a script variable {frame.f_code.co_name}:"
@@ -425,12 +426,11 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                         vars(current).update(_to_device_like(value, current))
                 elif item.get("shared") and _same_bits(value, current):
                     pass  # the script's own (made again before the loop): its aliases stay
-                elif isinstance(value, pathlib.PurePath) and not path_within(
-                        value, current.parent if isinstance(current, pathlib.PurePath)
-                        else None):
+                elif isinstance(value, pathlib.PurePath) and not any(
+                        path_within(value, a) for a in anchors):
                     say(f"WARNING: not restoring {frame.f_code.co_name}:{name}: the "
-                        f"checkpoint's path {str(value)[:120]!r} lies outside the directory of "
-                        "the script's own value; the script's value is kept")
+                        f"checkpoint's path {str(value)[:120]!r} lies outside the working "
+                        "directory and every directory the script's paths name")
                     continue
                 elif not _same_kind(value, current, name in f_locals):
                     logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
@@ -482,22 +482,33 @@ def bound_names(code: types.CodeType) -> frozenset[str]:
 
 
 def path_within(value: Any, root: Any) -> bool:
-    """Whether path ``value`` lies inside directory ``root`` (lexically, after ``normpath``;
-    no ``..`` escapes it), ``root`` None: never. What a restored path must satisfy: a
-    checkpoint may move a script's path within the directory its own value is in (the epoch's
-    file, the best model's), never elsewhere (issue 32, finding 3: a ``Path`` variable
-    restored as another path made the script's ``torch.save`` overwrite a file)."""
+    """Whether path ``value`` lies inside directory ``root`` (lexically, both made absolute
+    against the working directory and normalized: no ``..`` escapes it); ``root`` None:
+    never."""
     if root is None:
         return False
-    v, r = os.path.normpath(os.fspath(value)), os.path.normpath(os.fspath(root))
-    if os.path.isabs(v) != os.path.isabs(r):
+    try:
+        v, r = os.path.abspath(os.fspath(value)), os.path.abspath(os.fspath(root))
+    except (TypeError, ValueError):
         return False
-    if r == ".":  # the script's own value is a bare file name: any relative one not escaping
-        return v != ".." and not v.startswith(".." + os.sep)
     try:
         return os.path.commonpath([v, r]) == r
     except ValueError:
         return False
+
+
+def path_anchors(f_locals: Any) -> list[str]:
+    """The directories a restored path of a frame may lie in (:func:`path_within`): the
+    working directory, and every path the frame holds before the restore (each one and its
+    parent: ``out``, ``out / "best.pt"``). A checkpoint may move a script's path within the
+    directories the script itself names (the epoch's file, the best model's), never elsewhere
+    (issue 32, finding 3: a ``Path`` variable restored as another path made the script's
+    ``torch.save`` overwrite a file outside them)."""
+    out = [os.getcwd()]
+    for value in list(f_locals.values()):
+        if isinstance(value, pathlib.PurePath):
+            out += [os.fspath(value), os.fspath(value.parent)]
+    return out
 
 
 _NUMBERS = (bool, int, float, np.integer, np.floating, np.ndarray, torch.Tensor)

@@ -545,6 +545,8 @@ class Supervisor:
             self._set(SupervisorState.RUNNING, attempt=attempt,
                       resume_step=steps[0] if steps else None)
             outcome = self.monitor.run(attempt)
+            if self.jobdir_id is not None:  # and after it: a swap while the ranks started
+                jd.check_same(self.jobdir_id)  # stops the job (exit 5), not a restart
             action = decide(outcome, self.history, self.policy)
             self.history = self.history.then(outcome, action)
             code = self._act(action)
