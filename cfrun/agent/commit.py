@@ -47,7 +47,6 @@ from cfrun.contract.checkpoints import (
 )
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.contract.manifest import ManifestKeys
 from cfrun.contract.jobdir import (
     STAGING_PREFIX,
     JobDir,
@@ -55,6 +54,7 @@ from cfrun.contract.jobdir import (
     parse_step_dir_name,
     step_dir_name,
 )
+from cfrun.contract.manifest import ManifestKeys
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
 
 logger = logging.getLogger("cfrun.agent")
@@ -160,8 +160,8 @@ class Committer:
         files = [f for r in sorted(shard) for f in shard[r][0]]
         self.jobdir.check_same(self.jobdir_id)  # never into a job dir swapped meanwhile
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
-               meta={**req.commit_meta(), **self.job_meta},
-               keep=None, keys=self.keys)  # retention after the ranks' reply: deleting is not part of the PGT
+               meta={**req.commit_meta(), **self.job_meta}, keys=self.keys,
+               keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
         t1 = time.time()
         self.committed(step)
         del self.pending[step]
