@@ -32,7 +32,9 @@ from conftest import (
     SCRIPTS,
     assert_bit_identical,
     clean_env,
+    ddp_reference,
     final_line,
+    resumable_steps,
     run_cfrun,
     signed_manifest,
     tiny_reference,
@@ -176,6 +178,32 @@ def test_a_tampered_manifest_falls_back_to_the_previous_step_and_stays(tiny_ref,
     assert json.loads(path.read_text()) == manifest  # where it was, as it was
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
+
+
+def test_two_ranks_both_refuse_a_tampered_manifest_and_resume_from_the_same_step(
+        tmp_path, tmp_path_factory):
+    """The same on 2 ranks (torchrun, gloo, DDP): both ranks refuse the tampered newest
+    manifest before reading a file, rank 0 says it once, both resume from the previous step,
+    and the rerun ends bit-identical to the uninterrupted run."""
+    shared, first = ddp_reference(tmp_path_factory)
+    shutil.copytree(shared.job_dir, tmp_path / "ref", symlinks=True)
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({**config, "cwd": str(tmp_path)}))
+    ckpts = tmp_path / "ref" / "checkpoints"
+    newest, previous = resumable_steps(ckpts)[:2]  # not the final one, never resumed from
+    path = ckpts / step_dir_name(newest) / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["meta"]["batches"] += 1
+    os.chmod(path, 0o600)
+    path.write_text(json.dumps(manifest))
+    again = run_cfrun(["resume", "--rerun", "ref"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [e for e in _events(tmp_path / "ref", "resumed")]
+    assert sorted(e["rank"] for e in resumed) == [0, 1]
+    assert {e["step"] for e in resumed} == {previous}
+    assert [e["steps"] for e in _events(tmp_path / "ref", "checkpoint_refused")] == [[newest]]
+    assert json.loads(path.read_text()) == manifest
+    assert_bit_identical(first, torch.load(tmp_path / "ref.pt", weights_only=True))
 
 
 def test_a_job_dir_of_an_older_cfrun_without_macs_still_resumes(tiny_ref, crashed, tmp_path):
