@@ -94,6 +94,16 @@ def _two_newest(job: Path) -> tuple[int, int]:
     return steps[0], steps[1]
 
 
+def _kept(ckpts: Path, step: int, manifest: dict[str, Any]) -> bool:
+    """Whether the refused step ``step`` with ``manifest`` is still there, where it was or,
+    where the job committed that step again itself, moved aside (``corrupt-step-N-<ms>``):
+    never deleted."""
+    places = [ckpts / step_dir_name(step),
+              *ckpts.glob(f"corrupt-{step_dir_name(step)}-*")]
+    return any((p / MANIFEST).is_file() and json.loads((p / MANIFEST).read_text()) == manifest
+               for p in places)
+
+
 def _plant(ckpts: Path, source: int, step: int, edit: Any) -> Path:
     """A copy of committed step ``source`` as step ``step``, its manifest's JSON edited."""
     dst = ckpts / step_dir_name(step)
@@ -160,8 +170,9 @@ def test_planted_steps_are_skipped_where_they_lie_and_the_job_s_newest_resumes(
 def test_a_tampered_manifest_falls_back_to_the_previous_step_and_stays(tiny_ref, crashed,
                                                                        tmp_path):
     """The newest manifest's meta edited, its MAC left: refused before any of its files is
-    read, kept where it is (not moved aside as corrupt), and every rank resumes from the
-    previous step, bit-identical (on main the edited manifest was resumed from)."""
+    read, never deleted (where it is, or moved aside once the job commits that step itself
+    again), and every rank resumes from the previous step, bit-identical (on main the edited
+    manifest was resumed from)."""
     ref_run, ref_state = tiny_ref
     job = _copy_job(crashed, tmp_path, max_restarts=2, keep=5)
     ckpts = job / "checkpoints"
@@ -175,7 +186,7 @@ def test_a_tampered_manifest_falls_back_to_the_previous_step_and_stays(tiny_ref,
     assert again.returncode == 0, again.stderr[-3000:]
     assert _events(job, "resumed")[-1]["step"] == previous
     assert [e["steps"] for e in _events(job, "checkpoint_refused")] == [[newest]]
-    assert json.loads(path.read_text()) == manifest  # where it was, as it was
+    assert _kept(ckpts, newest, manifest)  # as it was, never deleted
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
 
@@ -202,7 +213,7 @@ def test_two_ranks_both_refuse_a_tampered_manifest_and_resume_from_the_same_step
     assert sorted(e["rank"] for e in resumed) == [0, 1]
     assert {e["step"] for e in resumed} == {previous}
     assert [e["steps"] for e in _events(tmp_path / "ref", "checkpoint_refused")] == [[newest]]
-    assert json.loads(path.read_text()) == manifest
+    assert _kept(ckpts, newest, manifest)
     assert_bit_identical(first, torch.load(tmp_path / "ref.pt", weights_only=True))
 
 
