@@ -172,6 +172,20 @@ def assert_bit_identical(a: object, b: object, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def signed_manifest(step_dir: Path, manifest: Any) -> bytes:
+    """The bytes of ``manifest`` (a :class:`cfrun.contract.manifest.Manifest`) as the job's
+    agent writes them into ``step_dir``: with the MAC under the job dir's ``job.key`` when it
+    has one (issue 32). What a test that crafts a checkpoint *of the job* writes; a forger
+    without the key cannot."""
+    from cfrun.contract.jobkey import JOB_KEY_FILE, read_key_file
+    from cfrun.contract.manifest import ManifestKeys
+
+    key_path = step_dir.parent.parent / JOB_KEY_FILE
+    if key_path.exists():
+        manifest = manifest.signed(ManifestKeys.of_job_key(read_key_file(key_path)).sign)
+    return bytes(manifest.dumps())
+
+
 def resumable_steps(checkpoints: Path) -> list[int]:
     """Committed steps a resume may start from, newest first: all but the final checkpoint
     taken at the script's end (issue 27, item 2), which a resume never starts from."""

@@ -54,6 +54,7 @@ from cfrun.contract.jobdir import (
     parse_step_dir_name,
     step_dir_name,
 )
+from cfrun.contract.manifest import ManifestKeys
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
 
 logger = logging.getLogger("cfrun.agent")
@@ -104,8 +105,12 @@ class Committer:
     """
 
     def __init__(self, jobdir: JobDir, *, keep: int, nnodes: int, node_rank: int,
-                 local_world_size: int | None, reply: Reply) -> None:
+                 local_world_size: int | None, reply: Reply,
+                 keys: ManifestKeys | None = None) -> None:
         self.jobdir = jobdir
+        self.keys = keys
+        """The job's manifest keys: every manifest committed here carries their MAC, and
+        retention counts and deletes only the job's own checkpoints. None: neither."""
         self.jobdir_id = jobdir.dir_id()
         """The job dir at the agent's start: a commit into another one is refused."""
         self.keep = keep
@@ -155,7 +160,7 @@ class Committer:
         files = [f for r in sorted(shard) for f in shard[r][0]]
         self.jobdir.check_same(self.jobdir_id)  # never into a job dir swapped meanwhile
         commit(self.jobdir.checkpoints, step, files, world_size=world_size,
-               meta={**req.commit_meta(), **self.job_meta},
+               meta={**req.commit_meta(), **self.job_meta}, keys=self.keys,
                keep=None)  # retention after the ranks' reply: deleting is not part of the PGT
         t1 = time.time()
         self.committed(step)
@@ -171,7 +176,7 @@ class Committer:
         for _, c, _ in shard.values():
             self.reply(c, reply)
         try:  # the step is committed and answered: a failed deletion must not undo that
-            apply_retention(self.jobdir.checkpoints, self.keep)
+            apply_retention(self.jobdir.checkpoints, self.keep, keys=self.keys)
         except OSError as e:
             logger.warning("cfrun agent: retention after step %d failed: %r", step, e)
 
@@ -346,7 +351,8 @@ class Committer:
             if ranks != list(range(world_size)):
                 raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
                                    f"0..{world_size - 1}")
-            commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep)
+            commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep,
+                   keys=self.keys)
             for old, p in _staging_steps(checkpoints).items():  # they can no longer complete
                 if old < step:
                     shutil.rmtree(p, ignore_errors=True)

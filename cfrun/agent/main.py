@@ -20,6 +20,8 @@ from cfrun.agent.server import PersistAgent
 from cfrun.contract import settings as E
 from cfrun.contract import slots
 from cfrun.contract.jobdir import JobDir
+from cfrun.contract.jobkey import ensure_job_key
+from cfrun.contract.manifest import ManifestKeys
 
 logger = logging.getLogger("cfrun.agent")
 
@@ -82,12 +84,15 @@ def main(argv: list[str] | None = None) -> None:
         from cfrun.storage.tiers import open_storage
 
         level2 = open_storage(args.persist_to)
+    # the job dir's checkpoints carry a MAC under its own job.key (made with the job dir)
+    manifest_keys = ManifestKeys.of_job_key(ensure_job_key(jd.root))
     own_slot_dir = None if args.slot_dir else slots.create_dir(jd.root)
     agent = PersistAgent(Path(args.job_dir), keep=args.keep, use_odirect=not args.no_odirect,
                          peer=peer, level2=level2, job=job, nnodes=args.nnodes,
                          node_rank=args.node_rank, local_world_size=args.local_world_size,
                          address=args.address, world_size=args.world_size,
-                         slot_dir=Path(args.slot_dir) if args.slot_dir else own_slot_dir)
+                         slot_dir=Path(args.slot_dir) if args.slot_dir else own_slot_dir,
+                         manifest_keys=manifest_keys)
     signal.signal(signal.SIGTERM, lambda *_: agent.stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to cfrun, which stops us
     try:

@@ -33,10 +33,9 @@ from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.jobdir import JobDir
-from cfrun.contract.jobkey import ensure_job_key, existing_job_key
-from cfrun.contract.manifest import dumps_json
+from cfrun.contract.manifest import ManifestKeys, dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
-from cfrun.peer.protocol import SealKeys
+from cfrun.peer.protocol import SealKeys, job_seal_keys  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from cfrun.agent.peertier import PeerTier
@@ -45,21 +44,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("cfrun.agent")
 
 
-def job_seal_keys(job_dir: Path, job: str, *, token: bytes | None,
-                  per_job_key: bool = False) -> SealKeys:
-    """The keys of the job's own seals (issue 32): under the job dir's ``job.key`` alone when
-    the job has a key of its own (``per_job_key``: ``--job-key-file``, which the supervisor
-    copied there); else under the peer token (``token``, with ``--peer``: a new machine with the
-    same token and command derives the same key), also installing seals of the job dir's
-    ``job.key`` where an older cfrun left one; else (no peer: level 2 alone) under the job
-    dir's ``job.key``.
-
-    Raises:
-        BadInputError: the job dir's ``job.key`` is unusable.
-    """
-    if per_job_key or token is None:
-        return SealKeys.of_job_key(ensure_job_key(job_dir), job)
-    return SealKeys.of_token(token, job, existing_job_key(job_dir))
+MAX_INSTALL_CANDIDATES = 16
+"""Checkpoints of the peer and level 2 a hello examines at most, newest first: each costs a
+manifest read and a seal check before any file (issue 32, finding 4: 1000 planted tiny steps
+made 1000 lines and events)."""
 
 
 class ForeignCheckpoint(Exception):
@@ -94,7 +82,8 @@ class PeerPath:
                  reply: Callable[[socket.socket, Persisted | PersistFailed], None],
                  persist_local: Callable[[socket.socket, PersistRequest], None],
                  committed: Callable[[int], None],
-                 seal_keys: SealKeys | None = None) -> None:
+                 seal_keys: SealKeys | None = None,
+                 manifest_keys: ManifestKeys | None = None) -> None:
         self.jobdir = jobdir
         self.job = job
         self.keep = keep
@@ -118,6 +107,8 @@ class PeerPath:
         self.seal_keys = seal_keys
         """The keys of this job's own seals (:func:`job_seal_keys`): a checkpoint from the
         peer or level 2 is installed only with them."""
+        self.manifest_keys = manifest_keys
+        """The job dir's manifest keys: an installed checkpoint is committed under them."""
 
     def takes(self, step: int) -> bool:
         """True if a persist of ``step`` goes to the peer: it is up (or its backoff is over),
@@ -244,7 +235,14 @@ class PeerPath:
             except Exception as e:
                 logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
         installed: int | None = None
-        for step, _, source in sorted(candidates, reverse=True):
+        ordered = sorted(candidates, reverse=True)
+        if len(ordered) > MAX_INSTALL_CANDIDATES:
+            logger.warning("cfrun agent: %d checkpoints at the peer and level 2 are newer than "
+                           "the job dir's; only the newest %d are examined", len(ordered),
+                           MAX_INSTALL_CANDIDATES)
+            ordered = ordered[:MAX_INSTALL_CANDIDATES]
+        refused = 0
+        for step, _, source in ordered:
             if step == installed:
                 continue  # the final one, installed from the other source
             t0 = time.monotonic()
@@ -268,13 +266,15 @@ class PeerPath:
                         read=lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
-                       keep=self.keep)
+                       keep=self.keep, keys=self.manifest_keys)
             except Exception as e:
                 shutil.rmtree(staging, ignore_errors=True)
                 error = str(e) if isinstance(e, (ForeignCheckpoint, CheckpointCorruptError)) \
                     else repr(e)
-                logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %s", step,
-                               source, error)
+                if not refused:  # the first in full; the others folded into one line
+                    logger.warning("cfrun agent: checkpoint step %d from %s is unusable: %s",
+                                   step, source, error)
+                refused += 1
                 self.jobdir.emit_event("fetch_failed", step=step, source=source, error=error)
                 continue
             nbytes = sum(f.nbytes for f in files)
@@ -283,5 +283,8 @@ class PeerPath:
             self.jobdir.emit_event("fetched", step=step, source=source, bytes=nbytes,
                                    fetch_s=round(time.monotonic() - t0, 6))
             if (manifest.get("meta") or {}).get("final") is not True:
-                return
+                break
             installed = step
+        if refused > 1:
+            logger.warning("cfrun agent: %d more checkpoints from the peer or level 2 were "
+                           "refused (each a fetch_failed event in events.jsonl)", refused - 1)

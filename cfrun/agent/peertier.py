@@ -31,6 +31,7 @@ import builtins
 import concurrent.futures as cf
 import functools
 import hashlib
+import hmac
 import logging
 import mmap
 import threading
@@ -56,7 +57,7 @@ from cfrun.peer.protocol import (
     loads_json,
     manifest_key,
     seal_tag,
-    verify_job_seals,
+    verify_job_seals_before_read,
 )
 from cfrun.storage.tiers import MANIFEST
 
@@ -219,13 +220,13 @@ class PeerTier:
                   "xxh3_64": xxhash.xxh3_64_hexdigest(doc)}]
         tag = seal_tag(self.manifest_key, step=step, world_size=world_size, rank=rank,
                        files=files, meta=meta)
+        digests = [sha256, hashlib.sha256(doc).hexdigest()]
         job_tag = job_seal_tag(self.seal_keys.seal, step=step, world_size=world_size, rank=rank,
-                               files=[{**files[0], "sha256": sha256},
-                                      {**files[1], "sha256": hashlib.sha256(doc).hexdigest()}],
+                               files=[{**f, "sha256": d} for f, d in zip(files, digests)],
                                meta=meta)
         return bool(self._call(lambda c: c.seal(job=self.job, step=step, world_size=world_size,
                                                 rank=rank, files=files, meta=meta, tag=tag,
-                                                job_tag=job_tag)))
+                                                job_tag=job_tag, sha256=digests)))
 
     def await_state(self, step: int, state: str, timeout_s: float) -> dict[str, Any]:
         """Block until the step is ``protected``/``durable`` at the peer (or the timeout).
@@ -303,9 +304,11 @@ def fetch_verified(staging: Path, manifest: Any, step: int, *, job: str,
                    read: Callable[[str, int], bytes | bytearray]) -> list[FileEntry]:
     """Write every file ``manifest`` (JSON, from the peer or level 2) lists into ``staging``,
     each read with ``read(name, nbytes)`` at the size the manifest gives and checked against
-    it, then check this job's seals over the SHA-256 of the bytes written
-    (:func:`cfrun.peer.protocol.verify_job_seals`). Called by the agent before it commits a
-    checkpoint from outside the job dir; the caller removes ``staging`` when this raises.
+    it. This job's seals are checked first, over the SHA-256 digests the manifest declares
+    (:func:`cfrun.peer.protocol.verify_job_seals_before_read`), before any file is read or
+    staged, and each file's bytes must then have its declared digest. Called by the agent
+    before it commits a checkpoint from outside the job dir; the caller removes ``staging``
+    when this raises.
 
     Raises:
         CheckpointCorruptError: not a manifest of ``step``, a size or checksum mismatch, or a
@@ -314,9 +317,13 @@ def fetch_verified(staging: Path, manifest: Any, step: int, *, job: str,
     parsed = Manifest.from_json(manifest, f"manifest of step {step}")
     if parsed.step != step:
         raise CheckpointCorruptError(f"manifest of step {step} is for step {parsed.step}")
+    declared = verify_job_seals_before_read(seal_key, manifest, step, job=job)
     sha256: dict[str, str] = {}
     files = manifest_files_to(staging, parsed, read, sha256=sha256)
-    verify_job_seals(seal_key, manifest, step, job=job, sha256=sha256)
+    for name, digest in sha256.items():  # the bytes are the ones the job sealed
+        if not hmac.compare_digest(digest, declared.get(name, "")):
+            raise CheckpointCorruptError(f"{job} step {step}: fetched {name} is not the file "
+                                         "its job seal covers; not installed")
     return files
 
 

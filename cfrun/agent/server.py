@@ -71,6 +71,7 @@ from cfrun.agent.peerpath import PeerPath
 from cfrun.contract import ipc, slots
 from cfrun.contract.checkpoints import remove_staging
 from cfrun.contract.jobdir import JobDir, best_effort
+from cfrun.contract.manifest import ManifestKeys
 from cfrun.contract.messages import (
     MAX_ERROR_CHARS,
     MAX_STEP,  # noqa: F401  (re-exported)
@@ -107,7 +108,8 @@ class PersistAgent:
                  peer: PeerTier | None = None, level2: Storage | None = None,
                  job: str | None = None, nnodes: int = 1, node_rank: int = 0,
                  local_world_size: int | None = None, address: str | None = None,
-                 slot_dir: Path | None = None, world_size: int | None = None) -> None:
+                 slot_dir: Path | None = None, world_size: int | None = None,
+                 manifest_keys: ManifestKeys | None = None) -> None:
         self.jobdir = JobDir(job_dir)
         self.address = address or ipc.new_agent_address()
         self.slot_dir = slot_dir
@@ -119,12 +121,16 @@ class PersistAgent:
         self.level2 = level2
         self.job = job or self.jobdir.root.name
         self.local = LocalWriter(self.jobdir, self.slot_dirs, use_odirect=use_odirect)
+        self.manifest_keys = manifest_keys
+        """The job dir's manifest keys (``job.key``): every commit here carries their MAC."""
         self.commits = Committer(self.jobdir, keep=keep, nnodes=nnodes, node_rank=node_rank,
-                                 local_world_size=local_world_size, reply=self._reply)
+                                 local_world_size=local_world_size, reply=self._reply,
+                                 keys=manifest_keys)
         self.peer_path = PeerPath(self.jobdir, job=self.job, keep=keep, peer=peer,
                                   level2=level2, reply=self._reply,
                                   persist_local=self._persist_local,
-                                  committed=self.commits.committed)
+                                  committed=self.commits.committed,
+                                  manifest_keys=manifest_keys)
         self.space = SpaceGuard(self.jobdir)
         self.dropped: dict[int, str] = {}
         """Steps failed or skipped here -> why: their later shards are refused unwritten."""

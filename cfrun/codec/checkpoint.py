@@ -53,6 +53,7 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
     MANIFEST,
     FileEntry,
     Manifest,
+    ManifestKeys,
     apply_retention,
     check_complete,
     check_good,
@@ -68,9 +69,15 @@ from cfrun.contract.checkpoints import (  # noqa: F401  (re-exported for the ran
     verify,
     write_file,
 )
-from cfrun.contract.errors import CheckpointCorruptError, FatalJobError, IncompatibleFormatError
+from cfrun.contract.errors import (
+    CheckpointCorruptError,
+    FatalJobError,
+    ForeignCheckpointError,
+    IncompatibleFormatError,
+)
 from cfrun.contract.fsio import UnsafeFileError, open_regular
 from cfrun.contract.jobdir import step_dir_name
+from cfrun.contract.manifest import mac_required
 from cfrun.contract.shard import read_doc
 
 logger = logging.getLogger(__name__)
@@ -172,13 +179,15 @@ class ShardRead:
         IncompatibleFormatError: written by an incompatible cfrun (from the constructor).
     """
 
-    def __init__(self, step_dir: Path, rank: int, *, background: bool = True) -> None:
+    def __init__(self, step_dir: Path, rank: int, *, background: bool = True,
+                 manifest: Manifest | None = None) -> None:
         self.step_dir = step_dir
         self.start_unix_s = time.time()
         self.read_s: float | None = None
         """Seconds from the constructor's start to the end of the read (set at its end)."""
         self._error: BaseException | None = None
-        manifest = read_manifest(step_dir)
+        if manifest is None:  # else the one the caller authenticated (not read again)
+            manifest = read_manifest(step_dir)
         if not 0 <= rank < manifest.world_size:
             raise CheckpointCorruptError(f"{step_dir.name}: no rank {rank} in a checkpoint of "
                                          f"{manifest.world_size} ranks")
@@ -470,7 +479,7 @@ def assemble_rank(step_dir: Path, manifest: Manifest, rank: int,
 
 def check_usable(step_dir: Path, *, world_size: int | None = None,
                  check_state: Callable[[Any, dict[str, Any]], None] | None = None,
-                 loading_rank: int | None = None) -> Manifest:
+                 loading_rank: int | None = None, manifest: Manifest | None = None) -> Manifest:
     """Judge a committed checkpoint the same way on every rank, before any rank loads it.
 
     Every rank's shard is listed and present (:func:`check_complete`), every file passes its
@@ -484,6 +493,8 @@ def check_usable(step_dir: Path, *, world_size: int | None = None,
     checksums it anyway (:func:`_stream_into`) and a mismatch there falls back the same way
     (:func:`load_newest`); every other rank still checks that file, so all reach one verdict.
     One read of the rank's own shard instead of two (issue 16: load time at resume).
+    ``manifest``: the one the caller read and authenticated (:func:`open_newest`), used as
+    it is, so that the files checked are the ones it names.
 
     Raises:
         WorldSizeChangedError: ``world_size`` is given and the checkpoint has another.
@@ -491,7 +502,7 @@ def check_usable(step_dir: Path, *, world_size: int | None = None,
             ``KeyError`` from ``check_state``...), in one line naming it.
         IncompatibleFormatError: written in a format this cfrun cannot read.
     """
-    manifest = check_complete(step_dir)
+    manifest = check_complete(step_dir, manifest)
     if world_size is not None and manifest.world_size != world_size:
         raise WorldSizeChangedError(manifest.step, manifest.world_size, world_size)
     try:
@@ -514,7 +525,9 @@ def check_usable(step_dir: Path, *, world_size: int | None = None,
 def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                 world_size: int | None = None,
                 check_state: Callable[[Any, dict[str, Any]], None] | None = None,
-                below: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+                below: int | None = None, keys: ManifestKeys | None = None,
+                on_refused: Callable[[list[tuple[int, str]]], None] | None = None
+                ) -> tuple[int, Any, dict[str, Any]] | None:
     """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, read
     on the caller's thread (:func:`open_newest` with the read done before it returns).
 
@@ -525,21 +538,64 @@ def load_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         WorldSizeChangedError, RankLoadError: see :func:`open_newest`.
     """
     got = open_newest(checkpoints, rank, on_skip=on_skip, world_size=world_size,
-                      check_state=check_state, below=below, background=False)
+                      check_state=check_state, below=below, background=False, keys=keys,
+                      on_refused=on_refused)
     if got is None:
         return None
     state, meta = got[1].wait()
     return got[0], state, meta
 
 
+MAX_RESUME_CANDIDATES = 64
+"""Step directories a resume examines at most, newest first (their manifests only, until one
+is authenticated and usable): a flood of planted ``step-*`` directories costs a bounded number
+of small reads, never a read of the files they name (issue 32, finding 4)."""
+
+
+def _authenticated(checkpoints: Path, steps: list[int], keys: ManifestKeys | None
+                   ) -> tuple[dict[int, Manifest], list[tuple[int, str]]]:
+    """The manifests of ``steps`` that are the job's (:meth:`Manifest.check_mac`: MAC-less ones
+    only where no manifest of ``steps`` carries a MAC, :func:`mac_required`), and the refused
+    ``(step, why)``. Unreadable manifests are left out of both (:func:`check_usable` judges
+    them). Reads manifests only. ``keys`` None: no authentication, an empty dict."""
+    if keys is None:
+        return {}, []
+    read: dict[int, Manifest] = {}
+    for step in steps:
+        try:
+            read[step] = read_manifest(checkpoints / step_dir_name(step))
+        except (CheckpointCorruptError, IncompatibleFormatError):
+            continue
+    require = mac_required(list(read.values()))
+    ours: dict[int, Manifest] = {}
+    refused: list[tuple[int, str]] = []
+    for step, m in read.items():
+        try:
+            m.check_mac(keys, require=require, where=step_dir_name(step))
+        except ForeignCheckpointError as e:
+            refused.append((step, str(e)))
+            continue
+        ours[step] = m
+    return ours, refused
+
+
 def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
                 world_size: int | None = None,
                 check_state: Callable[[Any, dict[str, Any]], None] | None = None,
                 below: int | None = None, background: bool = True,
-                reshard: Callable[[Path, int, int], Any] | None = None
+                reshard: Callable[[Path, int, int], Any] | None = None,
+                keys: ManifestKeys | None = None,
+                on_refused: Callable[[list[tuple[int, str]]], None] | None = None
                 ) -> tuple[int, Any] | None:
     """The newest usable checkpoint (:func:`check_usable`), falling back to older ones, and
     this rank's :class:`ShardRead` of it (its tensors still being read when ``background``).
+
+    With ``keys`` (the job's :class:`ManifestKeys`), a manifest is authenticated before any
+    file it names is opened (:func:`_authenticated`), and the files checked and read are the
+    ones that manifest names (it is not read again). A manifest that is not the job's is
+    skipped where it lies (:class:`ForeignCheckpointError`: nothing moved nor deleted), and
+    all of them are handed to ``on_refused([(step, why), ...])`` once. At most
+    :data:`MAX_RESUME_CANDIDATES` step directories are examined.
 
     A checkpoint that is not usable is moved aside (:func:`skip_checkpoint`). Every rank calls
     this at resume and reaches the same step; a rank whose own shard then fails its read
@@ -553,6 +609,9 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
             ``world_size`` (:class:`cfrun.codec.reshard.ReshardRead`, given by the caller, so
             that this module does not import the one that imports it); None: such a
             checkpoint is refused.
+        keys: the job's manifest keys (the rank's settings); None: manifests are not
+            authenticated (``cfrun export``, a rank started without a supervisor).
+        on_refused: called once with every ``(step, why)`` refused as not the job's.
 
     Returns:
         ``(step, read)``, or ``None`` when no committed checkpoint is usable.
@@ -563,21 +622,31 @@ def open_newest(checkpoints: Path, rank: int, *, on_skip: Any = None,
         RankLoadError: this rank's own shard failed after the checks passed, other than by
             its bytes (an I/O error): a corrupt shard is a verdict, and falls back.
     """
-    for step in committed_steps(checkpoints):
-        if below is not None and step >= below:
+    steps = [s for s in committed_steps(checkpoints)
+             if below is None or s < below][:MAX_RESUME_CANDIDATES]
+    ours, refused = _authenticated(checkpoints, steps, keys)
+    if refused and on_refused is not None:
+        on_refused(refused)
+    refused_steps = {s for s, _ in refused}
+    for step in steps:
+        if step in refused_steps:
             continue
         step_dir = checkpoints / step_dir_name(step)
-        if is_final(step_dir):  # the script's end: no position to resume at (issue 27, item 2)
+        manifest: Manifest | None = ours.get(step)
+        if manifest is not None and manifest.meta.get("final") is True:
+            continue  # the script's end: no position to resume at (issue 27, item 2)
+        if manifest is None and is_final(step_dir):
             continue
         try:
             manifest = check_usable(step_dir, world_size=None if reshard else world_size,
                                     check_state=check_state,
-                                    loading_rank=None if reshard else rank)  # all verified
+                                    loading_rank=None if reshard else rank,
+                                    manifest=manifest)  # all verified
             read: Any
             if reshard and world_size is not None and manifest.world_size != world_size:
                 read = reshard(step_dir, rank, world_size)
             else:
-                read = ShardRead(step_dir, rank, background=background)
+                read = ShardRead(step_dir, rank, background=background, manifest=manifest)
             if not background:
                 read.wait()
         except (CheckpointCorruptError, IncompatibleFormatError) as e:

@@ -25,10 +25,19 @@ from typing import Any
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.fsio import fsync_dir, write_atomic
 from cfrun.contract.jobdir import STAGING_PREFIX, parse_step_dir_name, step_dir_name
-from cfrun.contract.manifest import MANIFEST, FileEntry, Manifest, read_manifest, shard_names
+from cfrun.contract.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    ManifestKeys,
+    mac_required,
+    read_manifest,
+    shard_names,
+)
 from cfrun.contract.shard import check_docs
 
-__all__ = ["CORRUPT", "INCOMPATIBLE", "MANIFEST", "FileEntry", "Manifest", "apply_retention",
+__all__ = ["CORRUPT", "INCOMPATIBLE", "MANIFEST", "FileEntry", "Manifest", "ManifestKeys",
+           "apply_retention",
            "check_complete", "check_good", "commit", "committed_steps", "good_steps", "is_final",
            "quarantine", "read_manifest", "remove_staging", "shard_names", "staging_dir",
            "verify", "write_file"]
@@ -61,10 +70,12 @@ def write_file(path: Path, parts: Iterable[bytes | bytearray | memoryview], *,
 
 
 def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: int,
-           meta: dict[str, Any], keep: int | None) -> Path:
+           meta: dict[str, Any], keep: int | None, keys: ManifestKeys | None = None) -> Path:
     """Make step ``step`` visible: manifest last, atomic rename, directory fsync, retention
     (``keep`` newest; ``None``: the caller applies :func:`apply_retention` later, e.g. after
-    answering the ranks, so that deleting old files is not part of the PGT).
+    answering the ranks, so that deleting old files is not part of the PGT). With ``keys``
+    (the job's :class:`ManifestKeys`) the manifest carries its MAC, and a directory of the
+    same step already there counts only if its MAC is the job's.
 
     Called once per checkpoint (by rank 0, or by the persist agent) after every rank's files
     are durable in the staging directory.
@@ -78,12 +89,16 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
     """
     staging = staging_dir(checkpoints, step)
     manifest = Manifest.build(step, world_size, files, meta)
+    if keys is not None:
+        manifest = manifest.signed(keys.sign)
     fsync_dir(staging)
     write_atomic(staging / MANIFEST, [manifest.dumps()])
     final = checkpoints / step_dir_name(step)
     if final.exists():  # an older attempt committed the same step: keep it if it verifies
         try:
-            verify(final)
+            old = verify(final)
+            if keys is not None:
+                old.check_mac(keys, require=True)
             shutil.rmtree(staging, ignore_errors=True)
             return final
         except CheckpointCorruptError:
@@ -93,7 +108,7 @@ def commit(checkpoints: Path, step: int, files: list[FileEntry], *, world_size: 
     os.rename(staging, final)
     fsync_dir(checkpoints)
     if keep is not None:
-        apply_retention(checkpoints, keep)
+        apply_retention(checkpoints, keep, keys=keys)
     return final
 
 
@@ -138,29 +153,64 @@ def check_good(step_dir: Path) -> Manifest:
     return check_complete(step_dir)
 
 
-def good_steps(checkpoints: Path) -> list[int]:
-    """Committed steps that pass :func:`check_good`, newest first."""
-    good = []
+def _good(checkpoints: Path) -> list[tuple[int, Manifest]]:
+    """Committed steps that pass :func:`check_good` with their manifests, newest first."""
+    good: list[tuple[int, Manifest]] = []
     for step in committed_steps(checkpoints):
         try:
-            check_good(checkpoints / step_dir_name(step))
+            good.append((step, check_good(checkpoints / step_dir_name(step))))
         except (CheckpointCorruptError, IncompatibleFormatError):
             continue
-        good.append(step)
     return good
 
 
-def apply_retention(checkpoints: Path, keep: int) -> list[int]:
+def _ours(good: list[tuple[int, Manifest]], keys: ManifestKeys) -> list[int]:
+    """The steps of ``good`` whose manifest is the job's (:meth:`Manifest.check_mac`; a
+    MAC-less one only where none carries a MAC: :func:`mac_required`)."""
+    require = mac_required([m for _, m in good])
+    ours = []
+    for step, m in good:
+        try:
+            m.check_mac(keys, require=require)
+        except CheckpointCorruptError:
+            continue
+        ours.append(step)
+    return ours
+
+
+def good_steps(checkpoints: Path, *, keys: ManifestKeys | None = None) -> list[int]:
+    """Committed steps that pass :func:`check_good`, newest first; with ``keys``, only those
+    whose manifest is the job's (:func:`_ours`): a planted step neither counts toward
+    ``keep`` nor is deleted."""
+    good = _good(checkpoints)
+    return _ours(good, keys) if keys is not None else [step for step, _ in good]
+
+
+def apply_retention(checkpoints: Path, keep: int, *, keys: ManifestKeys | None = None
+                    ) -> list[int]:
     """Delete good checkpoints beyond the newest ``keep`` good ones; returns the deleted steps.
 
     Only good checkpoints (:func:`check_good`) count toward ``keep``, and the newest good one
     is never deleted (``keep`` below 1 counts as 1): checkpoints of another ``format_version``
     or with a missing file, even higher-numbered ones, neither count nor get deleted here (a
-    resume moves them aside with their reason, :func:`quarantine`). Called by the persist agent
-    after each commit (:mod:`cfrun.agent.commit`) and by :func:`commit`.
+    resume moves them aside with their reason, :func:`quarantine`). With ``keys`` only the
+    job's own count (:func:`good_steps`): a step planted through a link or a swapped
+    directory makes retention delete nothing of the job's (issue 32, finding 1). A step
+    without a MAC older than the oldest one kept goes too once the job's own are MAC'd (the
+    job's checkpoints from before issue 32); a step with another key's MAC is never deleted.
+    Called by the persist agent after each commit (:mod:`cfrun.agent.commit`) and by
+    :func:`commit`.
     """
+    keep = max(keep, 1)
+    good = _good(checkpoints)
+    ours = _ours(good, keys) if keys is not None else [step for step, _ in good]
+    doomed = ours[keep:]
+    if keys is not None and len(ours) >= keep:
+        oldest_kept = ours[keep - 1]
+        doomed += [step for step, m in good if not m.mac and step < oldest_kept
+                   and step not in doomed]
     deleted = []
-    for step in good_steps(checkpoints)[max(keep, 1):]:
+    for step in sorted(doomed, reverse=True):
         shutil.rmtree(checkpoints / step_dir_name(step), ignore_errors=True)
         deleted.append(step)
     return deleted
@@ -218,19 +268,21 @@ def committed_steps(checkpoints: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def check_complete(step_dir: Path) -> Manifest:
+def check_complete(step_dir: Path, manifest: Manifest | None = None) -> Manifest:
     """Every rank's shard is listed in the manifest and present at its recorded size.
 
     Each rank checks this for the whole checkpoint before loading its own shard, so that all
     ranks skip the same incomplete checkpoint (a rank whose shard is missing must not fall back
-    to an older step while the others load this one). Reads only the manifest and ``lstat``s.
+    to an older step while the others load this one). Reads only the manifest (none when
+    ``manifest`` is given: the one the caller authenticated) and ``lstat``s.
 
     Raises:
         CheckpointCorruptError: a rank's shard is missing from the manifest or the directory,
             is not a regular file, or has another size.
         IncompatibleFormatError: written by an incompatible cfrun.
     """
-    manifest = read_manifest(step_dir)
+    if manifest is None:
+        manifest = read_manifest(step_dir)
     names = {f.name: f.nbytes for f in manifest.files}
     for r in range(manifest.world_size):
         for name in shard_names(r):

@@ -83,6 +83,12 @@ class CheckpointCorruptError(CfrunError):
     exit_code = EXIT_FATAL
 
 
+class ForeignCheckpointError(CheckpointCorruptError):
+    """A checkpoint's manifest is not authenticated by this job's key (no MAC where one is due,
+    or one under another key): another job's or a forged checkpoint. It is skipped, never
+    moved nor deleted: it is not the job's to move."""
+
+
 class IncompatibleFormatError(CfrunError):
     """A manifest has a ``format_version`` this cfrun cannot read."""
 

@@ -98,6 +98,7 @@ EVENTS: dict[str, EventKind] = {
     "final_checkpoint": _k("rank 0", ["step", "outcome"], ["attempt", "error"]),
     "persist_lost": _k("a rank", ["step", "error"], ["rank"]),
     "checkpoint_corrupt": _k("a rank", ["step", "error"]),
+    "checkpoint_refused": _k("rank 0", ["steps", "count", "error"]),
     "resumed": _k("each rank", ["step", "attempt", "rank"],
                   ["variables", "process_start_unix_s", "agent_wait_s", "read_start_unix_s",
                    "read_s", "read_sync_s", "read_wait_s", "restore_s", "warm"]),

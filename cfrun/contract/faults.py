@@ -43,6 +43,10 @@ POINTS: dict[str, str] = {
     "peer.flush_delay_s":
         "float SECONDS: the cfrun peer's flusher sleeps this long after the first file of each "
         "checkpoint (a slow level 2)",
+    "rank.start_delay_s":
+        "float SECONDS: each rank sleeps this long at install, before it checks the job dir's "
+        "identity and reads anything of it (a slow import: the window in which a job dir "
+        "could be swapped under a starting rank)",
     "rank.raise_in_step":
         "int STEP: cfrun's optimizer-step hook raises RuntimeError at this step (an internal "
         "error of cfrun: the Guard must keep the script running)",

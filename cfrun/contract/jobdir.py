@@ -159,14 +159,19 @@ def check_ancestors(path: Path | str) -> None:
 
     A directory writable by its group (a cluster's setgid project dir, a Kubernetes volume
     mounted with ``fsGroup``, a checkout of mode 775) is said in one warning line instead of
-    refused, when the job dir is made (not on every run of the job: issue 37, item 7): the
-    job dir is also re-identified by device and inode before each attempt and commit
-    (:meth:`JobDir.check_same`), so a member of the group who swaps it stops the job (exit 5)
-    rather than feeding it a checkpoint.
+    refused, when the job dir is made (not on every run of the job: issue 37, item 7). What
+    guards the job is what the warning says (issue 32, finding 2: a group member swapped the job
+    dir as the ranks started and the job resumed from their checkpoint): the job dir is
+    re-identified by device and inode by the supervisor before each attempt, by every rank
+    before it reads anything of it (:meth:`cfrun.rank.runtime.Runtime.check_job_dir`) and by the
+    agent before each commit (:meth:`JobDir.check_same`), and a manifest is read only with the
+    job dir's MAC (:meth:`cfrun.contract.manifest.Manifest.check_mac`): a swap stops the job
+    (exit 5), a planted checkpoint is never resumed from. Refusing such ancestors would refuse
+    the setgid project dirs and ``fsGroup`` volumes where many clusters train.
 
     Raises:
         BadInputError: an ancestor owned by another user, or writable by others without the
-            sticky bit; one line naming it and the fix.
+            sticky bit; one line naming it and the fix (exit 2, nothing started).
     """
     me = os.getuid()
     here = Path(os.path.realpath(Path(path).absolute()))
@@ -188,8 +193,10 @@ def check_ancestors(path: Path | str) -> None:
                 f"swap the job dir; run `chmod o-w {d}` or give a --job-dir elsewhere")
         if st.st_mode & 0o020 and is_new:
             print(f"cfrun: warning: --job-dir {str(path)!r} lies under {str(d)!r}, writable by "
-                  f"its group: a member could swap the job dir (cfrun then stops the job, exit "
-                  f"5); `chmod g-w {d}` closes this", file=sys.stderr)
+                  "its group: a member who swaps the job dir "
+                  "stops the job (every rank checks its identity before reading it, exit 5) "
+                  f"but cannot feed it a checkpoint; `chmod g-w {d}` closes this",
+                  file=sys.stderr)
 
 
 class JobDir:

@@ -18,7 +18,13 @@ item 4). The key is then copied into the job dir (``job.key``, 0600, created exc
 never through a link) and must be given again on a machine without the job dir, beside the
 peer token or as a Kubernetes Secret. A job with a level-2 store and no peer (``--persist-to``
 alone) seals nothing and checks seals under ``job.key``, made with the job. A ``job.key`` left
-in the job dir by an older cfrun keeps its checkpoints installable where it is. Torch-free.
+in the job dir by an older cfrun keeps its checkpoints installable where it is.
+
+Every job dir has a ``job.key`` (made by the supervisor before the agent starts, random unless
+``--job-key-file`` gives it): the MAC of each manifest in ``checkpoints/`` derives from it
+(:class:`cfrun.contract.manifest.ManifestKeys`, issue 32, finding 4). Nothing has to carry it
+to a new machine: a new job dir makes its own, and checkpoints come back from the peer or level
+2 under the seals above. Torch-free.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ must be finite, file names must be ones the format writes (``rank-NNNNN.bin|json
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -32,8 +35,13 @@ from typing import Any
 import xxhash
 
 from cfrun import __version__
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
+from cfrun.contract.errors import (
+    CheckpointCorruptError,
+    ForeignCheckpointError,
+    IncompatibleFormatError,
+)
 from cfrun.contract.fsio import UnsafeFileError, open_regular, read_regular
+from cfrun.contract.jobdir import step_dir_name
 
 FORMAT_VERSION = 1
 """Version of the checkpoint format (manifest, shard JSON, shard bytes); a reader refuses any
@@ -190,10 +198,15 @@ class Manifest:
     """``[{rank, tag}]``: each rank's agent's HMAC over its files, written by ``cfrun peer``
     (:mod:`cfrun.peer`) so that a fetching agent can authenticate the manifest; absent in a
     job dir's own manifests. Checked here for form only (rank in range, 64 hex digits)."""
+    mac: str = ""
+    """HMAC-SHA256 (hex) of every other field under the job's manifest key
+    (:func:`manifest_mac`, :class:`ManifestKeys`), written by this job's committers; checked
+    by a resume before any file the manifest names is opened (:meth:`check_mac`). Empty: a
+    manifest of a cfrun before issue 32, or of a committer without the job's key."""
 
     _KEYS = frozenset({"format_version", "cfrun_version", "step", "world_size",
                        "committed_unix_s", "files", "meta"})
-    _OPTIONAL = frozenset({"seals"})
+    _OPTIONAL = frozenset({"seals", "mac"})
 
     @classmethod
     def build(cls, step: int, world_size: int, files: list[FileEntry] | tuple[FileEntry, ...],
@@ -220,7 +233,35 @@ class Manifest:
              "files": [f.to_json() for f in self.files], "meta": self.meta}
         if self.seals:
             d["seals"] = [dict(s) for s in self.seals]
+        if self.mac:
+            d["mac"] = self.mac
         return d
+
+    def signed(self, key: bytes) -> Manifest:
+        """This manifest with its :attr:`mac` under ``key`` (:attr:`ManifestKeys.sign`)."""
+        return dataclasses.replace(self, mac=manifest_mac(key, self))
+
+    def check_mac(self, keys: ManifestKeys, *, require: bool, where: str = "") -> None:
+        """Authenticate this manifest before anything it names is read: its :attr:`mac` must
+        match under one of ``keys.accept``; a manifest without one passes only when not
+        ``require`` (:func:`mac_required`: no checkpoint of the job dir carries one yet, a
+        job dir of an older cfrun). Pure: reads no file.
+
+        Raises:
+            ForeignCheckpointError: no MAC where one is due, or one under another key (another
+                job's manifest, a forged one, a moved job without its key); one line.
+        """
+        where = where or step_dir_name(self.step)
+        if not self.mac:
+            if require:
+                raise ForeignCheckpointError(
+                    f"{where}: its manifest carries no MAC while this job's checkpoints do "
+                    "(planted, or written by another job); skipped, nothing deleted")
+            return
+        if not any(hmac.compare_digest(self.mac, manifest_mac(k, self)) for k in keys.accept):
+            raise ForeignCheckpointError(
+                f"{where}: its manifest's MAC does not match this job's key (another job's "
+                "checkpoint, or a forged one); skipped, nothing deleted")
 
     def dumps(self) -> bytes:
         """The bytes of ``manifest.json``."""
@@ -291,15 +332,23 @@ class Manifest:
                                          f"{world_size} entries")
         for s in seals:
             s = _fields(s, frozenset({"rank", "tag"}), f"{where}: seal",
-                        optional=frozenset({"job_tag"}))
+                        optional=frozenset({"job_tag", "sha256"}))
             _int(s, "rank", f"{where}: seal", 0, world_size - 1)
+            digests = s.get("sha256", [])
+            if not isinstance(digests, list) or len(digests) > 2 or not all(
+                    isinstance(d, str) and _SEAL_TAG_RE.match(d) for d in digests):
+                raise CheckpointCorruptError(f"{where}: seal sha256 must be a list of at most "
+                                             "2 digests of 64 hex digits")
             for name in ("tag", "job_tag"):
                 if name in s and (not isinstance(s[name], str)
                                   or not _SEAL_TAG_RE.match(s[name])):
                     raise CheckpointCorruptError(f"{where}: seal {name} {str(s[name])[:80]!r} "
                                                  "is not 64 hex digits")
+        mac = d.get("mac", "")
+        if "mac" in d and (not isinstance(mac, str) or not _SEAL_TAG_RE.match(mac)):
+            raise CheckpointCorruptError(f"{where}: mac {str(mac)[:80]!r} is not 64 hex digits")
         return cls(step, world_size, files, meta, float(t), version, FORMAT_VERSION,
-                   tuple(dict(s) for s in seals))
+                   tuple(dict(s) for s in seals), mac)
 
     # ------------------------------------------------------------------ files on disk
 
@@ -367,6 +416,71 @@ class Manifest:
         for f in self.files:
             if f.name not in skip:
                 self.check_file(step_dir, f.name)
+
+
+MAC_INFO = b"cfrun-manifest-mac/1"
+"""What derives a job dir's manifest key from its ``job.key`` (:meth:`ManifestKeys.of_job_key`)."""
+
+
+def manifest_mac(key: bytes, manifest: Manifest) -> str:
+    """Hex HMAC-SHA256 under ``key`` of ``manifest``'s canonical JSON without its ``mac``
+    (every other field: step, world size, files with their sizes and checksums, meta, seals).
+    The xxh3 checksums it covers are not cryptographic: the MAC proves the manifest is the
+    job's; the files' bytes are guarded by their mode (0600 in a 0700 job dir) locally, and by
+    the job seals' SHA-256 where they come from the peer or level 2."""
+    d = manifest.to_json()
+    d.pop("mac", None)
+    data = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return hmac.new(key, b"cfrun-manifest/1\n" + data, hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestKeys:
+    """The keys of a job dir's manifest MACs: ``sign`` writes them, any of ``accept``
+    (``sign`` first) passes one. Derived from the job dir's own secret, ``job.key``
+    (:mod:`cfrun.contract.jobkey`: made with the job dir, 0600, never through a link; or the
+    user's ``--job-key-file``): the job dir's checkpoints live and die with it, so their key
+    does too, and it does not depend on a peer token the user may change or drop. A
+    checkpoint installed from the peer or level 2 is checked against the job's seal first and
+    then committed here under this key."""
+
+    sign: bytes
+    accept: tuple[bytes, ...]
+
+    @classmethod
+    def of_job_key(cls, job_key: bytes) -> ManifestKeys:
+        """The manifest key of a job key (64 hex digits as :func:`cfrun.contract.jobkey.
+        ensure_job_key` returns it): one HKDF-Expand block (RFC 5869) with info
+        :data:`MAC_INFO`, the key's 32 bytes as the pseudorandom key."""
+        prk = bytes.fromhex(job_key.decode("ascii")) if len(job_key) == 64 else job_key
+        sign = hmac.new(prk, MAC_INFO + b"\x01", hashlib.sha256).digest()
+        return cls(sign, (sign,))
+
+    def to_hex(self) -> tuple[str, ...]:
+        """``(sign, *others)`` in hex, for :class:`cfrun.rank.settings.RankSettings`."""
+        return tuple(k.hex() for k in self.accept)
+
+    @classmethod
+    def from_hex(cls, keys: tuple[str, ...] | list[str]) -> ManifestKeys | None:
+        """Inverse of :meth:`to_hex`; None for no keys.
+
+        Raises:
+            ValueError: a key is not 64 hex digits.
+        """
+        raw = [bytes.fromhex(k) for k in keys]
+        if any(len(k) != 32 for k in raw):
+            raise ValueError("a manifest key is not 32 bytes")
+        return cls(raw[0], tuple(raw)) if raw else None
+
+
+def mac_required(manifests: list[Manifest]) -> bool:
+    """Whether MAC-less manifests are refused in a job dir whose manifests are ``manifests``:
+    once any carries a MAC (this cfrun committed there), yes. A job dir of an older cfrun (no
+    manifest with a MAC) keeps resuming after the upgrade; a checkpoint planted without a MAC
+    among this cfrun's is refused. Decided per look at the job dir, so a planted MAC-less step
+    gains nothing where this cfrun has committed, and where it has not, no more than it gained
+    before (the job dir's identity and private modes guard that case)."""
+    return any(m.mac for m in manifests)
 
 
 def _why(e: OSError) -> str:

@@ -99,6 +99,9 @@ class Checkpoint:
     job_tags: dict[int, str] = field(default_factory=dict)
     """rank -> its job's own seal (:func:`cfrun.peer.protocol.job_seal_tag`), kept unchecked:
     the peer does not hold the job's key."""
+    job_sha256: dict[int, list[str]] = field(default_factory=dict)
+    """rank -> the SHA-256 (hex) of its files that its job seal covers, in its files' order:
+    kept beside the seal so that a fetching agent checks the seal before reading a file."""
     meta: dict[str, Any] = field(default_factory=dict)
     reserved_bytes: int = 0
     """Bytes held for this checkpoint: parts stored plus buffers of transfers in progress."""
@@ -123,7 +126,9 @@ class Checkpoint:
                               self.meta, committed_unix_s=self.t_protected or time.time(),
                               seals=[{"rank": r, "tag": self.seal_tags[r],
                                       **({"job_tag": self.job_tags[r]}
-                                         if r in self.job_tags else {})}
+                                         if r in self.job_tags else {}),
+                                      **({"sha256": self.job_sha256[r]}
+                                         if r in self.job_sha256 else {})}
                                      for r in sorted(self.seal_tags)]).to_json()
 
 
@@ -319,7 +324,7 @@ class RamBuffer:
 
     def seal(self, job: str, step: int, rank: int, entries: list[dict[str, Any]],
              meta: dict[str, Any], tag: str, *, tag_ok: bool,
-             job_tag: str | None = None) -> SlotState:
+             job_tag: str | None = None, sha256: list[str] | None = None) -> SlotState:
         """Record rank ``rank``'s seal over its files ``entries`` (``tag_ok``: its tag matched
         them); once every rank sealed, the checkpoint is PROTECTED and queued for the flusher.
 
@@ -346,6 +351,8 @@ class RamBuffer:
             ck.seal_tags[rank] = tag
             if job_tag is not None:
                 ck.job_tags[rank] = job_tag
+            if sha256 is not None:
+                ck.job_sha256[rank] = list(sha256)
             if rank == 0:
                 ck.meta = meta
             ck.t_activity = time.monotonic()

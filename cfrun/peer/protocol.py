@@ -83,6 +83,7 @@ import xxhash
 
 from cfrun.contract import wire
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError
+from cfrun.contract.jobkey import ensure_job_key, existing_job_key
 from cfrun.storage.tiers import FILE_RE, MANIFEST
 
 PROTOCOL_VERSION = 2
@@ -332,6 +333,23 @@ class SealKeys:
         return cls(key, (key, *old), TOKEN_HINT)
 
 
+def job_seal_keys(job_dir: Path, job: str, *, token: bytes | None,
+                  per_job_key: bool = False) -> SealKeys:
+    """The keys of the job's own seals (issue 32): under the job dir's ``job.key`` alone when
+    the job has a key of its own (``per_job_key``: ``--job-key-file``, which the supervisor
+    copied there); else under the peer token (``token``, with ``--peer``: a new machine with the
+    same token and command derives the same key), also installing seals of the job dir's
+    ``job.key`` where an older cfrun left one; else (no peer: level 2 alone) under the job
+    dir's ``job.key``.
+
+    Raises:
+        BadInputError: the job dir's ``job.key`` is unusable.
+    """
+    if per_job_key or token is None:
+        return SealKeys.of_job_key(ensure_job_key(job_dir), job)
+    return SealKeys.of_token(token, job, existing_job_key(job_dir))
+
+
 def job_seal_tag(key: bytes, *, step: int, world_size: int, rank: int,
                  files: list[dict[str, Any]], meta: dict[str, Any] | None) -> str:
     """Hex HMAC-SHA256 of one rank's part of a checkpoint under its job's seal key
@@ -395,6 +413,48 @@ def verify_job_seals(key: bytes | SealKeys, manifest: Any, step: int, *, job: st
                 k, step=step, world_size=world_size, rank=rank, files=by_rank[rank],
                 meta=manifest.get("meta"))) for k in keys.accept):
             raise refuse(f"rank {rank}'s job seal does not match")
+
+
+def verify_job_seals_before_read(key: bytes | SealKeys, manifest: Any, step: int, *,
+                                 job: str) -> dict[str, str]:
+    """Check this job's seals over the SHA-256 digests the manifest's seals declare
+    (``seals[].sha256``, one per file of the rank, in the manifest's order), before any file
+    the manifest names is read; return those digests (file name -> hex), which every file
+    fetched must then match (issue 32, finding 4: a level-2 writer made the agent read, hash
+    and stage attacker-sized files before a seal was checked). A manifest sealed by an older
+    cfrun declares no digests: it cannot be authenticated before its files are read, and is
+    refused (a level-2 writer could strip them to reach that path).
+
+    Raises:
+        CheckpointCorruptError: declared digests missing or malformed, a seal that does not
+            match (:func:`verify_job_seals`); one line.
+    """
+    keys = key if isinstance(key, SealKeys) else SealKeys(key, (key,))
+    if not isinstance(manifest, dict):
+        raise CheckpointCorruptError(f"{job} step {step}: not a manifest; not installed")
+    files, seals = manifest.get("files"), manifest.get("seals")
+    if not isinstance(files, list) or not isinstance(seals, list):
+        raise CheckpointCorruptError(f"{job} step {step} is not sealed by this job (no files or "
+                                     f"seals); not installed: {keys.hint}")
+    by_rank: dict[Any, list[str]] = {}
+    for f in files:
+        name = f.get("name") if isinstance(f, dict) else None
+        if isinstance(name, str) and FILE_RE.match(name):
+            by_rank.setdefault(int(name[5:10]), []).append(name)
+    declared: dict[str, str] = {}
+    for s in seals:
+        rank = s.get("rank") if isinstance(s, dict) else None
+        digests = s.get("sha256") if isinstance(s, dict) else None
+        names = by_rank.get(rank, [])
+        if not (isinstance(digests, list) and len(digests) == len(names)
+                and all(isinstance(d, str) and _TAG_RE.match(d) for d in digests)):
+            raise CheckpointCorruptError(
+                f"{job} step {step}: rank {rank}'s seal declares no SHA-256 of its files (sealed "
+                "by a cfrun before issue 32, or stripped): it cannot be checked before its files "
+                "are read; not installed")
+        declared.update(zip(names, digests))
+    verify_job_seals(keys, manifest, step, job=job, sha256=declared)
+    return declared
 
 
 def verify_manifest(key: bytes, manifest: Any, step: int, *, job: str) -> None:
@@ -759,10 +819,12 @@ class PeerClient:
 
     def seal(self, *, job: str, step: int, world_size: int, rank: int,
              files: list[dict[str, Any]], meta: dict[str, Any], tag: str,
-             job_tag: str | None = None) -> bool:
+             job_tag: str | None = None, sha256: list[str] | None = None) -> bool:
         """Declare one rank's files complete, with the agent's ``tag`` (:func:`seal_tag`, which
         the peer checks) and ``job_tag`` (:func:`job_seal_tag`, which the peer keeps in the
-        manifest for the job's agents: it cannot check it).
+        manifest for the job's agents: it cannot check it) over ``sha256``, the files' SHA-256
+        in ``files``' order, which the peer keeps beside it so that a fetching agent checks
+        the job seal before it reads a file (:func:`verify_job_seals_before_read`).
 
         Returns True once the whole step is protected.
         """
@@ -770,6 +832,8 @@ class PeerClient:
                   "files": files, "meta": meta, "tag": tag}
         if job_tag is not None:
             header["job_tag"] = job_tag
+        if sha256 is not None:
+            header["sha256"] = list(sha256)
         reply = self._request(Op.SEAL, header)
         return bool(reply.get("complete"))
 

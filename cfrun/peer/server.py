@@ -253,10 +253,12 @@ class PeerServer:
     def _seal(self, h: dict[str, Any]) -> dict[str, Any]:
         job, step, world_size = self._ids(h)
         rank, files, meta, tag = h.get("rank"), h.get("files"), h.get("meta", {}), h.get("tag")
-        job_tag = h.get("job_tag")
+        job_tag, sha256 = h.get("job_tag"), h.get("sha256")
         if not (is_int(rank) and 0 <= rank < world_size and isinstance(files, list)
                 and isinstance(meta, dict) and 1 <= len(files) <= MAX_SEAL_FILES
-                and check_tag(tag) and (job_tag is None or check_tag(job_tag))):
+                and check_tag(tag) and (job_tag is None or check_tag(job_tag))
+                and (sha256 is None or (isinstance(sha256, list) and len(sha256) == len(files)
+                                        and all(check_tag(d) for d in sha256)))):
             raise ProtocolError("malformed SEAL header")
         entries = []
         for fe in files:
@@ -271,7 +273,8 @@ class PeerServer:
         want = seal_tag(self._manifest_key(job), step=step, world_size=world_size,
                         rank=rank, files=entries, meta=meta)
         state = self.buffer.seal(job, step, rank, entries, meta, tag,
-                                 tag_ok=hmac.compare_digest(tag, want), job_tag=job_tag)
+                                 tag_ok=hmac.compare_digest(tag, want), job_tag=job_tag,
+                                 sha256=sha256)
         return {"ok": True, "state": state.value, "complete": state is not SlotState.FILLING}
 
     def _await(self, h: dict[str, Any]) -> dict[str, Any]:

@@ -392,7 +392,13 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
             continue
         f_locals = frame.f_locals
         assigned = _loop_assigned(frame) if keep_invariants else None
+        bindable = bound_names(frame.f_code)
+        anchors = path_anchors(f_locals)
         for name, item in rec["values"].items():
+            if name not in bindable or name.startswith("__"):  # never captured: refused
+                say(f"WARNING: checkpoint names a script variable {frame.f_code.co_name}:"
+                    f"{str(name)[:60]} that {frame.f_code.co_name} never assigns; not set")
+                continue
             if assigned is not None and name not in assigned and name in f_locals:
                 continue
             kind, value = item["kind"], item["v"]
@@ -420,6 +426,12 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                         vars(current).update(_to_device_like(value, current))
                 elif item.get("shared") and _same_bits(value, current):
                     pass  # the script's own (made again before the loop): its aliases stay
+                elif isinstance(value, pathlib.PurePath) and not any(
+                        path_within(value, a) for a in anchors):
+                    say(f"WARNING: not restoring {frame.f_code.co_name}:{name}: the "
+                        f"checkpoint's path {str(value)[:120]!r} lies outside the working "
+                        "directory and every directory the script's paths name")
+                    continue
                 elif not _same_kind(value, current, name in f_locals):
                     logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
                                    "script has a %s", name, type(value).__name__,
@@ -438,6 +450,65 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
         if not in_tracer:
             _locals_to_fast(frame)
     return restored
+
+
+_STORE_OPS = frozenset({"STORE_NAME", "STORE_GLOBAL"})
+
+
+@functools.lru_cache(maxsize=256)
+def bound_names(code: types.CodeType) -> frozenset[str]:
+    """The names a frame of ``code`` may hold as its own variables, the only ones a resume
+    sets (issue 32, finding 3: a checkpoint that set ``print`` in the module record
+    crash-looped the job). A function: its locals, cells and free variables. A module: the
+    names its code stores (assignments, ``for`` targets, imports, ``def``/``class``) and those
+    its functions declare ``global`` and store; not a builtin it only calls, nor a name only
+    ``globals()[...]`` writes (such a variable is not restored)."""
+    if code.co_name != "<module>":
+        return frozenset(code.co_varnames + code.co_cellvars + code.co_freevars)
+    import dis
+
+    names: set[str] = set()
+    stack = [(code, True)]
+    while stack:
+        c, top = stack.pop()
+        for ins in dis.get_instructions(c):
+            if (ins.opname == "STORE_GLOBAL" or (top and ins.opname in _STORE_OPS)) \
+                    and isinstance(ins.argval, str):
+                names.add(ins.argval)
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                stack.append((const, False))
+    return frozenset(names)
+
+
+def path_within(value: Any, root: Any) -> bool:
+    """Whether path ``value`` lies inside directory ``root`` (lexically, both made absolute
+    against the working directory and normalized: no ``..`` escapes it); ``root`` None:
+    never."""
+    if root is None:
+        return False
+    try:
+        v, r = os.path.abspath(os.fspath(value)), os.path.abspath(os.fspath(root))
+    except (TypeError, ValueError):
+        return False
+    try:
+        return os.path.commonpath([v, r]) == r
+    except ValueError:
+        return False
+
+
+def path_anchors(f_locals: Any) -> list[str]:
+    """The directories a restored path of a frame may lie in (:func:`path_within`): the
+    working directory, and every path the frame holds before the restore (each one and its
+    parent: ``out``, ``out / "best.pt"``). A checkpoint may move a script's path within the
+    directories the script itself names (the epoch's file, the best model's), never elsewhere
+    (issue 32, finding 3: a ``Path`` variable restored as another path made the script's
+    ``torch.save`` overwrite a file outside them)."""
+    out = [os.getcwd()]
+    for value in list(f_locals.values()):
+        if isinstance(value, pathlib.PurePath):
+            out += [os.fspath(value), os.fspath(value.parent)]
+    return out
 
 
 _NUMBERS = (bool, int, float, np.integer, np.floating, np.ndarray, torch.Tensor)

@@ -202,6 +202,10 @@ def _install() -> Any:
             sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
 
     atexit.register(at_exit)
+    start_delay_s = faults.value("rank.start_delay_s")
+    if start_delay_s:
+        time.sleep(float(start_delay_s))
+    rt.check_job_dir()
     rt.connect_agent()
     rt.load_plan()
     return rt

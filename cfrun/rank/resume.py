@@ -83,6 +83,7 @@ from cfrun.codec.dtensor import (
 from cfrun.contract.config import reshard_refusal
 from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.jobdir import JobDir, step_dir_name
+from cfrun.contract.manifest import ManifestKeys
 from cfrun.rank import frames as F
 from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import hf as HF
@@ -244,6 +245,8 @@ class Resume:
         self._reading: ShardRead | None = None
         """This rank's read of the plan's shard until :meth:`_await_read` took it."""
         self._on_skip: Callable[[int, Exception], None] | None = None
+        self._refused_said: set[int] = set()
+        """Steps refused as not the job's (:func:`open_newest`'s ``on_refused``) already said."""
         self.agent_wait_s: float | None = None
         """Seconds the rank waited at start for the agent's earlier hand-off (the runtime's)."""
 
@@ -279,12 +282,24 @@ class Resume:
                 f"as {reason}-{step_dir_name(step)}-*, falling back to the previous one")
             self.jobdir.emit_event("checkpoint_corrupt", step=step, error=str(error))
 
+        def refused(items: list[tuple[int, str]]) -> None:  # rank 0 says it, once per step
+            new = [(step, why) for step, why in items if step not in self._refused_said]
+            self._refused_said.update(step for step, _ in new)
+            if not new or self.s.rank != 0:
+                return
+            more = f" (and {len(new) - 1} more such step dirs)" if len(new) > 1 else ""
+            say(f"WARNING: {new[0][1]}{more}; resuming from the newest checkpoint of this job")
+            self.jobdir.emit_event("checkpoint_refused", steps=[s for s, _ in new][:32],
+                                   count=len(new), error=new[0][1])
+
         self._on_skip = skipped
         try:
             return open_newest(self.jobdir.checkpoints, self.s.rank, on_skip=skipped,
                                world_size=self.s.world_size, check_state=check_state,
                                below=below,
-                               reshard=RS.ReshardRead if self.s.reshard else None)
+                               reshard=RS.ReshardRead if self.s.reshard else None,
+                               keys=ManifestKeys.from_hex(self.s.manifest_keys),
+                               on_refused=refused)
         except WorldSizeChangedError as e:
             self._fatal(f"checkpoint step {e.step}: "
                         + reshard_refusal(self.jobdir.root, e.saved, e.now))

@@ -18,10 +18,12 @@ In the order a step meets them:
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
+from cfrun.contract.errors import FatalJobError
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank.boundary import Boundary, Wrap
 from cfrun.rank.capture import Capture
@@ -79,6 +81,22 @@ class Runtime:
         return self.boundary.step
 
     # ---------------------------------------------------------------- at install
+
+    def check_job_dir(self) -> None:
+        """Stop this rank before it reads anything of the job dir (the agent's address, a
+        checkpoint) unless the job dir is the directory the supervisor locked: the same
+        ``(st_dev, st_ino)`` (:attr:`RankSettings.job_dir_id`). A directory swapped in between
+        (by whoever can write an ancestor: issue 32, finding 2) would otherwise feed the rank
+        its checkpoint. The rank exits at once (nothing loaded, nothing written there); the
+        supervisor, re-identifying the job dir before the next attempt, stops the job with
+        exit 5."""
+        if self.s.job_dir_id is None:
+            return
+        try:
+            self.jobdir.check_same(self.s.job_dir_id)
+        except FatalJobError as e:
+            say(f"FATAL: {e}")
+            os._exit(1)
 
     def connect_agent(self) -> None:
         """Connect to the node's persist agent (the supervisor started it) and wait until it has

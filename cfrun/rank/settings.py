@@ -79,6 +79,14 @@ class RankSettings:
     reshard: bool = False
     """``--reshard``: a checkpoint written by another number of ranks is resharded onto this
     world (:mod:`cfrun.codec.reshard`); without it such a checkpoint stops the job (exit 5)."""
+    manifest_keys: tuple[str, ...] = ()
+    """The job's manifest keys in hex (:class:`cfrun.contract.manifest.ManifestKeys`, the
+    signing one first): rank 0 writes a MAC into the manifests it commits and every rank
+    authenticates a manifest before it opens a file it names. Empty: no authentication."""
+    job_dir_id: tuple[int, int] | None = None
+    """The job dir's ``(st_dev, st_ino)`` as the supervisor locked it
+    (:meth:`cfrun.contract.jobdir.JobDir.dir_id`): the rank checks it before it reads
+    anything of the job dir (issue 32, finding 2). None: not checked."""
     rank: int = 0
     """torchrun's ``RANK`` (not in the JSON)."""
     world_size: int = 1
@@ -125,6 +133,8 @@ class RankSettings:
         doc["job_dir"] = str(self.job_dir)
         doc["inject_crash"] = [list(pair) for pair in self.inject_crash]
         doc["verify_kills"] = [list(kill) for kill in self.verify_kills]
+        doc["manifest_keys"] = list(self.manifest_keys)
+        doc["job_dir_id"] = list(self.job_dir_id) if self.job_dir_id is not None else None
         return json.dumps(doc, sort_keys=True)
 
     @classmethod
@@ -163,6 +173,16 @@ class RankSettings:
             raise BadInputError(f"{ENV}: verify_kills {kills!r} must be a list of "
                                 "[step, attempt, rank, moment] lists")
         doc["verify_kills"] = tuple(tuple(k) for k in kills)
+        keys = doc.get("manifest_keys", [])
+        if not isinstance(keys, list) or not all(
+                isinstance(k, str) and len(k) == 64 and _is_hex(k) for k in keys):
+            raise BadInputError(f"{ENV}: manifest_keys must be a list of 64-hex-digit keys")
+        doc["manifest_keys"] = tuple(keys)
+        dir_id = doc.get("job_dir_id")
+        if dir_id is not None:
+            if not (isinstance(dir_id, list) and len(dir_id) == 2):
+                raise BadInputError(f"{ENV}: job_dir_id {dir_id!r} must be [st_dev, st_ino]")
+            doc["job_dir_id"] = tuple(dir_id)
         doc["job_dir"] = Path(doc["job_dir"])
         doc["script"] = os.path.realpath(doc["script"])
         doc["inject_crash"] = tuple(tuple(p) for p in pairs)
@@ -192,6 +212,14 @@ class RankSettings:
         return cls.from_json(env[ENV], **ids)
 
 
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_type(name: str, value: Any, annotation: Any) -> None:
     """Refuse a field whose JSON type does not match its annotation (bool is not an int)."""
     ann = str(annotation)
@@ -211,6 +239,11 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         ok = isinstance(value, str)
     elif ann == "Path":
         ok = isinstance(value, Path)
+    elif ann.startswith("tuple[str"):  # manifest_keys
+        ok = isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+    elif ann.startswith("tuple[int, int]"):  # job_dir_id
+        ok = isinstance(value, tuple) and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
     else:  # inject_crash, verify_kills
         ok = isinstance(value, tuple) and all(
             isinstance(x, int) and not isinstance(x, bool) for pair in value for x in pair)

@@ -22,7 +22,7 @@ from cfrun.contract import settings as E
 from cfrun.contract.config import Identity, RunConfig
 from cfrun.contract.errors import FatalJobError
 from cfrun.contract.jobdir import JobDir
-from cfrun.contract.jobkey import ensure_job_key, existing_job_key
+from cfrun.contract.jobkey import ensure_job_key
 from cfrun.supervisor.launcher import die_with_parent, module_argv
 from cfrun.supervisor.machine import describe_returncode as _describe
 
@@ -44,29 +44,30 @@ class AgentProcess:
         self.slot_dir: Path | None = None
         """The job's private slot directory (:mod:`cfrun.contract.slots`)."""
 
-    def start(self, identity: Identity | None) -> None:
+    def start(self, identity: Identity | None) -> bytes:
         """Start the node's persist agent (its own process group: it outlives rank restarts;
         it is SIGKILLed when the supervisor dies). Main thread only (PR_SET_PDEATHSIG).
 
         Each start gets a new random socket name; the agent is in service once the process
         answering there is the one started (pid and uid, ``SO_PEERCRED``) and ``agent.json``
         names it. If another process answers (it took the name first), that is said in one
-        line, the agent is stopped and started again under a new name (3 tries).
+        line, the agent is stopped and started again under a new name (3 tries). Returns the
+        job's key (``job.key``, made first if the job dir has none).
 
         Raises:
             FatalJobError: no agent came up.
             BadInputError: ``--job-key-file`` is not this job dir's key.
         """
-        if self.cfg.job_key_file or not self.cfg.peer:  # the agent reads it there
-            ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
-        else:  # sealed under the peer token; an older cfrun's job.key still counts (issue 32)
-            existing_job_key(self.jobdir.root)
+        # every job dir has its own job.key: its manifests carry a MAC under it, which the
+        # ranks check at resume (issue 32, finding 4); with --peer and no --job-key-file, seals
+        # at the peer and level 2 are under the token (an older cfrun's job.key still counts)
+        key = ensure_job_key(self.jobdir.root, self.cfg.job_key_file)
         if self.slot_dir is None:
             self.slot_dir = slots.create_dir(self.cfg.job_dir)
         for _ in range(3):
             address = ipc.new_agent_address()
             if self._launch(address, identity):
-                return
+                return key
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()

@@ -54,7 +54,7 @@ from cfrun.contract.jobdir import (
     JobDir,
     atomic_write_json,
 )
-from cfrun.contract.manifest import FORMAT_VERSION
+from cfrun.contract.manifest import FORMAT_VERSION, ManifestKeys
 from cfrun.supervisor.admission import Admission, drop_untrained
 from cfrun.supervisor.agentproc import AgentProcess
 from cfrun.supervisor.launcher import (
@@ -342,6 +342,8 @@ class Supervisor:
             self._set(SupervisorState.RUNNING, attempt=attempt,
                       resume_step=steps[0] if steps else None)
             outcome = self.monitor.run(attempt)
+            if self.jobdir_id is not None:  # and after it: a swap while the ranks started
+                jd.check_same(self.jobdir_id)  # stops the job (exit 5), not a restart
             action = decide(outcome, self.history, self.policy)
             self.history = self.history.then(outcome, action)
             code = self._act(action)
@@ -404,13 +406,12 @@ class Supervisor:
         """The persist agent's process (:class:`cfrun.supervisor.agentproc.AgentProcess`)."""
         return self.agents.proc
 
-    @agent.setter
-    def agent(self, proc: subprocess.Popen[bytes] | None) -> None:
-        self.agents.proc = proc
-
     def _start_agent(self) -> None:
-        """:meth:`AgentProcess.start` for this job's identity."""
-        self.agents.start(self.identity)
+        """:meth:`AgentProcess.start` for this job's identity; the ranks get the job dir's
+        manifest keys (the MAC they check at resume; issue 32, finding 4) and identity."""
+        key = self.agents.start(self.identity)
+        self.monitor.manifest_keys = ManifestKeys.of_job_key(key).to_hex()
+        self.monitor.job_dir_id = self.jobdir_id
 
     def _check_agent(self) -> None:
         """:meth:`AgentProcess.check`: restart the agent if it died."""

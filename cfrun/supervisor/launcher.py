@@ -123,7 +123,8 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 
 
 def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
-                     mtbf_s: float | None = None) -> dict[str, str]:
+                     mtbf_s: float | None = None, manifest_keys: tuple[str, ...] = (),
+                     job_dir_id: tuple[int, int] | None = None) -> dict[str, str]:
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O). With
     ``--launcher python`` the script's own, without any of :data:`TORCHRUN_VARIABLES`.
 
@@ -131,7 +132,9 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
     and passes its choices as flags). ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's
     own process is untouched). The
     ranks' settings travel as one JSON value, ``CFRUN_RANK_SETTINGS``
-    (:class:`cfrun.rank.settings.RankSettings`), whose presence also arms the hook.
+    (:class:`cfrun.rank.settings.RankSettings`), whose presence also arms the hook; they
+    include the job dir's manifest keys (``manifest_keys``, hex) and identity (``job_dir_id``):
+    the environment is this user's alone, as the agent's address is.
     ``CFRUN_RANK_JOB_DIR``, ``CFRUN_RANK_SUPERVISOR_PID`` and ``CFRUN_NODE_RANK`` mark every
     process of the job for :func:`job_processes` (the ranks do not read the first two).
 
@@ -158,7 +161,7 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         node_rank=cfg.node_rank, launcher=cfg.launcher, verify=cfg.verify,
         verify_stop_step=cfg.verify_stop_step,
         verify_kills=tuple(tuple(k) for k in cfg.verify_kills),  # type: ignore[misc]
-        reshard=cfg.reshard)
+        reshard=cfg.reshard, manifest_keys=manifest_keys, job_dir_id=job_dir_id)
     env.update({
         E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,

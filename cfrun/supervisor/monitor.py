@@ -143,6 +143,10 @@ class Monitor:
         """What the ranks left in the job dir (:mod:`cfrun.supervisor.records`)."""
         self.line = ProgressLine(cfg, jobdir, progress_s)
         self.metrics: Any = None  # cfrun.supervisor.metrics.JobMetrics, set by the supervisor
+        self.manifest_keys: tuple[str, ...] = ()
+        """The job dir's manifest keys in hex, for the ranks (set by the supervisor)."""
+        self.job_dir_id: tuple[int, int] | None = None
+        """The job dir's (st_dev, st_ino) when the supervisor locked it, for the ranks."""
         self.gpu_faults = FaultWatch()
         self._metrics_at = 0.0
         self._pending_signals = pending_signals
@@ -161,7 +165,8 @@ class Monitor:
         log_path = self.jobdir.attempt_log_path(attempt)
         argv = build_launch_argv(self.cfg, log_path=str(log_path),
                                  log_dir=str(self.jobdir.logs / "torchrun"))
-        env = build_worker_env(self.cfg, attempt, mtbf_s=self.records.mtbf_s())
+        env = build_worker_env(self.cfg, attempt, mtbf_s=self.records.mtbf_s(),
+                               manifest_keys=self.manifest_keys, job_dir_id=self.job_dir_id)
         warm = self.standby is not None and self.standby.ready()
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv,
                                **({"warm": True} if warm else {}))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import resumable_steps, run_cfrun
+from conftest import resumable_steps, run_cfrun, signed_manifest
 
 from cfrun.codec.checkpoint import MANIFEST, commit, staging_dir, write_shard
 from cfrun.codec.format import encode
@@ -55,7 +55,8 @@ def _reseal(step_dir: Path) -> None:
     for f in old.files:
         data = (step_dir / f.name).read_bytes()
         files.append(FileEntry(f.name, len(data), xxhash.xxh3_64_hexdigest(data)))
-    (step_dir / MANIFEST).write_bytes(Manifest.build(old.step, 1, files, old.meta).dumps())
+    (step_dir / MANIFEST).write_bytes(signed_manifest(step_dir, Manifest.build(
+        old.step, 1, files, old.meta)))
 
 
 def _nbytes_zero(d: Path) -> None:

@@ -35,6 +35,7 @@ from conftest import (
     final_line,
     resumable_steps,
     run_cfrun,
+    signed_manifest,
     slow_but,
     tiny_reference,
 )
@@ -176,9 +177,8 @@ def _reseal(step_dir: Path) -> None:
         data = (step_dir / f.name).read_bytes()
         files.append(FileEntry(f.name, len(data), xxhash.xxh3_64_hexdigest(data)))
     os.chmod(step_dir / MANIFEST, 0o600)
-    (step_dir / MANIFEST).write_bytes(Manifest.build(old.step, old.world_size, files, old.meta,
-                                                     committed_unix_s=old.committed_unix_s)
-                                      .dumps())
+    (step_dir / MANIFEST).write_bytes(signed_manifest(step_dir, Manifest.build(
+        old.step, old.world_size, files, old.meta, committed_unix_s=old.committed_unix_s)))
 
 
 def _edit_doc(step_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:

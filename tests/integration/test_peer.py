@@ -261,6 +261,7 @@ def test_a_new_machine_resumes_from_peer_ram_with_nothing_but_the_token(tmp_path
     done = [int(l.split()[1]) for l in (tmp_path / "first.out").read_text().splitlines()
             if re.fullmatch(r"step \d+", l)]
     assert done and max(done) >= protected and max(done) < 60
+    lost_key = (job / "job.key").read_bytes()  # the job dir's own (its manifests' MACs)
     shutil.rmtree(job)  # the job dir whole, job.key with it: a new VM has none
     assert not job.exists()
     run = run_cfrun(argv[3:], cwd=tmp_path)
@@ -274,7 +275,8 @@ def test_a_new_machine_resumes_from_peer_ram_with_nothing_but_the_token(tmp_path
     assert max(done) - step <= 5 + 1  # at most interval + 1 iterations redone
     again = [int(l.split()[1]) for l in run.stdout.splitlines() if re.fullmatch(r"step \d+", l)]
     assert again[0] == step + 1 and again[-1] == 60
-    assert not (job / "job.key").exists()  # nothing the user must carry but the token
+    # nothing the user must carry but the token: the new job dir made a job.key of its own
+    assert (job / "job.key").read_bytes() != lost_key
     assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
     # the peer gone too (it flushed what it held): the same command on a fresh job dir finds
     # the job's checkpoints at level 2, sealed under the token's key

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun
+from conftest import SCRIPTS, assert_bit_identical, clean_env, run_cfrun, signed_manifest
 
 from cfrun.codec.checkpoint import MANIFEST
 from cfrun.contract import faults
@@ -134,7 +134,8 @@ def test_a_checkpoint_without_worker_states_resumes_and_says_not_exact(tmp_path)
     old = read_manifest(newest)  # re-seal, as the older cfrun had sealed it
     files = [FileEntry(f.name, len(b), xxhash.xxh3_64_hexdigest(b))
              for f in old.files for b in [(newest / f.name).read_bytes()]]
-    (newest / MANIFEST).write_bytes(Manifest.build(old.step, 1, files, old.meta).dumps())
+    (newest / MANIFEST).write_bytes(signed_manifest(newest, Manifest.build(old.step, 1, files,
+                                                                          old.meta)))
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(_warnings(again.stderr, "no DataLoader worker RNG states")) == 1, again.stderr

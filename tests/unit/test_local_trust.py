@@ -276,13 +276,14 @@ def test_level2_directories_are_private(tmp_path) -> None:
 
 @pytest.mark.parametrize("mode,ok", [(0o755, "yes"), (0o1777, "yes"), (0o2775, "warned"),
                                      (0o757, "no"), (0o777, "no")])
-def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, capfd, mode,
-                                                                 ok) -> None:
+def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, capfd, monkeypatch,
+                                                                 mode, ok) -> None:
     """Issue 24, item 3: whoever can write an ancestor can rename a running job's dir away
     and plant their own; the next restart loaded its checkpoint. Like OpenSSH's StrictModes:
     other-writable ancestors are refused unless sticky (/tmp); a group-writable one (a
-    setgid project dir, a Kubernetes fsGroup volume) is warned about, the swap itself being
-    caught by the re-identification before each attempt."""
+    setgid project dir, a Kubernetes fsGroup volume) is warned about when the job dir is made,
+    the warning saying what guards the job (issue 32, finding 2: every rank checks the job
+    dir's identity before it reads it; manifests need the job's MAC)."""
     from cfrun.contract.errors import BadInputError
     from cfrun.contract.jobdir import JobDir
 
@@ -298,6 +299,8 @@ def test_a_job_dir_under_a_directory_others_may_write_is_refused(tmp_path, capfd
         jd.check_usable()
         err = capfd.readouterr().err
         assert ("writable by its group" in err) == (ok == "warned"), err
+        if ok == "warned":
+            assert "every rank checks its identity" in err and f"chmod g-w {shared}" in err
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")

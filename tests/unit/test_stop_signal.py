@@ -31,7 +31,7 @@ def test_a_sigterm_inside_a_log_call_reaches_the_supervisor():
     sup = Supervisor.__new__(Supervisor)  # only its signal handler is used
     sup._shutting_down = False
     sup.agents = AgentProcess.__new__(AgentProcess)
-    sup.agent = None
+    sup.agents.proc = None
     logger = logging.getLogger("cfrun.test-stop-signal")
     logger.propagate = False
     handler = _SignalledWhileFormatting(io.StringIO())

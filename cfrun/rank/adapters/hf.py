@@ -130,8 +130,7 @@ def _patch() -> None:
         if p is None or p.state_loaded or resume_from_checkpoint is not None:
             return out
         p.state_loaded = True
-        state_cls = type(self.state)
-        self.state = state_cls(**json.loads(p.saved["state"]))
+        self.state = trainer_state(self.state, json.loads(p.saved["state"]))
         self.state.init_training_references(self, max_steps, epochs, trial)
         step = self.state.global_step  # as the Trainer's own resume computes them
         return step // steps_per_epoch, \
@@ -172,4 +171,36 @@ def _restore_loop(trainer: Any, saved: dict[str, Any]) -> None:
     for (name, state), cb in zip(saved["callbacks"], live):
         if type(cb).__name__ == name:
             for attr, value in state.get("attributes", {}).items():
-                setattr(cb, attr, value)
+                if _fits(attr, value, cb):
+                    setattr(cb, attr, value)
+
+
+def _fits(name: Any, value: Any, live: Any) -> bool:
+    """Whether a saved field ``name`` may be set on ``live`` (a callback, the control, the
+    state): a public attribute it has already, the saved value of the live value's type (a
+    number stays a number; None on either side: not set yet). What the checkpoint did not
+    capture from such an object is never created on it (issue 32, finding 3)."""
+    if not isinstance(name, str) or name.startswith("_") or not hasattr(live, name):
+        return False
+    current = getattr(live, name)
+    if callable(current) and not isinstance(current, type(value)):
+        return False
+    if value is None or current is None:
+        return True
+    numbers = (bool, int, float)
+    if isinstance(value, numbers) and isinstance(current, numbers):
+        return True
+    return type(value) is type(current)
+
+
+def trainer_state(live: Any, saved: Any) -> Any:
+    """A new ``TrainerState`` of ``live``'s class holding ``saved``'s fields (as
+    :func:`_fits` allows: the dataclass's own fields, of the live value's type), the others
+    ``live``'s: never ``TrainerState(**saved)`` with whatever names the checkpoint lists."""
+    if not isinstance(saved, dict):
+        return live
+    kept = {f.name: getattr(live, f.name) for f in dataclasses.fields(live) if f.init}
+    for f in dataclasses.fields(live):
+        if f.init and f.name in saved and _fits(f.name, saved[f.name], live):
+            kept[f.name] = saved[f.name]
+    return type(live)(**kept)

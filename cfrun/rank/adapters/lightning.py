@@ -138,6 +138,38 @@ def capture(caller: types.FrameType) -> dict[str, Any] | None:
         return None
 
 
+_PATH_FIELDS = ("best_model_path", "kth_best_model_path", "last_model_path")
+"""``ModelCheckpoint`` state fields that name a file (its top-k eviction deletes them)."""
+
+
+def _is_model_checkpoint(cb: Any) -> bool:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return isinstance(cb, ModelCheckpoint)
+
+
+def checkpoint_paths_inside(state: dict[str, Any], dirpath: Any) -> dict[str, Any]:
+    """A ``ModelCheckpoint`` state whose file paths all lie inside the callback's own
+    ``dirpath`` (:func:`cfrun.rank.frames.path_within`): entries of ``best_k_models`` outside
+    it are dropped and path fields outside it emptied (Lightning itself restores them only when
+    the saved ``dirpath`` is the live one). Lightning's
+    top-k eviction deletes the files these name, so a crafted state
+    (``<dirpath>/../../x``) deleted a file outside it (issue 32, finding 3). ``dirpath`` None:
+    no path is kept."""
+    from cfrun.rank.frames import path_within
+
+    out = dict(state)
+    best = out.get("best_k_models")
+    if isinstance(best, dict):
+        out["best_k_models"] = {k: v for k, v in best.items()
+                                if isinstance(k, str) and path_within(k, dirpath)}
+    for name in _PATH_FIELDS:
+        value = out.get(name)
+        if value and not (isinstance(value, str) and path_within(value, dirpath)):
+            out[name] = ""
+    return out
+
+
 def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
     """The files in each ``ModelCheckpoint``'s directory (names), by callback state key."""
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -242,7 +274,8 @@ def _restore(trainer: Any, saved: dict[str, Any]) -> None:
     for cb in trainer.callbacks:
         state = states.get(cb.state_key)
         if state:
-            cb.load_state_dict(state)
+            cb.load_state_dict(checkpoint_paths_inside(state, getattr(cb, "dirpath", None))
+                               if _is_model_checkpoint(cb) else state)
     then = json.loads(saved.get("files", "{}"))
     for key, now in _checkpoint_files(trainer).items():
         cb = next(c for c in trainer.callbacks if c.state_key == key)
