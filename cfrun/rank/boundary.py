@@ -671,7 +671,7 @@ class Boundary:
         whose own reply is not in yet at that step waits for it (:meth:`checkpoint`). With one
         rank there is nothing to agree on: in flight while its persist runs, and while the
         snapshot slot is still being page-locked ahead of the first checkpoint (CUDA state:
-        :meth:`cfrun.rank.snapshot.SnapshotSlot.prepare`, 1-2 s for a 4.4 GB state on an H200,
+        :meth:`cfrun.rank.slot.SnapshotSlot.prepare`, 1-2 s for a 4.4 GB state on an H200,
         which the first checkpoint, the policy's warm-up probe at step 4, waited for).
         """
         if self.s.world_size == 1 and self._snap.slot.locking():
