@@ -14,15 +14,16 @@ CLASS_MAX_LINES = 300
 FUNCTION_MAX_LINES = 80
 
 SPLIT = ["rank/snapshot.py", "rank/slot.py", "rank/copyplan.py", "rank/cudacopy.py",
-         "rank/copier.py", "rank/verdict.py", "rank/handoff.py", "rank/checkpoint_event.py"]
+         "rank/copier.py", "rank/verdict.py", "rank/handoff.py", "rank/checkpoint_event.py",
+         "rank/boundary.py", "rank/trigger.py", "rank/loader_boundary.py",
+         "rank/loop_boundary.py", "rank/final.py", "rank/unprotected.py", "rank/slot_warmup.py"]
 """Modules held to the limits (the rooms the issue asked for, once split)."""
 
 KNOWN_LARGE = {
     "cli/app.py:run_cmd": 140, "cli/app.py:_build_config": 91, "cli/app.py:profile_cmd": 87,
     "cli/app.py:resume_cmd": 117, "cli/verify.py:verify": 108, "contract/goodput.py:goodput": 86,
     "contract/jobdir.py:JobDir": 317, "peer/buffer.py:RamBuffer": 313,
-    "rank/boundary.py:Boundary": 693, "rank/boundary.py:__init__": 89,
-    "rank/boundary.py:on_optimizer_step": 89, "rank/data.py:install": 151,
+    "rank/data.py:install": 151,
     "rank/install.py:_install": 98, "rank/resume.py:Resume": 682, "rank/tuner.py:Tuner": 490,
     "supervisor/core.py:Supervisor": 466, "supervisor/core.py:run": 89,
     "supervisor/monitor.py:Monitor": 391, "supervisor/monitor.py:run": 82,
