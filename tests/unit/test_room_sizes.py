@@ -16,7 +16,9 @@ FUNCTION_MAX_LINES = 80
 SPLIT = ["rank/snapshot.py", "rank/slot.py", "rank/copyplan.py", "rank/cudacopy.py",
          "rank/copier.py", "rank/verdict.py", "rank/handoff.py", "rank/checkpoint_event.py",
          "rank/boundary.py", "rank/trigger.py", "rank/loader_boundary.py",
-         "rank/loop_boundary.py", "rank/final.py", "rank/unprotected.py", "rank/slot_warmup.py"]
+         "rank/loop_boundary.py", "rank/final.py", "rank/unprotected.py", "rank/slot_warmup.py",
+         "rank/resume.py", "rank/resume_plan.py", "rank/resume_read.py", "rank/restore.py",
+         "rank/resume_loops.py", "rank/resume_loader.py", "rank/fast_forward.py"]
 """Modules held to the limits (the rooms the issue asked for, once split)."""
 
 KNOWN_LARGE = {
@@ -24,7 +26,7 @@ KNOWN_LARGE = {
     "cli/app.py:resume_cmd": 117, "cli/verify.py:verify": 108, "contract/goodput.py:goodput": 86,
     "contract/jobdir.py:JobDir": 317, "peer/buffer.py:RamBuffer": 313,
     "rank/data.py:install": 151,
-    "rank/install.py:_install": 98, "rank/resume.py:Resume": 682, "rank/tuner.py:Tuner": 490,
+    "rank/install.py:_install": 98, "rank/tuner.py:Tuner": 490,
     "supervisor/core.py:Supervisor": 466, "supervisor/core.py:run": 89,
     "supervisor/monitor.py:Monitor": 391, "supervisor/monitor.py:run": 82,
 }
