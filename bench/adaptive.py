@@ -414,7 +414,7 @@ def read_events(job_dir):
 
 def leftover_slots(job_dir):
     try:
-        from cfrun.rank.snapshot import slot_prefix
+        from cfrun.rank.slot import slot_prefix
     except ImportError:
         return []
     return sorted(str(p) for p in Path("/dev/shm").glob(slot_prefix(Path(job_dir)) + "*"))

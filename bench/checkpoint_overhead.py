@@ -311,7 +311,7 @@ def read_cfrun_events(job_dir, k, steps):
 
 def slot_prefix_of(job_dir):
     """File-name prefix of a cfrun job's shared-memory snapshot slots in /dev/shm."""
-    from cfrun.rank.snapshot import slot_prefix
+    from cfrun.rank.slot import slot_prefix
 
     return slot_prefix(Path(job_dir))
 
@@ -355,7 +355,7 @@ def run_sampling_shm(cmd, env, cwd, prefix, period_s=0.05):
 def cfrun_leftover_slots(job_dir):
     """Shared-memory slot files of this job still present after cfrun exited (should be none)."""
     try:
-        from cfrun.rank.snapshot import slot_prefix
+        from cfrun.rank.slot import slot_prefix
     except ImportError:
         return []
     prefix = slot_prefix(Path(job_dir))

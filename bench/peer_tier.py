@@ -68,7 +68,8 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 from cfrun.contract import faults, ipc  # noqa: E402
 from cfrun.contract.jobdir import JobDir  # noqa: E402
-from cfrun.rank.snapshot import Snapshotter, remove_slots  # noqa: E402
+from cfrun.rank.slot import remove_slots  # noqa: E402
+from cfrun.rank.snapshot import Snapshotter  # noqa: E402
 
 
 def start_peer(work: Path, token: Path, throttle: int, slots: int, max_bytes: int

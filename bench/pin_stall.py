@@ -11,7 +11,7 @@ is prepared on a background thread:
 * ``none``: nothing in the background (the baseline);
 * ``one_call``: the old way: a fresh mapping page-locked by one ``cudaHostRegister`` through
   ``torch.cuda.cudart()``, then written once;
-* ``cfrun``: :meth:`cfrun.rank.snapshot.SnapshotSlot.prepare` as it is now (written first,
+* ``cfrun``: :meth:`cfrun.rank.slot.SnapshotSlot.prepare` as it is now (written first,
   then page-locked in pieces of :data:`cfrun.rank.cuda.PIN_CHUNK_BYTES`, pausing between).
 
 Per contender: the steps' median and largest time (ms), the sum of what the steps took over
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cfrun.rank import snapshot as S  # noqa: E402
+from cfrun.rank import slot as S  # noqa: E402
 
 
 def steps_while(background, n_steps: int, a: torch.Tensor, reps: int) -> tuple[list[float],

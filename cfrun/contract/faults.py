@@ -74,7 +74,7 @@ POINTS: dict[str, str] = {
         "float SECONDS: the background snapshot copy sleeps this long before it starts (a slow "
         "copy: the next optimizer.step() must wait for it at the gate)",
     "rank.sync_copy_max_bytes":
-        "int BYTES: replaces cfrun.rank.snapshot.SYNC_COPY_MAX_BYTES, the largest tensor copied "
+        "int BYTES: replaces cfrun.rank.copyplan.SYNC_COPY_MAX_BYTES, the largest tensor copied "
         "on the training thread (0: every tensor goes through the background copy)",
     "rank.read_delay_s":
         "float SECONDS: a rank's background read of its checkpoint shard at resume sleeps this "

@@ -23,7 +23,7 @@ from cfrun.contract.manifest import FORMAT_VERSION, Manifest, loads_bounded, sha
 ALIGN_BYTES = 64
 FILE_PAD_BYTES = 4096
 """A ``.bin`` written from a snapshot slot is padded to a multiple of this (at least one), as
-``cfrun.rank.snapshot.SLOT_ALIGN_BYTES``."""
+``cfrun.rank.slot.SLOT_ALIGN_BYTES``."""
 MAX_DOC_BYTES = 256 << 20
 """Largest ``rank-NNNNN.json`` a reader parses (the tree holds numpy arrays as lists)."""
 MAX_TREE_DEPTH = 100

@@ -142,7 +142,8 @@ class Runtime:
         flight finish, its CUDA copies included, or drop it (the step gate is off from now on:
         :meth:`Snapshotter.quiesce`)."""
         tracer = sys.gettrace()
-        if getattr(tracer, "__module__", None) in ("cfrun.rank.boundary", "cfrun.rank.resume"):
+        if getattr(tracer, "__module__", None) in ("cfrun.rank.loop_boundary",
+                                                   "cfrun.rank.resume_loops"):
             sys.settrace(None)  # a boundary or resume tracer of cfrun's
         self.boundary.cancel()
         self.resume.exit_fast_forward()

@@ -11,7 +11,8 @@ import torch
 from conftest import assert_bit_identical
 
 from cfrun.codec.format import plan_layout
-from cfrun.rank import snapshot as S
+from cfrun.rank import copyplan as P
+from cfrun.rank import slot as SL
 from cfrun.rank.capture import scaler_numbers, scaler_state
 
 
@@ -26,14 +27,14 @@ def test_back_to_back_tensors_are_staged_as_one_run_copied_in_one_piece():
                torch.randn(300, generator=g).to(torch.float64)]
     entries, total = plan_layout(tensors)
     later = [0, 1, 3, 4]  # tensor 2 is copied on the training thread (a "small" one)
-    offsets, runs, size = S.run_layout([entries[i] for i in later])
+    offsets, runs, size = P.run_layout([entries[i] for i in later])
     assert [(lo, hi) for lo, hi, _ in runs] == [
         (entries[0].offset, entries[1].offset + entries[1].nbytes),
         (entries[3].offset, entries[4].offset + entries[4].nbytes)]
-    assert all(off % 64 == 0 for off in offsets) and runs[1][2] % S.STAGING_ALIGN_BYTES == 0
+    assert all(off % 64 == 0 for off in offsets) and runs[1][2] % P.STAGING_ALIGN_BYTES == 0
     staging = torch.zeros(size, dtype=torch.uint8)
     sources = [tensors[i] for i in later]
-    S.copy_all([S.staged_view(staging, off, s) for off, s in zip(offsets, sources)], sources)
+    P.copy_all([P.staged_view(staging, off, s) for off, s in zip(offsets, sources)], sources)
     slot = torch.zeros(total, dtype=torch.uint8)
     slot[entries[2].offset:entries[2].offset + entries[2].nbytes].copy_(
         tensors[2].view(torch.uint8))
@@ -49,15 +50,15 @@ def test_shm_room_counts_every_local_rank_less_the_slots_already_written(tmp_pat
     """Issue 18, item 11: 8 ranks of a node need room for 8 slots, not each for its own; the
     slot files already written there are already out of the free count."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert S.node_room_bytes(tmp_path, 100 << 20) == 2 * 8 * (100 << 20)
+    assert SL.node_room_bytes(tmp_path, 100 << 20) == 2 * 8 * (100 << 20)
     with open(tmp_path / "rank1.slot", "wb") as f:
         f.write(os.urandom(1 << 20))
         os.fsync(f.fileno())
     written = (tmp_path / "rank1.slot").stat().st_blocks * 512
     assert written >= 1 << 20
-    assert S.node_room_bytes(tmp_path, 100 << 20) == 2 * 8 * (100 << 20) - written
+    assert SL.node_room_bytes(tmp_path, 100 << 20) == 2 * 8 * (100 << 20) - written
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert S.node_room_bytes(tmp_path, 100 << 20) == 2 * (100 << 20)
+    assert SL.node_room_bytes(tmp_path, 100 << 20) == 2 * (100 << 20)
 
 
 def test_grad_scaler_state_is_taken_without_item_and_loads_back(monkeypatch):

@@ -246,16 +246,16 @@ def test_a_rank_waits_for_the_agents_reply_only_so_long(tmp_path):
     lost: list[tuple[int, str]] = []
     snap = Snapshotter(tmp_path, 0, 1, 0, emit=lambda fields: None,
                        on_lost=lambda step, error: lost.append((step, error)))
-    snap.reply_timeout_min_s = 0.5
+    snap.link.reply_timeout_min_s = 0.5
     rank_end, agent_end = socket.socketpair()
-    snap.sock = rank_end
+    snap.link.sock = rank_end
     t = torch.arange(16, dtype=torch.float32)
     handle = snap.start(7, {"x": 1}, [t], set(), {}, time.time(), time.perf_counter())
     (msg,) = [ipc.recv(agent_end)]
     assert msg["op"] == "persist" and msg["step"] == 7
     with pytest.raises(TimeoutError):
         handle.wait(30)
-    assert not snap.busy() and snap.sock is None
+    assert not snap.busy() and snap.link.sock is None
     assert lost and lost[0][0] == 7 and "no reply from the persist agent" in lost[0][1]
     agent_end.close()
     snap.close()

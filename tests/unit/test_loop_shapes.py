@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cfrun.rank import frames as F
-from cfrun.rank.resume import _skip_to
+from cfrun.rank.resume_loops import _skip_to
 
 
 def _at_grab(tmp_path, source: str, look: Callable[[list[types.FrameType]], Any]) -> Any:

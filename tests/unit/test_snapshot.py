@@ -22,6 +22,9 @@ from cfrun.codec.checkpoint import committed_steps, load_shard
 from cfrun.codec.format import encode
 from cfrun.contract import faults, ipc
 from cfrun.contract.jobdir import step_dir_name
+from cfrun.rank import copier as CP
+from cfrun.rank import copyplan as P
+from cfrun.rank import slot as SL
 from cfrun.rank import snapshot as S
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +53,7 @@ def test_slot_ranges_are_cut_at_the_page_locked_pieces(monkeypatch):
         (3 * C.PIN_CHUNK_BYTES, 3 * C.PIN_CHUNK_BYTES + 1)]
     monkeypatch.setattr(C, "PIN_CHUNK_BYTES", 1 << 20)
     big = torch.arange(3 * (1 << 20) // 8, dtype=torch.float64)  # spans 3 or 4 pieces
-    plan = S.CopyPlan([torch.ones(10), big], [True, True], False, 0)
+    plan = P.CopyPlan([torch.ones(10), big], [True, True], False, 0)
     assert plan.crossing == {1}
     buf = torch.zeros(plan.total, dtype=torch.uint8)
     plan.bind(buf, 1)
@@ -65,15 +68,15 @@ def test_staging_offsets_are_aligned_after_an_odd_bf16_tensor():
     f32 = torch.linspace(-1, 1, 1000, dtype=torch.float32)
     i64 = torch.arange(7, dtype=torch.int64)
     sources = [odd, f32, odd[:3], i64]
-    offsets, total = S.staging_layout(sources)
-    assert all(off % S.STAGING_ALIGN_BYTES == 0 for off in offsets)
+    offsets, total = P.staging_layout(sources)
+    assert all(off % P.STAGING_ALIGN_BYTES == 0 for off in offsets)
     assert offsets == sorted(offsets) and total >= offsets[-1] + i64.numel() * 8
     buf = torch.zeros(total, dtype=torch.uint8)
-    views = [S.staged_view(buf, off, s) for off, s in zip(offsets, sources)]
+    views = [P.staged_view(buf, off, s) for off, s in zip(offsets, sources)]
     for v, s in zip(views, sources):
         v.copy_(s)
     for off, s in zip(offsets, sources):  # no overlap: each range still holds its tensor
-        assert_bit_identical(s, S.staged_view(buf, off, s))
+        assert_bit_identical(s, P.staged_view(buf, off, s))
 
 
 # ---------------------------------------------------------------- against a real agent
@@ -87,8 +90,8 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     # the GPU machines) cannot be page-locked, and the CUDA tests below need it page-locked
     shm = Path(tempfile.mkdtemp(prefix="cfrun-test-", dir="/dev/shm")) \
         if os.access("/dev/shm", os.W_OK) else tmp_path / "shm"
-    monkeypatch.setenv(S.ENV_SHM_DIR, str(shm))
-    for name in (S.ENV_SNAPSHOT_MODE, faults.ENV):
+    monkeypatch.setenv(SL.ENV_SHM_DIR, str(shm))
+    for name in (CP.ENV_SNAPSHOT_MODE, faults.ENV):
         monkeypatch.delenv(name, raising=False)
     faults.reset()
     agent = subprocess.Popen([sys.executable, "-m", "cfrun.agent", "--job-dir", str(job_dir),
@@ -181,10 +184,10 @@ def test_copy_error_is_reported_and_flags_cleared(job):
     rank.wait()
     bad_src = torch.randn(10)
     handle = S.SnapshotHandle(5)
-    rank.snap._background([(torch.empty(20), bad_src)], [], [], {"step": 5},  # shape mismatch
-                          handle)
+    rank.snap._background(CP.CopyJob([(torch.empty(20), bad_src)], []),  # shape mismatch
+                          {"step": 5}, handle)
     assert [s for s, _ in rank.lost] == [5] and "copy" in rank.lost[0][1]
-    assert rank.snap.copy_done.is_set() and not rank.snap.busy()
+    assert rank.snap.copier.copy_done.is_set() and not rank.snap.busy()
     with pytest.raises(RuntimeError):
         handle.wait(0)
 
@@ -194,7 +197,7 @@ def test_turning_cfrun_off_waits_for_the_copy_or_drops_the_snapshot(job):
     Runtime.on_disabled -> quiesce() waits for the copy; a copy that does not finish in time
     is dropped, never handed off (the next step would tear it)."""
     rank = Rank(job)
-    rank.snap._copy_delay_s = 1.0  # a slow copy
+    rank.snap.copier.copy_delay_s = 1.0  # a slow copy
     w = torch.randn(50_000)
     rank.start(1, {"w": w}, {"w"})
     assert not rank.snap.quiesce(0.05)
@@ -280,7 +283,7 @@ def test_the_device_wait_at_the_gate_counts_in_the_stall(job):
     rank.snap.gate()
     rank.wait()
     torch.cuda.synchronize()
-    with torch.cuda.stream(rank.snap._side_stream(dev)):
+    with torch.cuda.stream(rank.snap.copier.cuda.side_stream(dev)):
         _long_kernel()  # the copy of the next checkpoint queues behind it
     rank.start(2, {"w": w}, {"w"})
     rank.snap.gate()  # the training stream waits here for ~1 s (the host does not)
@@ -302,7 +305,7 @@ def test_cuda_side_stream_is_created_once_and_reused(job):
         rank.snap.gate()
         rank.wait()
         assert_bit_identical(w.cpu(), rank.committed(step)["w"])
-    assert len(rank.snap._streams) == 1
+    assert len(rank.snap.copier.cuda.streams) == 1
 
 
 # ---------------------------------------------------------------- issue 18 (GPU only)
@@ -313,7 +316,7 @@ def test_failed_host_register_leaves_no_pending_cuda_error(job):
     leave its error pending for the next unrelated CUDA call (the user's next forward), and
     the slot then counts as unpinned, with the reason."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    slot = S.SnapshotSlot(job, 0)
+    slot = SL.SnapshotSlot(job, 0)
     buf = slot.ensure(1 << 20, pin=False)
     rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
     if int(rc) != 0:
@@ -465,7 +468,7 @@ def test_side_stream_is_cfruns_own_not_from_the_pool(job):
     stream is none of them."""
     rank = Rank(job)
     dev = torch.device("cuda", torch.cuda.current_device())
-    side = rank.snap._side_stream(dev)
+    side = rank.snap.copier.cuda.side_stream(dev)
     pool = {torch.cuda.Stream(device=dev).cuda_stream for _ in range(80)}
     assert side.cuda_stream not in pool
     w = torch.randn(1 << 20, device=dev)
@@ -487,21 +490,21 @@ def test_copy_plan_is_reused_while_the_layout_holds_and_rebuilt_when_it_changes(
     rank.start(1, state, {"w", "m"})
     rank.snap.gate()
     rank.wait()
-    assert rank.snap._plan is not None
-    plan = rank.snap._plan[1]
+    assert rank.snap.copier._plan is not None
+    plan = rank.snap.copier._plan[1]
     for t in state.values():
         t.mul_(3)
     rank.start(2, state, {"w", "m"})
     rank.snap.gate()
     rank.wait()
-    assert rank.snap._plan[1] is plan
+    assert rank.snap.copier._plan[1] is plan
     for name, t in rank.committed(2).items():
         assert_bit_identical(state[name], t)
     state["m"] = torch.randn(70_001, generator=g)
     rank.start(3, state, {"w", "m"})
     rank.snap.gate()
     rank.wait()
-    assert rank.snap._plan[1] is not plan
+    assert rank.snap.copier._plan[1] is not plan
     for name, t in rank.committed(3).items():
         assert_bit_identical(state[name], t)
 
@@ -514,13 +517,13 @@ def test_slot_is_prepared_off_the_training_thread_and_the_first_checkpoint_reuse
     state = {"w": torch.randn(300_000), "b": torch.randn(7)}
     main = threading.get_ident()
     seen: list[int] = []
-    real = S.SnapshotSlot._ensure
+    real = SL.SnapshotSlot._ensure
 
     def spy(self, *args, **kwargs):
         seen.append(threading.get_ident())
         return real(self, *args, **kwargs)
 
-    S.SnapshotSlot._ensure = spy  # type: ignore[method-assign]
+    SL.SnapshotSlot._ensure = spy  # type: ignore[method-assign]
     try:
         asked = rank.snap.prepare(list(state.values()))
         rank.snap.slot.wait_prepared()
@@ -532,7 +535,7 @@ def test_slot_is_prepared_off_the_training_thread_and_the_first_checkpoint_reuse
         rank.snap.gate()
         rank.wait()
     finally:
-        S.SnapshotSlot._ensure = real  # type: ignore[method-assign]
+        SL.SnapshotSlot._ensure = real  # type: ignore[method-assign]
     assert (rank.snap.slot.path, rank.snap.slot.generation) == (path, generation)
     for name, t in rank.committed(1).items():
         assert_bit_identical(state[name], t)
@@ -556,7 +559,7 @@ def test_a_slot_off_tmpfs_is_not_page_locked_and_not_tried_again(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     dev = torch.device("cuda", 0)
     (tmp_path / "job").mkdir(mode=0o700)
-    slot = S.SnapshotSlot(tmp_path / "job", 0)
+    slot = SL.SnapshotSlot(tmp_path / "job", 0)
     with monkeypatch.context() as m:
         if slots.fs_type(tmp_path) in slots.MEMORY_FS_TYPES:  # a /tmp in RAM: as if on a disk
             m.setattr(slots, "fs_type", lambda path: "ext4")
@@ -569,8 +572,8 @@ def test_a_slot_off_tmpfs_is_not_page_locked_and_not_tried_again(tmp_path, monke
     if slots.fs_type("/dev/shm") != "tmpfs":
         return
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
-    monkeypatch.setattr(S, "shm_dir", lambda job_dir, nbytes: shm)
-    slot = S.SnapshotSlot(tmp_path / "job", 0)
+    monkeypatch.setattr(SL, "shm_dir", lambda job_dir, nbytes: shm)
+    slot = SL.SnapshotSlot(tmp_path / "job", 0)
     try:
         slot.ensure(1 << 16, pin=True, device=dev)
         slot.ensure(1 << 16, pin=True, device=dev)
@@ -598,7 +601,7 @@ def test_slot_views_are_each_entrys_bytes_whatever_the_dtype_shape_and_offset():
     mapping = torch.zeros(total + 8192, dtype=torch.uint8)
     for buf in (mapping[:total], mapping[4096:4096 + total]):
         buf.zero_()
-        views = S._views(buf, entries, like)
+        views = P._views(buf, entries, like)
         for v, t, e in zip(views, tensors, entries):
             assert (v.dtype, v.shape) == (t.dtype, t.shape) and v.is_contiguous()
             v.copy_(t)
