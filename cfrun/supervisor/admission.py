@@ -50,26 +50,6 @@ from cfrun.supervisor.machine import SupervisorState
 logger = logging.getLogger("cfrun")
 
 
-def lock_held(path: Path) -> bool:
-    """True when a live process holds the job dir's lock at ``path``; probed with a shared
-    ``flock`` on a read-only descriptor, so the file is neither created nor truncated."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
-
-
 def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
                     rerun: bool = False) -> str:
     """What a run of ``cfg`` would do with its job dir, for ``cfrun --dry-run`` (issue 27,
@@ -97,7 +77,7 @@ def dry_run_outcome(cfg: RunConfig, *, accept_changed_command: bool = False,
     finished = None if changes or rerun else finished_at(jd, cfg.node_rank)
     if finished is not None:
         return f"finished {finished}: nothing to do (exit 0; --rerun runs it again)"
-    if lock_held(jd.lock_path):
+    if jd.is_locked():
         return "locked (exit 3): another cfrun runs this job"
     resumable = [s for s in steps if not is_final(jd.checkpoints / step_dir_name(s))]
     if resumable:  # a resume never starts from the final checkpoint (issue 27, item 2)
@@ -234,7 +214,7 @@ class Admission:
                 accept_changed=self.accept_changed, nnodes=cfg.nnodes,
                 resumable=bool(committed_steps(jd.checkpoints)), reshard=cfg.reshard)
         except BadInputError as e:
-            if lock_held(jd.lock_path):  # the job runs: that is the news (exit 3)
+            if jd.is_locked():  # the job runs: that is the news (exit 3)
                 raise JobDirLockedError(
                     f"job dir {str(jd.root)!r} is in use by another cfrun") from None
             self._fresh = finished_changed(jd, cfg, e)
