@@ -56,13 +56,13 @@ def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
         stderr=subprocess.PIPE, text=True)
 
 
-def _wait(cond, proc: subprocess.Popen[str], timeout_s: float = 180) -> object:
+def _wait(cond, proc: subprocess.Popen, timeout_s: float = 180) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         got = cond()
         if got:
             return got
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, (proc.communicate()[1] or "")[-3000:]
         time.sleep(0.05)
     raise AssertionError("timed out")
 
@@ -169,14 +169,19 @@ def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
     """SIGKILL of cfrun itself: the spare dies with it (parent-death signal; the reaper). With
     ``CFRUN_STANDBY=0`` no spare starts and a restart is cold."""
     job = tmp_path / "j"
-    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "2", "--out", "got.pt"])
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        # files, not pipes: the test waits for cfrun, not for every holder of its output
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j",
+             "--interval", "10", TINY, "--epochs", "2", "--out", "got.pt"],
+            cwd=tmp_path, env=clean_env(SLOW), stdout=out, stderr=err)
     rank = _cold_rank(proc)
     _wait(lambda: _events(job, "commit"), proc)
     rank.send_signal(signal.SIGSTOP)
     spare = _ready_spare(job, proc, 0)
     proc.kill()
-    proc.communicate(timeout=60)
-    deadline = time.monotonic() + 30
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and psutil.pid_exists(spare) and \
             psutil.Process(spare).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.05)
