@@ -110,8 +110,9 @@ def rank_pids(root_pid):
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
             cmd = p.cmdline()
-            if str(TRAIN_SCRIPT) in cmd and "torch.distributed.run" not in cmd \
-                    and not any("torchrun_log" in c for c in cmd):
+            # python [-u] SCRIPT (torchrun adds -u; a process cfrun or torchrun forked and has
+            # not exec'd yet shows their command line, which names the script too)
+            if [c for c in cmd[1:3] if c != "-u"][:1] == [str(TRAIN_SCRIPT)]:
                 out.append((int(p.environ().get("RANK", "0")), p.pid))
         except psutil.Error:
             continue

@@ -74,11 +74,13 @@ def _ready_spare(job: Path, proc: subprocess.Popen[str], seen: int) -> int:
 
 
 def _cold_rank(proc: subprocess.Popen[str]) -> psutil.Process:
-    """The first attempt's rank, once started: cfrun's child running the script."""
+    """The first attempt's rank, once started: cfrun's child running the script as ``python
+    SCRIPT`` (argv[1]; a child cfrun forked and has not exec'd yet still shows cfrun's own
+    command line, which names the script too: the reaper was stopped that way once)."""
     def find() -> psutil.Process | None:
         for c in psutil.Process(proc.pid).children():
             try:
-                if "train_tiny.py" in " ".join(c.cmdline()):
+                if c.cmdline()[1:2] == [TINY]:
                     return c
             except psutil.Error:
                 continue
