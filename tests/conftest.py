@@ -202,6 +202,31 @@ def final_line(stdout: str) -> str:
     return lines[-1]
 
 
+def job_events(job: Path, kind: str | None = None) -> list[dict]:
+    """The events of job dir ``job`` (``kind``'s only when given); [] before the file exists."""
+    return Run(0, "", "", job).events(kind)
+
+
+ARGPARSE_SCRIPT = """\
+import argparse
+import torch
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--lr", type=float, default=0.1)
+a = p.parse_args()
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), lr=a.lr)
+for i in range(10 * a.epochs):
+    opt.zero_grad()
+    m(torch.randn(8, 4)).sum().backward()
+    opt.step()
+print("FINAL")
+"""
+"""A small script with two argparse options (``--epochs``, ``--lr``), ten steps an epoch: the
+job-list and small-friction tests write it as their ``train.py``."""
+
+
 def restarted_attempts(run: Run, rank: int = 0) -> list[tuple[int, int]]:
     """``(resumed, newest)`` for each attempt after the first, in events.jsonl's order: the
     step rank ``rank``'s ``resumed`` event names (0 when the attempt started from scratch,

@@ -19,29 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, cfrun_in_process, clean_env, run_cfrun
+from conftest import ARGPARSE_SCRIPT, SCRIPTS, cfrun_in_process, clean_env, job_events, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 
 PROGRESS_S = 4.0
 """The progress interval of the job on the terminal (CFRUN_PROGRESS_S)."""
 
-ARGPARSE_SCRIPT = """\
-import argparse
-import torch
-p = argparse.ArgumentParser()
-p.add_argument("--epochs", type=int, default=1)
-p.add_argument("--lr", type=float, default=0.1)
-a = p.parse_args()
-torch.manual_seed(0)
-m = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(m.parameters(), lr=a.lr)
-for i in range(10 * a.epochs):
-    opt.zero_grad()
-    m(torch.randn(8, 4)).sum().backward()
-    opt.step()
-print("FINAL")
-"""
 
 
 class Terminal:
@@ -99,9 +83,6 @@ def _wait_for(what, deadline_s: float, describe) -> None:
         time.sleep(0.1)
 
 
-def _events(job: Path, kind: str) -> list[dict]:
-    return [e for e in (json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()
-                        if x.strip()) if e["event"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +153,7 @@ def test_a_list_of_jobs_shows_each_jobs_arguments_step_of_total_and_eta(finished
     finally:
         stop.touch()
     assert term.wait(120) == 0, term.text()[-3000:]
-    started = _events(job, "attempt_start")[0]["t_unix_s"]
+    started = job_events(job, "attempt_start")[0]["t_unix_s"]
     first_t, _ = progress_lines()[0]
     # the first line PROGRESS_S after the attempt's start; it came after twice that
     assert first_t - started < 1.5 * PROGRESS_S, (first_t - started, term.text()[-3000:])

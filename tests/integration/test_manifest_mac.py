@@ -34,6 +34,7 @@ from conftest import (
     clean_env,
     ddp_reference,
     final_line,
+    job_events,
     resumable_steps,
     run_cfrun,
     signed_manifest,
@@ -51,10 +52,6 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("manifest_mac")]
 TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "4", "--out", "got.pt"]
 
 
-def _events(job: Path, kind: str) -> list[dict[str, Any]]:
-    path = job / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
 
 
 def _listing(root: Path) -> list[tuple[str, int]]:
@@ -152,14 +149,14 @@ def test_planted_steps_are_skipped_where_they_lie_and_the_job_s_newest_resumes(
     planted = {s: _listing(ckpts / step_dir_name(s)) for s in (900, 901, 902)}
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert _events(job, "resumed")[-1]["step"] == newest
+    assert job_events(job, "resumed")[-1]["step"] == newest
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
     for step, listing in planted.items():  # never opened, moved nor deleted
         assert _listing(ckpts / step_dir_name(step)) == listing, step
-    [refused] = _events(job, "checkpoint_refused")
+    [refused] = job_events(job, "checkpoint_refused")
     assert sorted(refused["steps"]) == [900, 901, 902] and refused["count"] == 3, refused
-    assert not _events(job, "checkpoint_corrupt")
+    assert not job_events(job, "checkpoint_corrupt")
     assert not [p for p in ckpts.iterdir() if p.name.startswith(("corrupt-", "incompatible-"))]
     lines = [line for line in again.stderr.splitlines() if "nothing deleted" in line]
     assert len(lines) == 1 and "3 more" not in lines[0] and "2 more" in lines[0], lines
@@ -184,8 +181,8 @@ def test_a_tampered_manifest_falls_back_to_the_previous_step_and_stays(tiny_ref,
     path.write_text(json.dumps(manifest))
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert _events(job, "resumed")[-1]["step"] == previous
-    assert [e["steps"] for e in _events(job, "checkpoint_refused")] == [[newest]]
+    assert job_events(job, "resumed")[-1]["step"] == previous
+    assert [e["steps"] for e in job_events(job, "checkpoint_refused")] == [[newest]]
     assert _kept(ckpts, newest, manifest)  # as it was, never deleted
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert final_line(again.stdout) == final_line(ref_run.stdout)
@@ -209,10 +206,10 @@ def test_two_ranks_both_refuse_a_tampered_manifest_and_resume_from_the_same_step
     path.write_text(json.dumps(manifest))
     again = run_cfrun(["resume", "--rerun", "ref"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    resumed = [e for e in _events(tmp_path / "ref", "resumed")]
+    resumed = [e for e in job_events(tmp_path / "ref", "resumed")]
     assert sorted(e["rank"] for e in resumed) == [0, 1]
     assert {e["step"] for e in resumed} == {previous}
-    assert [e["steps"] for e in _events(tmp_path / "ref", "checkpoint_refused")] == [[newest]]
+    assert [e["steps"] for e in job_events(tmp_path / "ref", "checkpoint_refused")] == [[newest]]
     assert _kept(ckpts, newest, manifest)
     assert_bit_identical(first, torch.load(tmp_path / "ref.pt", weights_only=True))
 
@@ -232,8 +229,8 @@ def test_a_job_dir_of_an_older_cfrun_without_macs_still_resumes(tiny_ref, crashe
         path.write_text(json.dumps(doc))
     again = run_cfrun(["resume", "j"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert _events(job, "resumed")[-1]["step"] == newest
-    assert not _events(job, "checkpoint_refused")
+    assert job_events(job, "resumed")[-1]["step"] == newest
+    assert not job_events(job, "checkpoint_refused")
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
     assert all(read_manifest(ckpts / step_dir_name(s)).mac for s in committed_steps(ckpts))
 
@@ -253,13 +250,13 @@ def test_a_job_dir_swapped_while_the_rank_starts_is_never_read(crashed, tmp_path
     shutil.copytree(job, evil, symlinks=True)
     planted = _plant(evil / "checkpoints", newest, 500, lambda m: m.pop("mac"))
     (planted / MANIFEST).write_bytes(signed_manifest(planted, read_manifest(planted)))
-    starts = len(_events(job, "attempt_start"))
+    starts = len(job_events(job, "attempt_start"))
     env = clean_env(faults.arm({}, **{"rank.start_delay_s": 5}))
     proc = subprocess.Popen([sys.executable, "-m", "cfrun", "resume", "j"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while len(_events(job, "attempt_start")) <= starts:
+        while len(job_events(job, "attempt_start")) <= starts:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         os.rename(job, tmp_path / "j.moved")  # the swap, as the rank imports torch
@@ -272,7 +269,7 @@ def test_a_job_dir_swapped_while_the_rank_starts_is_never_read(crashed, tmp_path
     assert proc.returncode == EXIT_FATAL, err[-3000:]
     assert "was replaced" in err, err[-3000:]
     for root in (job, tmp_path / "j.moved"):
-        assert not [e for e in _events(root, "resumed") if e["step"] == 500]
+        assert not [e for e in job_events(root, "resumed") if e["step"] == 500]
     assert (job / "checkpoints" / step_dir_name(500)).is_dir()  # the swapped-in dir's, unread
 
 
@@ -337,7 +334,7 @@ def test_a_checkpoint_sets_no_uncaptured_name_and_no_path_outside_the_script_s(t
         old.step, 1, files, old.meta, committed_unix_s=old.committed_unix_s)))
     again = run_cfrun(["resume", "j"], cwd=work)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [e["step"] for e in _events(work / "j", "resumed")] == [old.step]
+    assert [e["step"] for e in job_events(work / "j", "resumed")] == [old.step]
     assert victim.read_text() == "precious\n"
     last = final_line(again.stdout)  # the script's own value kept: out/none.pt after 3
     assert last in ("FINAL 39 out/best.pt", "FINAL 39 out/none.pt"), again.stdout[-2000:]

@@ -11,26 +11,10 @@ import json
 import shutil
 
 import pytest
-from conftest import SCRIPTS, cfrun_in_process, run_cfrun
+from conftest import ARGPARSE_SCRIPT, SCRIPTS, cfrun_in_process, run_cfrun
 
 pytestmark = pytest.mark.timeout(300)
 
-ARGS_SCRIPT = """\
-import argparse
-import torch
-p = argparse.ArgumentParser()
-p.add_argument("--epochs", type=int, default=1)
-p.add_argument("--lr", type=float, default=0.1)
-a = p.parse_args()
-torch.manual_seed(0)
-m = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(m.parameters(), lr=a.lr)
-for i in range(10 * a.epochs):
-    opt.zero_grad()
-    m(torch.randn(8, 4)).sum().backward()
-    opt.step()
-print("FINAL")
-"""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +93,7 @@ def test_a_one_rank_jobs_own_connection_error_is_not_another_ranks(tmp_path):
 def test_the_changed_arguments_line_names_the_option_whose_value_changed(tmp_path):
     """``--epochs 2`` then ``--epochs 3 --lr 0.2`` on a job with a checkpoint: the refusal
     names ``--epochs`` on both sides (it said ``2 -> 3 --lr 0.2``)."""
-    (tmp_path / "train.py").write_text(ARGS_SCRIPT)
+    (tmp_path / "train.py").write_text(ARGPARSE_SCRIPT)
     first = run_cfrun(["--job-dir", "j", "--interval", "5", "--inject-crash", "12",
                        "--max-restarts", "0", "train.py", "--epochs", "2"], cwd=tmp_path)
     assert first.returncode == 4, first.stderr[-3000:]
@@ -127,7 +111,7 @@ def test_a_group_writable_checkout_is_warned_about_once_per_job_dir(tmp_path):
     shared = tmp_path / "checkout"
     shared.mkdir()
     shared.chmod(0o775)
-    (shared / "train.py").write_text(ARGS_SCRIPT)
+    (shared / "train.py").write_text(ARGPARSE_SCRIPT)
     runs = [run_cfrun(["train.py"], cwd=shared) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-3000:]
     assert "writable by its group" in runs[0].stderr

@@ -30,6 +30,7 @@ from conftest import (
     assert_resumed_from_newest,
     clean_env,
     final_line,
+    job_events,
 )
 
 from cfrun.contract import faults
@@ -40,12 +41,6 @@ TINY = str(SCRIPTS / "train_tiny.py")
 SLOW = faults.arm({}, **{"rank.step_delay_s": 0.1})
 
 
-def _events(job: Path, kind: str | None = None) -> list[dict]:
-    path = job / "events.jsonl"
-    if not path.exists():
-        return []
-    out = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    return [e for e in out if kind is None or e["event"] == kind]
 
 
 def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
@@ -69,7 +64,7 @@ def _wait(cond, proc: subprocess.Popen, timeout_s: float = 180) -> object:
 
 def _ready_spare(job: Path, proc: subprocess.Popen[str], seen: int) -> int:
     """The pid of the spare of the ``seen+1``-th ``standby_ready`` event, once it is logged."""
-    ready = _wait(lambda: _events(job, "standby_ready")[seen:], proc)
+    ready = _wait(lambda: job_events(job, "standby_ready")[seen:], proc)
     return ready[0]["pid"]  # type: ignore[index]
 
 
@@ -94,7 +89,7 @@ def _kill_when_spare_ready(job: Path, proc: subprocess.Popen[str], rank: psutil.
     """Once ``commits`` checkpoints are committed, SIGSTOP the rank (training stops: a busy
     machine may take long to import torch in the spare), wait for the ``seen+1``-th
     ``standby_ready``, then SIGKILL the rank. Returns the spare's pid, the next rank."""
-    _wait(lambda: len(_events(job, "commit")) >= commits, proc)
+    _wait(lambda: len(job_events(job, "commit")) >= commits, proc)
     rank.send_signal(signal.SIGSTOP)
     spare = _ready_spare(job, proc, seen)
     rank.kill()
@@ -119,19 +114,19 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
     try:
         spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
-        _wait(lambda: _events(job, "resumed"), proc)
-        resumed_at = _events(job, "resumed")[0]["step"]
-        _wait(lambda: any(e["step"] > resumed_at for e in _events(job, "commit")), proc)
+        _wait(lambda: job_events(job, "resumed"), proc)
+        resumed_at = job_events(job, "resumed")[0]["step"]
+        _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
         _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    starts = _events(job, "attempt_start")
+    starts = job_events(job, "attempt_start")
     assert len(starts) == 3 and not starts[0].get("warm"), starts
     assert all(s.get("warm") for s in starts[1:]), starts
-    resumed = _events(job, "resumed")
+    resumed = job_events(job, "resumed")
     assert len(resumed) == 2 and all(r.get("warm") for r in resumed), resumed
     # the spare's "process start" is its go: after the attempt's start, not its fork
     for s, r in zip(starts[1:], resumed):
@@ -151,7 +146,7 @@ def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
     try:
         rank = _cold_rank(proc)
-        _wait(lambda: _events(job, "commit"), proc)
+        _wait(lambda: job_events(job, "commit"), proc)
         rank.send_signal(signal.SIGSTOP)  # no step until the test is done with the spares
         first = _ready_spare(job, proc, 0)
         os.kill(first, signal.SIGKILL)
@@ -162,7 +157,7 @@ def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    starts = _events(job, "attempt_start")
+    starts = job_events(job, "attempt_start")
     assert [bool(s.get("warm")) for s in starts] == [False, True], starts
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
 
@@ -178,7 +173,7 @@ def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
              "--interval", "10", TINY, "--epochs", "2", "--out", "got.pt"],
             cwd=tmp_path, env=clean_env(SLOW), stdout=out, stderr=err)
     rank = _cold_rank(proc)
-    _wait(lambda: _events(job, "commit"), proc)
+    _wait(lambda: job_events(job, "commit"), proc)
     rank.send_signal(signal.SIGSTOP)
     spare = _ready_spare(job, proc, 0)
     proc.kill()
@@ -199,8 +194,8 @@ def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
                                       "CFRUN_STANDBY": "0"}),
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert not _events(cold / "j", "standby_ready")
-    assert [bool(s.get("warm")) for s in _events(cold / "j", "attempt_start")] == [False, False]
+    assert not job_events(cold / "j", "standby_ready")
+    assert [bool(s.get("warm")) for s in job_events(cold / "j", "attempt_start")] == [False, False]
 
 
 # ------------------------------------------------------------- the spare runs a script as python
