@@ -20,7 +20,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-"""The supervisor's stop signals (:func:`cfrun.supervisor.core.stop_signals`); SIGHUP not when
+"""The supervisor's stop signals (:func:`cfrun.supervisor.signals.stop_signals`); SIGHUP not when
 cfrun is PID 1, where the supervisor forwards it to the ranks."""
 _pending: list[int] = []
 _previous: dict[int, Any] = {}

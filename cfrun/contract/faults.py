@@ -40,6 +40,10 @@ POINTS: dict[str, str] = {
     "supervisor.start_delay_s":
         "float SECONDS: the supervisor sleeps this long right before it installs its SIGTERM/"
         "SIGINT handlers (a slow start: a loaded machine, a slow job-dir filesystem)",
+    "supervisor.finalizer_delay_s":
+        "float SECONDS: right after it started an attempt, the supervisor's main thread runs a "
+        "finalizer (a __del__) that sleeps this long: a stop signal landing there has its "
+        "exception printed and dropped by Python",
     "peer.flush_delay_s":
         "float SECONDS: the cfrun peer's flusher sleeps this long after the first file of each "
         "checkpoint (a slow level 2)",

@@ -93,7 +93,6 @@ class Boundary:
         self._off = False
         """cfrun turned itself off in this process (:meth:`cancel`)."""
         self._first_step_said = False
-        self._done_records: list[dict[str, Any]] = []
         self._waited_for: int | None = None
         """Checkpoint whose hand-off a step waited for (:meth:`on_before_step`)."""
         self._step_t0 = 0.0
@@ -151,9 +150,6 @@ class Boundary:
         self.mode = self._loader.after_step(self.mode, caller)
         self._marks.beat(self.step)
         self._after_counted_step(opt, caller)
-        while self._done_records:  # checkpoint results from the snapshot thread
-            rec = self._done_records.pop(0)
-            tuner.on_checkpoint_done(int(rec["step"]), rec)
         tuner.on_step(self.step, self._snap.inflight_step)
         if self.s.profile_only and tuner.profile_done(self.step):
             say("profiling done; stopping the script (cfrun profile)")
@@ -277,6 +273,12 @@ class Boundary:
         self._final.take(step, last_taken=self._trigger.last_taken,
                          restored_step=self._restored_step, checkpoint=self._final_now)
 
+    def finish_profile(self) -> None:
+        """``cfrun profile``, at the script's normal end (the rank's atexit, every rank): a
+        decision the script's last steps came too early for (:meth:`Tuner.finish_profile`)."""
+        if self.s.profile_only and not self._off and self._tuner.phase == "profiling":
+            self._tuner.finish_profile(self.step, self._snap.wait_idle)
+
     def _final_now(self, step: int) -> SnapshotHandle:
         """The final checkpoint of ``step`` (no trigger waits any more)."""
         self._trigger.pending = None
@@ -332,7 +334,7 @@ class Boundary:
         go to neither (training is over: its ``final_checkpoint`` event says how it went)."""
         if fields.get("step") == self._final.step:
             return
-        self._done_records.append(fields)  # for the tuner, on the training thread
+        self._tuner.done.append(fields)  # for the tuner, on the training thread
         if self.s.rank == 0:
             extra = self._trigger.event_fields(int(fields["step"]))
             self.jobdir.emit_event("checkpoint", attempt=self.s.attempt, mode=self.mode,

@@ -110,6 +110,13 @@ class Probes:
             and step >= max(self.taken) + self.gap \
             and (len(self.records) == probes - 1 or step >= max(self.taken) + 10 * self.gap)
 
+    def measured(self, step: int) -> bool:
+        """Rank 0, at the script's end after ``step``: every probe is taken, at least one
+        probe's record came, and ``NEAR_STEPS`` iterations followed the last probe (its cost
+        is measured), though fewer than the ``gap`` :meth:`complete` waits for."""
+        return bool(self.records) and bool(self.steps) and len(self.taken) == len(self.steps) \
+            and step >= max(self.taken) + NEAR_STEPS
+
     def costs(self, iters: list[tuple[int, float, bool]]) -> tuple[dict[str, Costs], float]:
         """Per snapshot mode, the measured :class:`cfrun.policy.Costs`, and the clean
         iteration (seconds), from rank 0's ``iters`` (:class:`cfrun.rank.iterlog.IterationLog`).

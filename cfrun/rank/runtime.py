@@ -125,6 +125,7 @@ class Runtime:
         preempted = self.preemption.preempted and not self.preemption.for_verify
         self.marks.mark_end(self.boundary.step, preempted)
         if self.marks.ended_clean(preempted) and not self.preemption.preempted:
+            self.boundary.finish_profile()
             self.boundary.final_checkpoint()
         self.resume.exit_fast_forward()
         timeout_s = 60.0

@@ -56,34 +56,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cfrun import __version__
 from cfrun.contract.jobdir import JobDir, atomic_write_json
-from cfrun.policy import NEAR_STEPS, Costs, adapt_interval, choose_interval, measure_overhead
+from cfrun.policy import Costs, choose_interval, measure_overhead
 from cfrun.rank.iterlog import IterationLog
+from cfrun.rank.log import say
 from cfrun.rank.plan import PlanBoard
 from cfrun.rank.probes import Probes
+from cfrun.rank.windows import PLAN_AHEAD_STEPS, QUIET_STEPS, Change, Windows, period_steps
 
-QUIET_STEPS = 10
-"""Steps at the start of each adaptation period without checkpoints: clean iterations for the
-window's baseline even when ``k`` is smaller than ``NEAR_STEPS``."""
-PLAN_AHEAD_STEPS = 2
-"""A plan rank 0 publishes in its hook of step ``s`` applies from step ``s + 2``: followers read
-it in their hook of step ``s + 1`` at the latest (lock-step DDP ranks)."""
 PLAN_LATE_STEPS = 20
 """Steps into an attempt after which a follower still without rank 0's plan says so (it takes
 no checkpoints until the plan comes)."""
-
-
-def period_steps(interval: int) -> int:
-    """Steps per adaptation window at ``interval``: the quiet steps and 3 checkpoints, at least
-    40."""
-    return max(3 * interval + QUIET_STEPS, 40)
 
 
 def fingerprint(script: str, args: list[str], world_size: int) -> str:
@@ -144,12 +134,8 @@ class Tuner:
         """The profile's probes (:mod:`cfrun.rank.probes`)."""
         self.log = IterationLog()
         """The iterations and checkpoints measured (rank 0; :mod:`cfrun.rank.iterlog`)."""
-        self._spent_s = 0.0
-        self._base_total_s = 0.0
-        """This attempt's checkpoint cost so far and its time without checkpoints (seconds),
-        profiling and the windows within budget: the run's overhead so far."""
-        self._window_lo: int | None = None
-        """First step of the adaptation window being measured (tuned phase)."""
+        self.windows = Windows(jobdir, budget)
+        """Rank 0's adaptation windows of the tuned phase (:mod:`cfrun.rank.windows`)."""
         self.cached_state_bytes: int | None = None
         self.opt_step_s: list[float] = []
         """Durations of ``optimizer.step()`` seen while profiling."""
@@ -158,6 +144,9 @@ class Tuner:
         self.done_profiling = False
         self._first_step: int | None = None
         """This attempt's first step seen by :meth:`on_step`."""
+        self.done: list[dict[str, Any]] = []
+        """Records of committed checkpoints, appended by the snapshot thread, taken on the
+        training thread at the next step (:meth:`on_checkpoint_done`)."""
         self.board = PlanBoard(jobdir, rank=rank, attempt=attempt, node_rank=node_rank,
                                fixed=self.phase == "fixed")
         """The plan record every rank follows (:mod:`cfrun.rank.plan`)."""
@@ -198,7 +187,7 @@ class Tuner:
             self.phase, self.done_profiling = "profiling", False
             self.log.clear()
             self.profile.reset()
-            self._window_lo = None
+            self.windows.lo = None
             if self.rank == 0:
                 self.jobdir.emit_event("reprofile", reason="state size changed",
                                        cached_bytes=cached, state_bytes=nbytes)
@@ -208,6 +197,7 @@ class Tuner:
     def on_step(self, step: int, inflight: int | None) -> None:
         """After every optimizer step: record the iteration time and whether a checkpoint was
         in flight during it; rank 0 decides at the end of profiling and of each window."""
+        self._take_done()
         if self.phase == "fixed":
             return  # nothing to measure
         self.log.tick(step, inflight is not None, keep=self.rank == 0)
@@ -229,10 +219,9 @@ class Tuner:
         if self.phase == "profiling" and self.profile.complete(step):
             self._decide(step)
         elif self.phase == "tuned":
-            if self._window_lo is None:
-                self._window_lo = max(step, self.base_step)
-            elif step >= self._window_lo + self._period() + NEAR_STEPS:
-                self._adapt(step)
+            self._change(step, self.windows.after_step(
+                step, interval=self.interval, k_min=self.k_min, base_step=self.base_step,
+                iter_s=self.iter_s, log=self.log))
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due right after ``step``: never before this attempt's first
@@ -255,9 +244,6 @@ class Tuner:
         """(phase, interval, base step) of the plan that applies at ``step``."""
         return self.board.at(step, (self.phase, self.interval, self.base_step))
 
-    def _period(self) -> int:
-        return period_steps(self.interval)
-
     def mode_for(self, step: int) -> str:
         """Snapshot mode for the checkpoint taken at ``step`` (profiling tries each in turn)."""
         self.log.ckpts.append(step)
@@ -267,6 +253,12 @@ class Tuner:
 
     # ------------------------------------------------------------------ measurements
 
+    def _take_done(self) -> None:
+        """The snapshot thread's records of committed checkpoints (:attr:`done`)."""
+        while self.done:
+            rec = self.done.pop(0)
+            self.on_checkpoint_done(int(rec["step"]), rec)
+
     def on_checkpoint_done(self, step: int, record: dict[str, Any]) -> None:
         """A checkpoint committed (rank 0 gets every record): keep its times."""
         if self.rank != 0:
@@ -274,6 +266,23 @@ class Tuner:
         self.log.pgt_s[step] = float(record.get("pgt_s") or 0.0)
         if self.phase == "profiling":
             self.profile.done(step, record)
+
+    def finish_profile(self, step: int, wait_idle: Callable[[float], bool]) -> bool:
+        """``cfrun profile``, at the script's end after ``step``: a script of short steps ends
+        while its last probe is being persisted, and the decision :meth:`on_step` waits for
+        never comes. Wait for it (``wait_idle(seconds)``, at most 60 s), take its record, and
+        decide (rank 0) when every probe was taken and measured (:meth:`Probes.measured`).
+        Returns whether it decided; never raises (the script's end is not cfrun's to break)."""
+        try:
+            wait_idle(60.0)
+            self._take_done()
+            if self.rank != 0 or self.phase != "profiling" or not self.profile.measured(step):
+                return False
+            self._decide(step)
+            return True
+        except Exception as e:
+            say(f"WARNING: could not finish profiling at the script's end: {e!r}")
+            return False
 
     def probe_costs(self) -> dict[str, Costs]:
         """Per snapshot mode, the measured :class:`cfrun.policy.Costs` of the profile's probes
@@ -286,7 +295,8 @@ class Tuner:
         spent = measure_overhead(self.log.iters, sorted(self.profile.taken), 0, step + 1,
                                  radius_steps=2 * self.profile.gap)
         if spent is not None:  # the profile's cost, its warm-up probe included
-            self._spent_s, self._base_total_s = spent.excess_total_s, spent.base_total_s
+            self.windows.spent_s, self.windows.base_total_s = \
+                spent.excess_total_s, spent.base_total_s
         model_bytes = self.model_bytes
         self.mode = min(options, key=lambda m: options[m].stall_s + options[m].interference_s)
         costs = options[self.mode]
@@ -294,7 +304,7 @@ class Tuner:
         self.interval, self.k_min = decision.interval, decision.k_in_flight
         self.phase, self.done_profiling = "tuned", True
         self.base_step = step + PLAN_AHEAD_STEPS
-        self._window_lo = self.base_step
+        self.windows.lo = self.base_step
         self.log.prune(self.base_step)
         out = {"fingerprint": self.key, "costs": vars(costs), "mode": self.mode,
                "model_bytes": model_bytes,
@@ -317,75 +327,19 @@ class Tuner:
                                k_daly=decision.k_daly)
 
     def _adapt(self, step: int) -> None:
-        """The window ``[lo, lo + period)`` is complete (with the ``NEAR_STEPS`` iterations
-        after it): measure its overhead against its own clean iterations and adapt ``k``."""
-        lo = self._window_lo
-        if lo is None:  # no window open (the caller opens one first)
-            return
-        hi = lo + self._period()
-        window = measure_overhead(self.log.iters, self.log.ckpts, lo, hi,
-                                  radius_steps=max(2 * self.interval, 20))
-        self._window_lo = hi
-        if window is None:
-            self._always_in_flight(step, lo, hi)
-            self.log.prune(hi)
-            return
-        pgts = [self.log.pgt_s[p] for p in self.log.ckpts if lo <= p < hi and p in self.log.pgt_s]
-        k_min = self.k_min
-        if pgts:  # one checkpoint in flight at the persist times this window saw
-            k_min = max(1, math.ceil(statistics.median(pgts) / window.base_s - 1e-9))
-        measured = max(0.0, window.overhead)
-        if measured <= self.budget:  # an over-budget window raises k by itself; a second
-            # job's burst is no debt to pay back with fewer checkpoints once it has gone
-            self._spent_s += window.excess_total_s
-            self._base_total_s += window.base_total_s
-        run_overhead = self._spent_s / max(self._base_total_s, 1e-9)
-        new, reason = adapt_interval(self.interval, measured, self.budget, k_min, run_overhead,
-                                     noise=window.noise)
-        self.jobdir.emit_event("adapt", step=step, window=[lo, hi],
-                               measured_overhead=round(measured, 5), budget=self.budget,
-                               noise=round(window.noise, 5),
-                               mean_iter_s=round(window.mean_iter_s, 6),
-                               clean_iter_s=round(window.base_s, 6),
-                               baseline_iters=window.clean_iters, iters=window.iters,
-                               checkpoints=len(window.excess_s),
-                               pgt_s=round(statistics.median(pgts), 6) if pgts else None,
-                               k_in_flight=k_min, run_overhead=round(run_overhead, 5),
-                               old_interval=self.interval,
-                               interval=new, reason=reason)
-        if new != self.interval:
-            self.interval = new
-            self.base_step = step + PLAN_AHEAD_STEPS
-            self._window_lo = self.base_step
-            self._publish(step, "adapt", reason, None)
-        self.log.prune(self._window_lo)
+        """Close the open adaptation window now (:meth:`Windows.adapt`)."""
+        self._change(step, self.windows.adapt(step, interval=self.interval, k_min=self.k_min,
+                                              iter_s=self.iter_s, log=self.log))
 
-    def _always_in_flight(self, step: int, lo: int, hi: int) -> None:
-        """A window without clean iterations: if a checkpoint was in flight during every one
-        of them, the persist outlasts the interval (issue 33: k = 19 for 49-step persists on
-        an H100 kept one in flight all the time, every checkpoint deferred, +16%). Raise ``k``
-        to the persist's length in steps, then at least double it, so that the next window
-        has clean iterations to measure against."""
-        seen = [busy for s, _, busy in self.log.iters if lo <= s < hi]
-        if len(seen) < 3 or not all(seen):
+    def _change(self, step: int, change: Change | None) -> None:
+        """Publish the windows' new interval, from ``step + PLAN_AHEAD_STEPS`` on."""
+        if change is None:
             return
-        base_s = self.iter_s or statistics.median(dt for s, dt, _ in self.log.iters
-                                                   if lo <= s < hi)
-        pgts = [t for p, t in self.log.pgt_s.items() if t > 0]
-        k_min = max(self.k_min, math.ceil(max(pgts) / base_s) if pgts else 1)
-        new = max(k_min + 1, 2 * self.interval)
-        self.k_min = k_min
-        reason = (f"a checkpoint was in flight during every iteration of the last window: "
-                  f"the persist ({max(pgts) if pgts else 0:.2f} s) outlasts {self.interval} "
-                  f"steps of {base_s * 1e3:.1f} ms")
-        self.jobdir.emit_event("adapt", step=step, window=[lo, hi], measured_overhead=None,
-                               budget=self.budget, clean_iter_s=round(base_s, 6),
-                               baseline_iters=0, iters=len(seen), k_in_flight=k_min,
-                               old_interval=self.interval, interval=new, reason=reason)
-        self.interval = new
+        self.interval = change.interval
+        if change.k_min is not None:
+            self.k_min = change.k_min
         self.base_step = step + PLAN_AHEAD_STEPS
-        self._window_lo = self.base_step
-        self._publish(step, "adapt", reason, None)
+        self._publish(step, "adapt", change.reason, None)
 
     def profile_done(self, step: int) -> bool:
         """``cfrun profile``: whether the script stops after ``step``. Every rank stops at the

@@ -72,29 +72,15 @@ from cfrun.supervisor.machine import (
     decide,
 )
 from cfrun.supervisor.monitor import Monitor
+from cfrun.supervisor.signals import (
+    SignalReceived,
+    StopSignals,
+    forwarded_signals,
+    stop_signals,
+)
 from cfrun.supervisor.standby import Standby, standby_wanted
 
 logger = logging.getLogger("cfrun")
-
-
-def forwarded_signals() -> tuple[signal.Signals, ...]:
-    """Signals cfrun passes on to the ranks: SIGUSR1 and SIGUSR2 always; SIGHUP and SIGQUIT too
-    when cfrun is PID 1 (a container's entrypoint), where the kernel would otherwise drop them
-    (elsewhere they end cfrun, and with it every process of the job, as for any program)."""
-    sigs = [signal.SIGUSR1, signal.SIGUSR2]
-    if os.getpid() == 1:
-        sigs += [signal.SIGHUP, signal.SIGQUIT]
-    return tuple(sigs)
-
-
-def stop_signals() -> tuple[signal.Signals, ...]:
-    """Signals that stop the job as a preemption (final checkpoint, exit 75, resumable):
-    SIGTERM, SIGINT, and SIGHUP (a closed terminal, a dropped ssh session) unless cfrun is
-    PID 1, where SIGHUP is passed on to the ranks (:func:`forwarded_signals`)."""
-    sigs = [signal.SIGTERM, signal.SIGINT]
-    if os.getpid() != 1:
-        sigs.append(signal.SIGHUP)
-    return tuple(sigs)
 
 
 def _become_subreaper() -> None:
@@ -105,20 +91,6 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-class SignalReceived(BaseException):
-    """A stop signal (:func:`stop_signals`) arrived; ``signum`` says which.
-
-    A ``BaseException``, as ``KeyboardInterrupt`` is: the handler raises it wherever the main
-    thread is, and code that catches ``Exception`` there must not swallow the stop. A logging
-    handler does (``Handler.emit`` reports an exception of its own and goes on): a SIGTERM that
-    landed while the supervisor logged an attempt's start was lost, and the job ran to its end
-    (a fault storm on a loaded machine)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 class Supervisor:
@@ -152,11 +124,10 @@ class Supervisor:
         self.agents = AgentProcess(cfg, self.jobdir)
         """The node's persist agent (:mod:`cfrun.supervisor.agentproc`)."""
         self.reaper: subprocess.Popen[bytes] | None = None
-        self._shutting_down = False
-        self._second_signal = False
+        self.signals = StopSignals(on_second=self._kill_agent)
+        """The signal handlers and what they received (:mod:`cfrun.supervisor.signals`)."""
         self.progress_s = (E.get_float(E.PROGRESS_S, minimum=0) or 0.0) \
             if sys.stderr.isatty() else 0.0
-        self._pending_signals: list[int] = []
         self.policy = Policy.from_config(cfg, backoff_s, python_command)
         self.history = History()
         self.standby = Standby(cfg) if standby_wanted(cfg) else None
@@ -167,8 +138,9 @@ class Supervisor:
                                    self.agent, self.reaper,
                                    *(self.standby.processes() if self.standby else ())),
                                standby=self.standby,
-                               second_signal=lambda: self._second_signal,
-                               pending_signals=self._pending_signals,
+                               second_signal=lambda: self.signals.second,
+                               check_stop=self.signals.check,
+                               pending_signals=self.signals.pending,
                                progress_s=self.progress_s)
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
@@ -211,8 +183,9 @@ class Supervisor:
         start_delay_s = faults.value("supervisor.start_delay_s")
         if start_delay_s:
             time.sleep(float(start_delay_s))
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
-        old_forward = {s: signal.signal(s, self._queue_forward) for s in forwarded_signals()}
+        old_handlers = {s: signal.signal(s, self.signals.on_stop) for s in stop_signals()}
+        old_forward = {s: signal.signal(s, self.signals.queue_forward)
+                       for s in forwarded_signals()}
         try:
             held = early_signals.take(old_handlers)  # a stop that came while cfrun was starting
             if held is not None:
@@ -225,11 +198,11 @@ class Supervisor:
             if self.standby is not None:
                 self.standby.stop()
             try:
-                # from here on a signal ends at once (_on_signal) instead of raising
-                self._shutting_down = True
+                # from here on a signal ends at once (on_stop) instead of raising
+                self.signals.shutting_down = True
                 self._stop_agent()
             except SignalReceived:  # it came before the flag was set
-                self._second_signal = True
+                self.signals.second = True
                 self._stop_agent()
             finally:
                 for s, h in old_handlers.items():
@@ -262,10 +235,6 @@ class Supervisor:
             else:
                 host = self.cfg.metrics.rpartition(":")[0]
                 logger.info("cfrun: metrics at http://%s:%d/metrics", host, port)
-
-    def _queue_forward(self, signum: int, frame: Any) -> None:
-        """Handler of :func:`forwarded_signals`: forwarded by the attempt's loop (≤ 0.1 s)."""
-        self._pending_signals.append(signum)
 
     def _kill_leftovers(self) -> None:
         """With the lock held: kill what a dead supervisor of this job dir (this node) left.
@@ -308,20 +277,16 @@ class Supervisor:
             reaper.kill()
             reaper.wait()
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._shutting_down:  # a second signal: end at once, leave nothing behind
-            self._second_signal = True
-            if self.agent is not None and self.agent.poll() is None:
-                self.agent.kill()
-            return
-        self._shutting_down = True  # set before raising: a signal from now on is the second
-        raise SignalReceived(signum)
+    def _kill_agent(self) -> None:
+        """A second stop signal: the persist agent goes at once (the ranks follow)."""
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.kill()
 
     def _preempt(self, sig: SignalReceived) -> int:
         """SIGTERM/SIGINT: stop the ranks and the agent within ``grace_s``, then report the
         final checkpoint (or its absence). Returns ``EXIT_PREEMPTED``."""
         deadline_s = time.monotonic() + self.cfg.grace_s  # monotonic seconds
-        self._shutting_down = True
+        self.signals.take()
         self.monitor.shutdown(sig.signum, deadline_s)
         self._stop_agent(deadline_s)
         action = decide(self.monitor.stopped(str(sig)), self.history, self.policy)
@@ -336,6 +301,7 @@ class Supervisor:
             (jd.root / stale).unlink(missing_ok=True)
         attempt = self._first_attempt_number()
         while True:
+            self.signals.check()
             if self.jobdir_id is not None:
                 jd.check_same(self.jobdir_id)  # the ranks load from it next
             steps = committed_steps(jd.checkpoints)
@@ -397,6 +363,7 @@ class Supervisor:
         deadline = time.monotonic() + delay_s
         while (left_s := deadline - time.monotonic()) > 0:
             time.sleep(min(left_s, 0.1))
+            self.signals.check()
             self.monitor.reap_orphans()
 
     # ------------------------------------------------------------------ persist agent
@@ -419,4 +386,4 @@ class Supervisor:
 
     def _stop_agent(self, deadline_s: float | None = None) -> None:
         """:meth:`AgentProcess.stop`, at once after a second signal."""
-        self.agents.stop(deadline_s, second_signal=self._second_signal)
+        self.agents.stop(deadline_s, second_signal=self.signals.second)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun.contract import coordination as co
+from cfrun.contract import faults
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import FatalJobError
@@ -103,6 +104,19 @@ def output_closed() -> bool:
         return False
 
 
+def _slow_finalizer(delay_s: Any) -> None:
+    """Fault point ``supervisor.finalizer_delay_s``: a ``__del__`` of ``delay_s`` seconds on
+    the calling (main) thread, where Python drops a signal handler's exception. None: no-op."""
+    if not delay_s:
+        return
+
+    class _Slow:
+        def __del__(self) -> None:
+            time.sleep(float(delay_s))
+
+    _Slow()  # no reference is kept: its __del__ runs here
+
+
 class Monitor:
     """Runs the attempts of one supervisor, one at a time, each into an :class:`Outcome`.
 
@@ -128,6 +142,7 @@ class Monitor:
                  check_agent: Callable[[], None],
                  own_processes: Callable[[], Iterable[subprocess.Popen[bytes] | None]],
                  second_signal: Callable[[], bool],
+                 check_stop: Callable[[], None],
                  pending_signals: list[int],
                  progress_s: float = 0.0, standby: Standby | None = None) -> None:
         self.cfg = cfg
@@ -136,6 +151,8 @@ class Monitor:
         self.check_agent = check_agent
         self.own_processes = own_processes
         self.second_signal = second_signal
+        self.check_stop = check_stop
+        """Raises the stop signal a finalizer swallowed (:meth:`Supervisor._check_stop`)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.attempt = -1
         """The attempt started last (-1: none yet)."""
@@ -181,6 +198,7 @@ class Monitor:
         self.proc = self.standby.promote(env) if warm and self.standby is not None else None
         if self.proc is None:
             self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+        _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
         self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
         self.proc = None
@@ -206,6 +224,7 @@ class Monitor:
             try:
                 return self.proc.wait(timeout=0.1), hung, agent_error
             except subprocess.TimeoutExpired:
+                self.check_stop()
                 self.forward_pending()
                 self.line.progress(started_unix_s)
                 if time.monotonic() - checked_at < HOUSEKEEPING_S:

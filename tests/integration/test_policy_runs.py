@@ -75,6 +75,26 @@ def test_profile_of_a_script_too_short_to_profile_says_so(tmp_path):
     assert not (tmp_path / "p" / "strategy.json").exists()
 
 
+@pytest.mark.slow
+def test_a_script_that_ends_while_its_last_probe_persists_is_still_profiled(tmp_path):
+    """CI on a loaded machine: a script of short steps took its fifth probe, then ended before
+    the probe's commit and the ``gap`` steps the tuner waits after it; ``cfrun profile`` said
+    "5 of 5 profiling checkpoints taken; nothing was decided". The probes of a 46-step script
+    are at steps 5, 14, 23, 32 and 41 (gap 9): it ends 5 steps after the last one, enough
+    iterations to measure it, fewer than the gap. The rank's exit now waits for the probe's
+    commit and decides."""
+    env = faults.arm({}, rank__step_delay_s=0.1)  # a probe's persist is no deferral
+    run = run_cfrun(["profile", "--job-dir", "p", str(SCRIPTS / "train_argv.py"), "--steps",
+                     "46"], cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [prof] = run.events("profile")
+    assert [p["step"] for p in prof["probes"]] == [5, 14, 23, 32, 41], prof["probes"]
+    [decision] = [e for e in run.events("decision") if e["source"] == "profile"]
+    assert decision["interval"] >= 1 and "chosen interval" in run.stdout
+    strategy = json.loads((tmp_path / "p" / "strategy.json").read_text())
+    assert strategy["phase"] == "tuned" and strategy["source"] == "profile"
+
+
 def test_profile_refuses_a_job_dir_with_checkpoints(tmp_path, tmp_path_factory):
     import shutil
 

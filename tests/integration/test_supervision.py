@@ -196,6 +196,34 @@ def test_a_stop_while_cfrun_starts_exits_75_and_the_job_resumes_exactly(referenc
 
 
 @pytest.mark.slow
+def test_a_sigterm_python_drops_in_a_finalizer_still_stops_the_job(reference, tmp_path):
+    """A signal handler's exception raised inside a finalizer (a ``__del__``) is printed and
+    dropped by Python: a fault storm in CI SIGTERMed cfrun 3 s after its start, and the ranks
+    then trained 22 s to their end (exit 0, no final checkpoint). The supervisor now keeps the
+    stop and raises it again within 0.1 s. The SIGTERM lands in a 5 s ``__del__`` the
+    supervisor runs right after it started the attempt (a fault point)."""
+    env = faults.arm({}, **{"supervisor.finalizer_delay_s": 5.0})
+    proc = _start(["--interval", "5", "--job-dir", "j", SLOW, "60", "j.pt", "0.2"], tmp_path,
+                  env)
+    events = tmp_path / "j" / "events.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (
+            events.exists() and '"attempt_start"' in events.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    time.sleep(1.0)  # the attempt's spawn has returned: the supervisor is in the finalizer
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    run = Run(proc.returncode, out, err, tmp_path / "j")
+    assert run.returncode == 75, (run.returncode, err[-2000:])
+    assert "Exception ignored" in err  # the fault point did put the signal in a finalizer
+    assert "FINAL done" not in out  # the script was stopped, not run to its end
+    [pre] = run.events("preempted")
+    assert pre["signal"] == "SIGTERM"
+    _resume_and_compare(tmp_path, "j", reference, pre["final_checkpoint"])
+
+
+@pytest.mark.slow
 def test_a_command_that_runs_no_job_still_ends_on_sigterm(tmp_path):
     """``cfrun status --watch`` runs no supervisor: the SIGTERM held while cfrun starts is let
     go at once, so it ends the watch as it would any program (it was ignored for good)."""

@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from cfrun.supervisor.agentproc import AgentProcess
-from cfrun.supervisor.core import SignalReceived, Supervisor
+from cfrun.supervisor.signals import SignalReceived, StopSignals
 
 
 class _SignalledWhileFormatting(logging.StreamHandler):
@@ -28,20 +27,21 @@ class _SignalledWhileFormatting(logging.StreamHandler):
 
 
 def test_a_sigterm_inside_a_log_call_reaches_the_supervisor():
-    sup = Supervisor.__new__(Supervisor)  # only its signal handler is used
-    sup._shutting_down = False
-    sup.agents = AgentProcess.__new__(AgentProcess)
-    sup.agents.proc = None
+    sup = StopSignals(on_second=lambda: None)  # the supervisor's handlers
     logger = logging.getLogger("cfrun.test-stop-signal")
     logger.propagate = False
     handler = _SignalledWhileFormatting(io.StringIO())
     logger.addHandler(handler)
-    previous = signal.signal(signal.SIGTERM, sup._on_signal)
+    previous = signal.signal(signal.SIGTERM, sup.on_stop)
     try:
         with pytest.raises(SignalReceived) as got:
             logger.warning("attempt 2 started")
         assert got.value.signum == signal.SIGTERM
-        assert sup._shutting_down  # a second signal now ends at once
+        assert sup.shutting_down  # a second signal now ends at once
+        with pytest.raises(SignalReceived):  # kept until the supervisor takes it
+            sup.check()
+        sup.take()
+        sup.check()
     finally:
         signal.signal(signal.SIGTERM, previous)
         logger.removeHandler(handler)

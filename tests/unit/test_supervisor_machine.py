@@ -445,7 +445,7 @@ def _monitor(tmp_path: Path, nproc: int = 2) -> Monitor:
     jd = JobDir(cfg.job_dir)
     jd.create()
     return Monitor(cfg, jd, spawn_fn=None, check_agent=lambda: None,
-                   own_processes=lambda: (), second_signal=lambda: False,
+                   own_processes=lambda: (), second_signal=lambda: False, check_stop=lambda: None,
                    pending_signals=[])
 
 

@@ -53,7 +53,7 @@ def test_the_policy_then_picks_an_interval_that_holds_the_budget(tmp_path):
 def test_a_window_with_a_persist_always_in_flight_raises_the_interval(tmp_path):
     t = _tuner(tmp_path)
     t.phase, t.done_profiling, t.interval, t.k_min, t.iter_s = "tuned", True, 19, 4, CLEAN_S
-    t._window_lo = 100
+    t.windows.lo = 100
     t.log.pgt_s = {p: 3.48 for p in range(100, 170, 19)}
     t.log.ckpts = sorted(t.log.pgt_s)
     t.log.iters = [(s, BUSY_S, True) for s in range(100, 200)]

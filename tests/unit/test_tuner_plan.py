@@ -18,7 +18,7 @@ import pytest
 from cfrun.contract.fsio import atomic_write_json
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank import probes
-from cfrun.rank import tuner as T
+from cfrun.rank import windows as W
 from cfrun.rank.tuner import PLAN_AHEAD_STEPS, Tuner
 
 KEY = "0123456789abcdef"
@@ -74,7 +74,7 @@ def test_after_a_restart_both_ranks_follow_rank_0s_plan_of_this_attempt(tmp_path
     """Attempt 1 resumes at step 41 from the cached profile: rank 1 ignores attempt 0's
     strategy.json (and the cache) and follows rank 0's plan, published at step 42 for steps
     from 44 on; both checkpoint at the same steps, every ``interval`` steps outside quiet."""
-    monkeypatch.setattr(T, "adapt_interval", lambda k, *a, **kw: (k, "kept"))
+    monkeypatch.setattr(W, "adapt_interval", lambda k, *a, **kw: (k, "kept"))
     jd = _job(tmp_path)
     ranks = _ranks(jd, attempt=1)
     taken = _run(ranks, 42, 160, 1000, follower_first)
@@ -116,7 +116,7 @@ def test_an_adapted_interval_switches_every_rank_at_its_effective_step(tmp_path,
     """Rank 0 adapts the interval at the end of each window (here: always to k + 1): before
     the new plan's effective step every rank checkpoints by the old one (which may call for one
     at the very step rank 0 decides), from it by the new one."""
-    monkeypatch.setattr(T, "adapt_interval", lambda k, *a, **kw: (k + 1, "test"))
+    monkeypatch.setattr(W, "adapt_interval", lambda k, *a, **kw: (k + 1, "test"))
     jd = _job(tmp_path, interval=interval)
     ranks = _ranks(jd, attempt=1)
     taken = _run(ranks, 62, 400, 1000, True)  # windows from 62: not the plan's quiet steps
