@@ -204,7 +204,8 @@ class PersistAgent:
         if uid == os.getuid():
             return True
         if ipc.say_refused_once("agent", uid, f"cfrun: refused a connection to the agent from "
-                                f"uid {uid} (pid {pid}): only uid {os.getuid()} may use it"):
+                                f"uid {uid} (pid {pid}): only uid {os.getuid()} may use it; the "
+                                "job is unaffected"):
             self.jobdir.emit_event("agent_refused", uid=uid, pid=pid)
         return False
 

@@ -43,9 +43,9 @@ LauncherOption = Annotated[str, typer.Option(
 
 TotalStepsOption = Annotated[str | None, typer.Option(
     "--total-steps", metavar="INTEGER", envvar=E.TOTAL_STEPS,
-    help="The optimizer step the run ends at (a while loop's max_iters): gives cfrun status "
-         "and the progress line a total and an ETA. Default: the epoch loop's length where "
-         "cfrun can read it.")]
+    help="The optimizer step the run ends at: gives cfrun status and the progress line a "
+         "total and an ETA. Default: the epoch loop's length, or a step loop's bound (while "
+         "it < n, if it > max_iters: break), where cfrun can read it.")]
 
 MaxRestartsOption = Annotated[str, typer.Option(
     "--max-restarts", "--max_restarts", metavar="INTEGER", envvar=E.MAX_RESTARTS,

@@ -180,8 +180,8 @@ class RunConfig:
     """Mean time between failures (``--mtbf``); None: learned from this job's restarts."""
     total_steps: int | None = None
     """The optimizer step the run ends at (``--total-steps``): the total and the ETA of
-    ``cfrun status`` and the progress line for a loop cfrun cannot size (``while iter_num <
-    max_iters``); None: the epoch loop's length where cfrun reads it
+    ``cfrun status`` and the progress line for a loop cfrun cannot size; None: the epoch
+    loop's length, or a step loop's bound, where cfrun reads it
     (:mod:`cfrun.contract.progress`). Not part of the job's command."""
     profile_only: bool = False
     """``cfrun profile``: stop the script once the interval is decided."""

@@ -6,12 +6,13 @@ checkpoint's ``progress`` (an epoch loop over a sized loader, :mod:`cfrun.rank.b
 ``state``/``checkpoint`` events and a heartbeat's step and time. Pure functions over those
 records: no file is read here, no clock but the ones passed in.
 
-The total is the optimizer step the run ends at: ``--total-steps N`` where the user gave it
-(a ``while`` loop with ``max_iters``, whose end cfrun cannot read), else the epoch loop's
-batches in all times the job's optimizer steps per batch (gradient accumulation counted), as
-measured at the newest checkpoint. The step rate is the running attempt's, measured from its
-first checkpoint (or its start when it has none yet: start-up then counts as training time)
-to the newest heartbeat, so a job that has trained a while reads its steady rate.
+The total is the optimizer step the run ends at: ``--total-steps N`` where the user gave it,
+else the newest checkpoint's ``progress``: the epoch loop's batches in all times the job's
+optimizer steps per batch (gradient accumulation counted), as measured at that checkpoint, or
+a step loop's own bound (one batch per step: :mod:`cfrun.rank.loop_total`). The step rate
+is the running attempt's, measured from its first checkpoint (or its start when it has none
+yet: start-up then counts as training time) to the newest heartbeat, so a job that has
+trained a while reads its steady rate.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ OVERHEAD = _declare("CFRUN_OVERHEAD", "percent", "3.5%",
                     "overhead budget: 3.5%, 3.5 (percent) or 0.035 (fraction)")
 TOTAL_STEPS = _declare("CFRUN_TOTAL_STEPS", "int", None,
                        "the optimizer step the run ends at, for its ETA (a while loop)",
-                       unset="the epoch loop's length where cfrun reads it")
+                       unset="the epoch loop's length, or the step loop's bound, where cfrun "
+                             "reads it")
 MTBF = _declare("CFRUN_MTBF", "duration", None,
                 "mean time between failures (90s, 30m, 6h, 2d) for the Young/Daly limit",
                 unset="learned")

@@ -319,7 +319,8 @@ class Boundary:
         self._snap.use_mode(self._tuner.mode_for(step))  # also records the step for the tuner
         handle = self._snap.start(step, tree, tensors, async_ids, meta, t_trigger, t0,
                                   capture_s=capture_s)
-        self._trigger.taken(step, self._loader.progress)
+        self._trigger.taken(step, self._loop.progress(frame, step) if self.mode == "loop"
+                            else self._loader.progress)
         if self._stall is not None and self._stall[1] <= step < self._stall[2]:
             time.sleep(self._stall[0])
         if hold:  # the snapshot thread SIGKILLs the rank right after the hand-off

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cfrun.rank import frames as F
+from cfrun.rank.loop_total import loop_progress
 
 
 class LoopBoundary:
@@ -70,6 +71,14 @@ class LoopBoundary:
         sys.settrace(_ignore_calls)
         loop_frame.f_trace = tracer
         loop_frame.f_trace_lines = True
+
+    def progress(self, frame: types.FrameType, step: int) -> dict[str, int] | None:
+        """At this loop's boundary of ``step`` (``frame``: the loop's), the step the loop
+        ends at as a checkpoint's ``progress`` (:func:`cfrun.rank.loop_total.loop_progress`);
+        None without a loop or a bound cfrun can read."""
+        if self.loop is None or F.code_key(frame.f_code) != self.loop.code:
+            return None
+        return loop_progress(frame, self.loop, step)
 
     def meta(self) -> dict[str, Any]:
         """The loops, for a checkpoint's metadata (``loop``, ``outer_loops``)."""

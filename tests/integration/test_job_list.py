@@ -193,3 +193,21 @@ def test_runs_that_trained_nothing_leave_no_job_dir(tmp_path):
     trained = run_cfrun(["train.py", "--epochs", "1"], cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert len(list((tmp_path / "cfrun-jobs").iterdir())) == 1
+
+
+@pytest.mark.parametrize("shape,total", [("break", 41), ("while", 40)])
+def test_a_step_loops_own_bound_gives_the_total(tmp_path, shape, total):
+    """No ``--total-steps``: nanoGPT's ``while True`` loop ends at ``if iter_num > max_iters:
+    break`` (iterations 0 to ``max_iters``, 41 steps for 40); ``while iter_num < max_iters`` at
+    40. cfrun reads the counter and the bound in the loop's frame at each checkpoint, so the
+    checkpoints carry the total and ``cfrun status`` shows the step of it (it showed no
+    total and no ETA for such a loop: issue 37, item 5)."""
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", str(SCRIPTS / "train_max_iters.py"),
+                     f"--shape={shape}", "--max_iters=40"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"FINAL iter_num {total if shape == 'while' else 41}" in run.stdout
+    progress = [e.get("progress") for e in run.events("checkpoint")]
+    assert progress and all(p is not None and p["total_batches"] == total for p in progress), \
+        progress
+    st = json.loads(cfrun_in_process(["status", "--json", "j"], cwd=tmp_path).stdout)
+    assert st["total_steps"] == total, st

@@ -335,6 +335,7 @@ def test_a_second_user_cannot_use_read_or_swap_anything_of_a_running_job(attacke
     said = [line for line in err.splitlines()
             if f"refused a connection to the agent from uid {attacker.uid}" in line]
     assert len(said) == 1, err[-3000:]
+    assert said[0].endswith("the job is unaffected"), said  # a user reading it need not act
     assert [e["uid"] for e in _events(job, "agent_refused")] == [attacker.uid]
     assert not _events(job, "persist_refused")  # nothing of the attacker's reached the queue
     # (c) the old name bound first caught nothing
