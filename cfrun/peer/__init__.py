@@ -4,5 +4,6 @@
 limits, :class:`~cfrun.peer.protocol.PeerClient`); ``gate`` admission (every handshake, its
 deadline, the caps on unauthenticated connections); ``server`` the peer's accept loop and request
 dispatch (``serve_main``); ``buffer`` the RAM circular buffer (slots, reservations, eviction);
-``flusher`` the FIFO flush thread to level 2.
+``flusher`` the flush thread to level 2 (per-job queues served in turn); ``tenants`` the tokens
+of several tenants and their namespaces.
 """

@@ -20,10 +20,18 @@ slow clients flood the port (the slowloris attack):
 
 Evictions and expired handshakes are counted and logged once per 10 s; a bad hello or a wrong
 token is logged on its own line.
+
+**Tenants** (issue 32, :mod:`cfrun.peer.tenants`): the client's proof is checked against every
+tenant's token, all of them every time, each with ``hmac.compare_digest``, so neither the answer
+(``CFPN`` for any wrong token) nor the work done tells which tenants exist or which one came
+close; the cost is one HMAC per tenant (at most :data:`~cfrun.peer.tenants.MAX_TENANTS`). The
+matching tenant's token then proves the server and keys the session, and the connection is
+admitted as that tenant's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
@@ -52,6 +60,7 @@ from cfrun.peer.protocol import (
     handshake_mac,
     session_keys,
 )
+from cfrun.peer.tenants import DEFAULT_TENANT, MAX_TENANTS, Tenant
 
 logger = logging.getLogger("cfrun.peer.server")
 
@@ -73,22 +82,30 @@ class Gate:
 
     Args:
         sock: the bound, listening socket (made non-blocking here).
-        token: the shared secret.
-        admit: ``admit(channel, who, greeting)`` is called with each authenticated connection
-            and the bytes that complete the handshake (the server's proof), which its handler
-            sends first; returns False when the authenticated cap is reached (the client is
-            then told ``busy``).
+        tenants: the tenants (:func:`cfrun.peer.tenants.read_tenants`), 1 to
+            :data:`~cfrun.peer.tenants.MAX_TENANTS`; a bare token is the one default tenant's.
+        admit: ``admit(channel, who, greeting, tenant)`` is called with each authenticated
+            connection, the bytes that complete the handshake (the server's proof), which its
+            handler sends first, and the tenant whose token the client proved; returns False
+            when the authenticated cap is reached (the client is then told ``busy``).
         max_unauthenticated, max_per_address: the limits above.
         deadline_s: the whole-handshake deadline.
     """
 
-    def __init__(self, sock: socket.socket, token: bytes,
-                 admit: Callable[[Channel, str, bytes], bool], *,
+    def __init__(self, sock: socket.socket, tenants: list[Tenant] | bytes,
+                 admit: Callable[[Channel, str, bytes, Tenant], bool], *,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
                  deadline_s: float = HANDSHAKE_DEADLINE_S) -> None:
         self.sock = sock
-        self.token = token
+        if isinstance(tenants, bytes):
+            tenants = [Tenant(DEFAULT_TENANT, tenants)]
+        if not 1 <= len(tenants) <= MAX_TENANTS:
+            raise ValueError(f"{len(tenants)} tenants; 1 to {MAX_TENANTS} are served")
+        self.tenants = list(tenants)
+        self._client_macs = [hmac.new(t.token, b"cfrun-peer/2 client", hashlib.sha256)
+                             for t in self.tenants]
+        """Each tenant's client proof with the key and label absorbed (copied per try)."""
         self.admit = admit
         self.max_unauthenticated = max_unauthenticated
         self.max_per_address = max_per_address
@@ -224,8 +241,8 @@ class Gate:
         if len(p.buf) < CLIENT_HELLO_BYTES:
             return
         client_nonce, mac = bytes(p.buf[5:5 + NONCE_BYTES]), bytes(p.buf[5 + NONCE_BYTES:])
-        if not hmac.compare_digest(mac, handshake_mac(self.token, b"client", p.nonce,
-                                                      client_nonce)):
+        tenant = self._tenant_of(mac, p.nonce, client_nonce)
+        if tenant is None:
             self._reject(p, "authentication failed (wrong token)", AUTH_NO)
             return
         sock = p.sock
@@ -234,16 +251,28 @@ class Gate:
         self.per_host[p.host] -= 1
         if self.per_host[p.host] <= 0:
             del self.per_host[p.host]
-        client_key, server_key = session_keys(self.token, p.nonce, client_nonce)
+        client_key, server_key = session_keys(tenant.token, p.nonce, client_nonce)
         try:
             sock.setblocking(True)
             sock.settimeout(self.deadline_s)
             ch = Channel(sock, server_key, client_key)
-            greeting = AUTH_OK + handshake_mac(self.token, b"server", client_nonce, p.nonce)
-            if not self.admit(ch, p.who, greeting):
+            greeting = AUTH_OK + handshake_mac(tenant.token, b"server", client_nonce, p.nonce)
+            if not self.admit(ch, p.who, greeting, tenant):
                 sock.sendall(AUTH_BUSY)
                 sock.close()
                 return
         except OSError:
             sock.close()
             return
+
+    def _tenant_of(self, mac: bytes, server_nonce: bytes, client_nonce: bytes) -> Tenant | None:
+        """The tenant whose token made the client's proof ``mac``, or None. Every tenant's
+        proof is computed and compared (constant-time compares, no early exit), so the work is
+        the same whichever tenant matched, or none."""
+        found = None
+        for tenant, base in zip(self.tenants, self._client_macs):
+            want = base.copy()
+            want.update(server_nonce + client_nonce)
+            if hmac.compare_digest(want.digest(), mac) and found is None:
+                found = tenant
+        return found

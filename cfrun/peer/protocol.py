@@ -10,6 +10,10 @@ Imported by the ``cfrun peer`` server (:mod:`cfrun.peer.server`) and by the pers
     server -> client  "CFPY"    HMAC(token, "cfrun-peer/2 server" cn sn)      ("CFPN": refused,
                                                                                "CFPB": busy)
 
+With several tenants (:mod:`cfrun.peer.tenants`) the server checks the client's proof against
+every tenant's token (:class:`cfrun.peer.gate.Gate`) and answers with the one that matched; the
+client's side is unchanged: it knows only its own token.
+
 **Session keys.** Both nonces and the token go through HKDF-SHA256 (RFC 5869; salt = sn || cn,
 info names the protocol) into one key per direction. A relay that forwards the handshake learns
 the nonces but not the token, so it cannot compute the keys.
@@ -184,22 +188,29 @@ MIN_TOKEN_BYTES = 32
 16 bytes were accepted before, 64 bits when written as hex (issue 24, item 10)."""
 
 
-def read_token(path: str, *, option: str = "--token-file") -> bytes:
+def read_token(path: str, *, option: str = "--token-file", dir_fd: int | None = None) -> bytes:
     """Read the shared secret from ``path`` (surrounding whitespace stripped).
 
     The file must be a regular file (a symbolic link is not followed), owned by the calling
     user, with no group or other permission bits, holding :data:`MIN_TOKEN_BYTES` to 4096 bytes.
+    ``dir_fd``: ``path`` is a name in that open directory (a token directory of ``cfrun peer``,
+    :func:`cfrun.peer.tenants.read_tenants`); messages then name ``path`` as given.
 
     Raises:
         BadInputError: missing, unreadable, a link or not a regular file, owned by someone
             else, group/other bits set, or empty/too short. One line naming the file and the fix.
     """
     fix = f"`openssl rand -hex 32 > {path} && chmod 600 {path}`"
+    where = Path(path).expanduser() if dir_fd is None else Path(path).name
     try:
-        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | os.O_CLOEXEC)
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
     except OSError as e:
-        if Path(path).expanduser().is_symlink():
+        try:
+            is_link = stat.S_ISLNK(os.stat(where, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
             raise BadInputError(f"{option} {path!r} is a symbolic link; give the token file "
                                 f"itself (a regular file of yours, `chmod 600 {path}`)") from None
         raise BadInputError(f"{option} {path!r} cannot be read ({e.strerror}); create it with "

@@ -13,7 +13,12 @@ three parts, each in its own module:
 * **The RAM buffer** (:mod:`cfrun.peer.buffer`): ``slots`` checkpoints of at most
   ``max_checkpoint_bytes`` each, ACUTE's circular buffer with dirty bits.
 * **The flusher** (:mod:`cfrun.peer.flusher`): one thread writing protected checkpoints to level
-  2 (:mod:`cfrun.storage.tiers`), oldest first, then applying level-2 retention.
+  2 (:mod:`cfrun.storage.tiers`), job by job in turn (oldest first within a job; a job whose
+  flush fails waits, with backoff, behind the others), then applying level-2 retention.
+* **Tenants** (:mod:`cfrun.peer.tenants`, issue 32): one token per tenant; each connection
+  belongs to the tenant whose token it proved, and every job it names is that tenant's: a ring
+  of slots of its own (:class:`TenantRoom`) and a level-2 directory of its own. A tenant can
+  neither list, read, write, seal, await nor evict another tenant's checkpoints.
 
 A checkpoint is *protected* once every rank's shard is in peer RAM with its checksums verified
 (PGT ends here) and *durable* once the flusher wrote it to level 2 (manifest last).
@@ -36,6 +41,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -46,7 +52,7 @@ from cfrun.peer.buffer import (  # noqa: F401  (STALE_PARTIAL_S: re-exported)
     Refused,
     SlotState,
 )
-from cfrun.peer.flusher import Flusher
+from cfrun.peer.flusher import Flusher, Lane
 from cfrun.peer.gate import Gate
 from cfrun.peer.protocol import (  # noqa: F401  (re-exported: older imports of the server)
     IDLE_TIMEOUT_S,
@@ -76,9 +82,23 @@ from cfrun.peer.protocol import (  # noqa: F401  (re-exported: older imports of 
     read_token,
     seal_tag,
 )
-from cfrun.storage.tiers import FILE_RE, MANIFEST, Storage, check_job_name
+from cfrun.peer.tenants import DEFAULT_TENANT, Tenant, read_tenants, slot_shares
+from cfrun.storage.tiers import FILE_RE, MANIFEST, Storage, below, check_job_name
 
 logger = logging.getLogger("cfrun.peer.server")
+
+
+@dataclass
+class TenantRoom:
+    """One tenant's part of the peer: its ring of RAM slots (keyed by
+    :meth:`~cfrun.peer.tenants.Tenant.key`), its level 2 (``--flush-to`` itself for the default
+    tenant, ``<flush>/_tenants/<name>`` for the others) and the keys that check its agents'
+    seals (:func:`~cfrun.peer.protocol.manifest_key` of its token and the job's name)."""
+
+    tenant: Tenant
+    buffer: RamBuffer
+    storage: Storage
+    manifest_keys: dict[str, bytes] = field(default_factory=dict)
 
 
 class PeerServer:
@@ -90,30 +110,46 @@ class PeerServer:
     Construct, then :meth:`serve` on the main thread; :meth:`stop` (from a signal handler) stops
     accepting, lets the flusher write what is protected and returns.
 
+    **Slots and tenants**: the ``slots`` are shared out as fixed per-tenant rings
+    (:func:`~cfrun.peer.tenants.slot_shares`: ``slots // tenants`` each, the remainder to the
+    first tenants by name), so one tenant filling its slots can neither take nor evict
+    another's; the RAM bound stays ``slots x max_checkpoint_bytes``.
+
     Args:
         listen: address to bind, exactly as given (port 0: any free port, see ``address``).
-        storage: level 2 (:func:`cfrun.storage.tiers.open_storage`).
-        token: the shared secret.
-        slots: checkpoints held in RAM at most.
+        storage: level 2 (:func:`cfrun.storage.tiers.open_storage`), ``--flush-to``.
+        token: the shared secret of the one default tenant, or the tenants
+            (:func:`~cfrun.peer.tenants.read_tenants`).
+        slots: checkpoints held in RAM at most, all tenants together.
         max_checkpoint_bytes: bytes one checkpoint (all ranks) may hold.
         keep: flushed checkpoints kept per job at level 2 (older ones are deleted).
+
+    Raises:
+        BadInputError: fewer slots than tenants.
+        OSError: the address cannot be bound.
     """
 
-    def __init__(self, listen: tuple[str, int], storage: Storage, token: bytes, *, slots: int,
-                 max_checkpoint_bytes: int, keep: int = 3,
+    def __init__(self, listen: tuple[str, int], storage: Storage, token: bytes | list[Tenant],
+                 *, slots: int, max_checkpoint_bytes: int, keep: int = 3,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         if slots < 1 or max_checkpoint_bytes < 1 or keep < 1:
             raise ValueError("slots, max_checkpoint_bytes and keep must be >= 1")
         self.storage = storage
-        self.token = token
+        self.tenants = [Tenant(DEFAULT_TENANT, token)] if isinstance(token, bytes) \
+            else list(token)
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_connections = max_connections
         self.stopping = threading.Event()
-        self.buffer = RamBuffer(slots, max_checkpoint_bytes, self.stopping)
-        self.flusher = Flusher(self.buffer, storage, keep, self.stopping)
+        shares = slot_shares(slots, [t.name for t in self.tenants])
+        self.rooms = {t.name: TenantRoom(t, RamBuffer(shares[t.name], max_checkpoint_bytes,
+                                                      self.stopping),
+                                         below(storage, *t.level2_below) if t.level2_below
+                                         else storage)
+                      for t in self.tenants}
+        self.flusher = Flusher([Lane(name, room.buffer, room.storage)
+                                for name, room in self.rooms.items()], keep, self.stopping)
         self.lock = threading.Lock()
         self.connections = 0
-        self._manifest_keys: dict[str, bytes] = {}
         family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,50 +157,62 @@ class PeerServer:
         self.sock.listen(1024)  # a flood of SYNs must not overflow the backlog
         self.address = self.sock.getsockname()[:2]
 
-    def _manifest_key(self, job: str) -> bytes:
+    def _manifest_key(self, room: TenantRoom, job: str) -> bytes:
         with self.lock:
-            key = self._manifest_keys.get(job)
+            key = room.manifest_keys.get(job)
             if key is None:
-                key = self._manifest_keys[job] = manifest_key(self.token, job)
+                key = room.manifest_keys[job] = manifest_key(room.tenant.token, job)
             return key
 
     def ram_bytes(self) -> int:
-        """Bytes the RAM buffer holds now (:meth:`RamBuffer.ram_bytes`)."""
-        return self.buffer.ram_bytes()
+        """Bytes the RAM rings hold now, all tenants (:meth:`RamBuffer.ram_bytes`)."""
+        return sum(room.buffer.ram_bytes() for room in self.rooms.values())
 
     # ------------------------------------------------------------------ main loops
 
     def serve(self) -> None:
         """Accept connections until :meth:`stop`; then drain the flush queue and return."""
-        self.storage.cleanup()
+        for room in self.rooms.values():
+            try:
+                room.storage.cleanup()
+            except OSError as e:  # a link at <flush>/_tenants: that tenant's flushes say so
+                logger.warning("level 2 of tenant %s not cleaned up: %s", room.tenant.name, e)
         self.flusher.start()
-        logger.info("listening on %s:%d, flushing to %s, %d slots of %d bytes", *self.address,
-                    self.storage.url, self.buffer.slots, self.max_checkpoint_bytes)
-        gate = Gate(self.sock, self.token, self._admit)
+        rings = "" if list(self.rooms) == [DEFAULT_TENANT] else ", tenants " + ", ".join(
+            f"{name} ({room.buffer.slots})" for name, room in self.rooms.items())
+        logger.info("listening on %s:%d, flushing to %s, %d slots of %d bytes%s", *self.address,
+                    self.storage.url, sum(r.buffer.slots for r in self.rooms.values()),
+                    self.max_checkpoint_bytes, rings)
+        gate = Gate(self.sock, self.tenants, self._admit)
         try:
             while not self.stopping.is_set():
                 gate.step(0.2)
         finally:
             gate.close()
             self.sock.close()
-        self.buffer.wake()
+        for room in self.rooms.values():
+            room.buffer.wake()
         self.flusher.join()
 
     def stop(self) -> None:
         """Stop accepting; :meth:`serve` returns once protected checkpoints are flushed."""
         self.stopping.set()
+        self.flusher.notify()
 
-    def _admit(self, ch: Channel, who: str, greeting: bytes) -> bool:
-        """An authenticated connection (from the gate): a thread of its own, if under the cap."""
+    def _admit(self, ch: Channel, who: str, greeting: bytes, tenant: Tenant) -> bool:
+        """An authenticated connection of ``tenant`` (from the gate): a thread of its own, if
+        under the cap."""
         with self.lock:
             if self.connections >= self.max_connections:
                 logger.warning("refused %s: %d connections already", who, self.connections)
                 return False
             self.connections += 1
-        threading.Thread(target=self._connection, args=(ch, who, greeting), daemon=True).start()
+        threading.Thread(target=self._connection, args=(ch, who, greeting,
+                                                         self.rooms[tenant.name]),
+                         daemon=True).start()
         return True
 
-    def _connection(self, ch: Channel, who: str, greeting: bytes) -> None:
+    def _connection(self, ch: Channel, who: str, greeting: bytes, room: TenantRoom) -> None:
         conn = ch.sock
         try:
             conn.sendall(greeting)
@@ -175,7 +223,7 @@ class PeerServer:
                 if op != Op.PUT and payload_len:
                     raise ProtocolError(f"op {op} carries a payload")
                 try:
-                    self._dispatch(ch, op, header, payload_len)
+                    self._dispatch(ch, room, op, header, payload_len)
                 except Refused as e:
                     ch.drop_payload()  # a refused PUT's payload is never sent
                     ch.send_header(op | RESPONSE, {"ok": False, "error": str(e)})
@@ -192,17 +240,20 @@ class PeerServer:
 
     # ------------------------------------------------------------------ requests
 
-    def _dispatch(self, ch: Channel, op: int, h: dict[str, Any], payload_len: int) -> None:
+    def _dispatch(self, ch: Channel, room: TenantRoom, op: int, h: dict[str, Any],
+                  payload_len: int) -> None:
+        """One request of a connection of ``room``'s tenant: every job it names is that
+        tenant's (:meth:`~cfrun.peer.tenants.Tenant.key`)."""
         if op == Op.PUT:
-            self._put(ch, h, payload_len)
+            self._put(ch, room, h, payload_len)
         elif op == Op.SEAL:
-            ch.send_header(op | RESPONSE, self._seal(h))
+            ch.send_header(op | RESPONSE, self._seal(room, h))
         elif op == Op.AWAIT:
-            ch.send_header(op | RESPONSE, self._await(h))
+            ch.send_header(op | RESPONSE, self._await(room, h))
         elif op == Op.LIST:
-            ch.send_header(op | RESPONSE, self._list(h))
+            ch.send_header(op | RESPONSE, self._list(room, h))
         elif op == Op.GET:
-            self._get(ch, h)
+            self._get(ch, room, h)
         else:
             raise ProtocolError(f"unknown op {op}")
 
@@ -218,7 +269,7 @@ class PeerServer:
             raise ProtocolError("step or world_size out of range")
         return job, step, world_size
 
-    def _put(self, ch: Channel, h: dict[str, Any], payload_len: int) -> None:
+    def _put(self, ch: Channel, room: TenantRoom, h: dict[str, Any], payload_len: int) -> None:
         job, step, world_size = self._ids(h)
         name, part, nparts = h.get("name"), h.get("part"), h.get("nparts")
         offset, file_bytes, digest = h.get("offset"), h.get("file_bytes"), h.get("xxh3_64")
@@ -229,7 +280,8 @@ class PeerServer:
                 and int(name[5:10]) < world_size):
             raise ProtocolError("malformed PUT header")
         wait_s = number(h, "wait_s", 0.0, MAX_RESERVE_WAIT_S, 10.0)
-        ck = self.buffer.reserve(job, step, world_size, payload_len, wait_s)
+        buffer = room.buffer
+        ck = buffer.reserve(room.tenant.key(job), step, world_size, payload_len, wait_s)
         if ck is None:  # already complete (a retried transfer): nothing to send
             ch.drop_payload()
             ch.send_header(Op.PUT | RESPONSE, {"ok": True, "go": False, "complete": True})
@@ -240,17 +292,17 @@ class PeerServer:
             buf = bytearray(payload_len)  # within the reservation: bounded by the budget
             ch.recv_payload_into(memoryview(buf))  # its tag checked before anything is kept
             owned = True
-            ok = self.buffer.receive(ck, name, part=part, nparts=nparts, offset=offset,
-                                     file_bytes=file_bytes, buf=buf,
-                                     checksum_ok=xxhash.xxh3_64_hexdigest(buf) == digest)
+            ok = buffer.receive(ck, name, part=part, nparts=nparts, offset=offset,
+                                file_bytes=file_bytes, buf=buf,
+                                checksum_ok=xxhash.xxh3_64_hexdigest(buf) == digest)
             del buf
             ch.send_header(Op.PUT | RESPONSE, {"ok": ok, "error": None if ok else
                                                "checksum mismatch or checkpoint gone"})
         finally:
             if not owned:  # the sender vanished mid-transfer: give the bytes back
-                self.buffer.abandon(ck, payload_len)
+                buffer.abandon(ck, payload_len)
 
-    def _seal(self, h: dict[str, Any]) -> dict[str, Any]:
+    def _seal(self, room: TenantRoom, h: dict[str, Any]) -> dict[str, Any]:
         job, step, world_size = self._ids(h)
         rank, files, meta, tag = h.get("rank"), h.get("files"), h.get("meta", {}), h.get("tag")
         job_tag, sha256 = h.get("job_tag"), h.get("sha256")
@@ -270,14 +322,16 @@ class PeerServer:
                     and isinstance(digest, str) and len(digest) <= 32):
                 raise ProtocolError("malformed SEAL file entry")
             entries.append({"name": name, "nbytes": nbytes, "xxh3_64": digest})
-        want = seal_tag(self._manifest_key(job), step=step, world_size=world_size,
+        want = seal_tag(self._manifest_key(room, job), step=step, world_size=world_size,
                         rank=rank, files=entries, meta=meta)
-        state = self.buffer.seal(job, step, rank, entries, meta, tag,
+        state = room.buffer.seal(room.tenant.key(job), step, rank, entries, meta, tag,
                                  tag_ok=hmac.compare_digest(tag, want), job_tag=job_tag,
                                  sha256=sha256)
+        if state is SlotState.PROTECTED:
+            self.flusher.notify()
         return {"ok": True, "state": state.value, "complete": state is not SlotState.FILLING}
 
-    def _await(self, h: dict[str, Any]) -> dict[str, Any]:
+    def _await(self, room: TenantRoom, h: dict[str, Any]) -> dict[str, Any]:
         try:
             job, step = check_job_name(h["job"]), h["step"]
             want = SlotState(h.get("state", "protected"))
@@ -286,19 +340,20 @@ class PeerServer:
         if not is_int(step):
             raise ProtocolError("malformed AWAIT header")
         timeout_s = number(h, "timeout_s", 0.0, MAX_AWAIT_S, 60.0)
-        state, error = self.buffer.await_state(job, step, want, timeout_s)
+        state, error = room.buffer.await_state(room.tenant.key(job), step, want, timeout_s)
         if state == "missing":
             return {"ok": True, "state": state}
-        return {"ok": True, "state": state, "error": error, "flush_to": self.storage.url}
+        return {"ok": True, "state": state, "error": error, "flush_to": room.storage.url}
 
-    def _list(self, h: dict[str, Any]) -> dict[str, Any]:
+    def _list(self, room: TenantRoom, h: dict[str, Any]) -> dict[str, Any]:
         try:
             job = check_job_name(h["job"])
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError(f"malformed LIST header ({e})") from None
-        return {"ok": True, "flush_to": self.storage.url, "checkpoints": self.buffer.listing(job)}
+        return {"ok": True, "flush_to": room.storage.url,
+                "checkpoints": room.buffer.listing(room.tenant.key(job))}
 
-    def _get(self, ch: Channel, h: dict[str, Any]) -> None:
+    def _get(self, ch: Channel, room: TenantRoom, h: dict[str, Any]) -> None:
         try:
             job, step, name = check_job_name(h["job"]), h["step"], h["name"]
         except (KeyError, ValueError, TypeError) as e:
@@ -307,7 +362,7 @@ class PeerServer:
         if not (is_int(step) and check_get_name(name) and is_int(max_bytes)
                 and 0 <= max_bytes <= MAX_FETCH_BYTES):
             raise ProtocolError("malformed GET header (job, step, name, max_bytes)")
-        ck = self.buffer.pin(job, step)  # complete, so its files no longer change
+        ck = room.buffer.pin(room.tenant.key(job), step)  # complete: its files no longer change
         try:
             if name == MANIFEST:
                 parts: list[bytes | bytearray] = [dumps_json(ck.manifest())]
@@ -323,7 +378,7 @@ class PeerServer:
             if nbytes:
                 ch.send_payload(parts)
         finally:
-            self.buffer.unpin(ck)
+            room.buffer.unpin(ck)
 
 
 def serve_main(listen: str, flush_to: str, token_file: str, *, slots: int,
@@ -331,8 +386,12 @@ def serve_main(listen: str, flush_to: str, token_file: str, *, slots: int,
                on_ready: Callable[[tuple[str, int]], None] | None = None) -> int:
     """``cfrun peer``: validate, bind, serve until SIGTERM/SIGINT (then drain). Returns 0.
 
+    ``token_file``: a token file (one tenant), or a directory of them, one per tenant
+    (:func:`cfrun.peer.tenants.read_tenants`).
+
     Raises:
-        BadInputError: bad address, token file or storage URL (exit 2).
+        BadInputError: bad address, token file or directory, storage URL, or fewer
+            ``slots`` than tenants (exit 2).
         PeerBindError: the address cannot be bound (in use, not local) (exit 69).
     """
     import signal
@@ -341,10 +400,11 @@ def serve_main(listen: str, flush_to: str, token_file: str, *, slots: int,
     from cfrun.storage.tiers import open_storage
 
     host, port = parse_address(listen)
-    token = read_token(token_file)
+    tenants = read_tenants(token_file)
+    slot_shares(slots, [t.name for t in tenants])  # refused before anything is bound
     storage = open_storage(flush_to)
     try:
-        server = PeerServer((host, port), storage, token, slots=slots,
+        server = PeerServer((host, port), storage, tenants, slots=slots,
                             max_checkpoint_bytes=max_checkpoint_bytes, keep=keep)
     except OSError as e:
         raise PeerBindError(f"cannot listen on {listen!r}: {e.strerror or e}") from None

@@ -52,6 +52,18 @@ JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FILE_RE = SHARD_FILE_RE
 
 
+BELOW_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
+"""A directory between a level-2 root and its jobs (:func:`below`): a job name's characters,
+and it may start with ``_``, which a job name may not (so ``<root>/_tenants`` is no job's)."""
+
+
+def _check_below(name: str) -> str:
+    if not isinstance(name, str) or not BELOW_RE.match(name) or ".." in name:
+        raise ValueError(f"level-2 directory name {name!r} must match {BELOW_RE.pattern} "
+                         "without '..'")
+    return name
+
+
 def check_job_name(job: str) -> str:
     """Return ``job`` if it is a safe single path component (``[A-Za-z0-9._-]``, <= 100 chars).
 
@@ -328,8 +340,13 @@ class DirStorage:
     (:class:`LinkRefusedError`); nothing is written, read or deleted through it, and a step
     directory that is a link is no step (never listed, so never deleted by retention)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root.absolute()
+    def __init__(self, root: Path, below: tuple[str, ...] = ()) -> None:
+        self.top = root.absolute()
+        """``--flush-to`` itself (reached through links if the operator's path has them)."""
+        self.below = tuple(_check_below(name) for name in below)
+        """Directories between :attr:`top` and the jobs (a tenant's, :func:`below`), each
+        opened like a job directory: never through a link."""
+        self.root = self.top.joinpath(*self.below)
         self.url = str(self.root)
 
     def _job(self, job: str) -> Path:
@@ -337,8 +354,17 @@ class DirStorage:
 
     def _open_root(self, *, create: bool = False) -> int:
         if create:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.top.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        where = self.top
+        for name in self.below:
+            where = where / name
+            try:
+                sub = _open_dir_at(fd, name, where, create=create)
+            finally:
+                os.close(fd)
+            fd = sub
+        return fd
 
     def _open_job(self, job: str, *, create: bool = False) -> int:
         """The job's directory, opened without following a link.
@@ -474,7 +500,7 @@ class DirStorage:
         try:
             root = self._open_root()
         except (FileNotFoundError, NotADirectoryError):
-            return 0
+            return 0  # a link at a directory of :attr:`below` is refused (LinkRefusedError)
         try:
             names = [check_job_name(job)] if job else os.listdir(root)
             for name in names:
@@ -668,6 +694,26 @@ def open_storage(url: str) -> DirStorage | FsspecStorage:
                             "e.g. pip install s3fs for s3://, gcsfs for gs://") from None
     except ValueError as e:
         raise BadInputError(f"storage URL {url!r} is not usable: {e}") from None
+
+
+def below(storage: Storage, *names: str) -> DirStorage | FsspecStorage:
+    """The same level 2, ``names`` further down: ``<root>/<names...>/<job>/step-N``. The peer
+    gives each tenant but the default one its own (:mod:`cfrun.peer.tenants`).
+
+    A plain directory opens each of ``names`` relative to its parent without following a link
+    (as a job directory: :class:`LinkRefusedError`); an fsspec URL gets the longer prefix.
+
+    Raises:
+        ValueError: a name that is not a single safe path component (:data:`BELOW_RE`).
+        TypeError: a store of another kind.
+    """
+    for name in names:
+        _check_below(name)
+    if isinstance(storage, DirStorage):
+        return DirStorage(storage.top, storage.below + tuple(names))
+    if isinstance(storage, FsspecStorage):
+        return FsspecStorage("/".join([storage.url, *names]))
+    raise TypeError(f"cannot place a store below {type(storage).__name__}")
 
 
 # ---------------------------------------------------------------------- retention

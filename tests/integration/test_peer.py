@@ -608,6 +608,11 @@ def test_flush_to_s3_then_resume_from_s3_with_the_peer_gone(tmp_path, peers, ref
     ("world", 2, "chmod 600"),
     ("group", 2, "mode 0640: readable by other users; run `chmod 600"),
     ("link", 2, "is a symbolic link"),
+    ("dir-link", 2, "tokens/b' is a symbolic link"),
+    ("dir-mode", 2, "tokens/b' has mode 0644"),
+    ("dir-name", 2, "'.b' cannot name a tenant"),
+    ("dir-open", 2, "tokens' has mode 0755: other users could read or add tenants"),
+    ("dir-slots", 2, "--slots 2 is fewer than the 3 tenants"),
     ("listen", 2, "is not HOST:PORT"),
     ("inuse", 69, "cannot listen on"),
 ])
@@ -624,6 +629,22 @@ def test_peer_bad_input_is_one_line_with_a_distinct_exit_code(tmp_path, case, co
     elif case == "link":
         token = tmp_path / "link"
         token.symlink_to(tmp_path / "token")
+    elif case.startswith("dir-"):  # a directory of token files, one per tenant
+        tokens = tmp_path / "tokens"
+        tokens.mkdir(mode=0o700)
+        write_token(tokens / "a")
+        if case == "dir-link":
+            (tokens / "b").symlink_to(token)
+        elif case == "dir-mode":
+            write_token(tokens / "b").chmod(0o644)
+        elif case == "dir-name":
+            write_token(tokens / ".b")
+        elif case == "dir-open":
+            tokens.chmod(0o755)
+        elif case == "dir-slots":
+            write_token(tokens / "b")
+            write_token(tokens / "c")
+        token = tokens
     elif case == "listen":
         listen = "localhost"
     elif case == "inuse":
@@ -857,3 +878,119 @@ def test_a_relay_that_answers_after_the_handshake_installs_nothing(tmp_path, pee
         max(e["step"] for e in run.events("checkpoint")) < 99999999
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))
 
+
+
+# ---------------------------------------------------------------------- tenants, flush queues
+
+
+def test_another_tenant_can_neither_see_forge_nor_crowd_out_a_job_that_lost_its_node(
+        tmp_path, peers, tmp_path_factory):
+    """Issue 32: a peer serves two tenants, each with its own token file in one directory.
+    Tenant a's job checkpoints there, then loses its node (every process SIGKILLed, the job dir
+    removed). Tenant b, knowing the job's name, cannot LIST, GET or AWAIT its checkpoints; a
+    complete, sealed step 999 that b sends under the same name (with the job's id) lands in
+    b's own namespace and level-2 directory; b filling every slot it can neither evicts a's
+    checkpoints nor refuses a's new ones. The same command on a fresh job dir resumes from a's
+    own newest checkpoint in peer RAM, bit-identical to the uninterrupted run."""
+    from cfrun.agent.peertier import PeerTier
+    from cfrun.contract.config import job_id_of
+    from cfrun.peer.protocol import PeerError
+
+    _, ref_state = slow_reference(tmp_path_factory)
+    tokens = tmp_path / "tokens"
+    tokens.mkdir(mode=0o700)
+    token_a, token_b = write_token(tokens / "a"), write_token(tokens / "b")
+    a_key, b_key = (t.read_text().strip().encode() for t in (token_a, token_b))
+    l2 = tmp_path / "l2"
+    peer = peers(tmp_path, str(l2), tokens, extra=["--slots", "4"])
+    assert re.search(r"tenants a \(2\), b \(2\)", peer.log())
+    argv = [sys.executable, "-m", "cfrun", "--interval", "5", "--job-dir", "j", "--job-name",
+            "j", "--peer", peer.address, "--peer-token-file", str(token_a), "--persist-to",
+            str(l2 / "_tenants" / "a"), "--launcher", "python", SLOW, "60", "out.pt", "0.1"]
+    job = tmp_path / "j"
+    with open(tmp_path / "first.out", "w") as out:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stdout=out,
+                                stderr=subprocess.DEVNULL)
+        try:
+            protected = wait_event(job, "protected", lambda e: e["step"] >= 20, timeout_s=120,
+                                   proc=proc)["step"]
+        finally:
+            _kill_tree(proc)
+    shutil.rmtree(job)
+    address = ("127.0.0.1", peer.port)
+    a = PeerClient(address, a_key)
+    mine = [c["step"] for c in a.list("j")["checkpoints"] if c["state"] != "filling"]
+    assert mine and max(mine) >= protected
+    b = PeerClient(address, b_key)
+    assert b.list("j")["checkpoints"] == []
+    for step in mine:
+        with pytest.raises(PeerError, match="not complete in peer RAM"):
+            b.get("j", step, "manifest.json", 1 << 20)
+        assert b.await_state("j", step, "durable", 0)["state"] == "missing"
+    slot = tmp_path / "forged.bin"
+    slot.write_bytes(secrets.token_bytes(4096))
+    forger = PeerTier(address, b_key, "j", streams=1, emit=lambda *a, **k: None)
+    try:
+        assert forger.send_shard(step=999, world_size=1, rank=0, slot=slot, nbytes=4096,
+                                 doc=b'{"a": 1}', meta={"step": 999, "job_id": job_id_of("j")})
+        assert forger.await_state(999, "durable", 30)["state"] == "durable"
+    finally:
+        forger.close()
+    assert committed_steps(l2 / "_tenants" / "b" / "j") == [999]
+    for partial in ("g1", "g2", "g3"):  # b holds every slot of its own with a partial step
+        try:
+            b.put(job=partial, step=1, world_size=1, name="rank-00000.bin", part=0, nparts=2,
+                  offset=0, file_bytes=2, data=b"x", wait_s=0)
+        except PeerError as e:
+            assert partial == "g3" and "all 2 slots" in str(e)
+        else:
+            assert partial != "g3"
+    assert [c["step"] for c in a.list("j")["checkpoints"] if c["state"] != "filling"] == mine
+    run = run_cfrun(argv[3:], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fetched = run.events("fetched")
+    assert [(e["source"], e["step"]) for e in fetched] == [("peer", max(mine))], fetched
+    assert [e["step"] for e in run.events("resumed")] == [max(mine)]
+    assert {e["tier"] for e in run.events("checkpoint")} == {"peer"}  # never crowded out
+    assert_bit_identical(ref_state, torch.load(tmp_path / "out.pt", weights_only=True))
+    assert not (l2 / "j").exists()  # a's level 2 is its own: <flush>/_tenants/a/j
+    assert 999 not in committed_steps(l2 / "_tenants" / "a" / "j")
+    assert committed_steps(l2 / "_tenants" / "a" / "j")
+
+
+def test_a_failing_flush_waits_behind_other_jobs_with_one_line_per_outage(tmp_path, peers):
+    """Issue 32, finding 5: level 2 refuses one job's writes (a file where its directory
+    goes). The other job's checkpoints still become durable, one after the other, while the
+    failing one is retried with backoff; the peer says the outage once and the recovery once,
+    and once the obstacle is gone the failing job's checkpoints are flushed in order."""
+    token_file = write_token(tmp_path / "token")
+    token = token_file.read_text().strip().encode()
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    (l2 / "bad").write_text("not a directory")
+    peer = peers(tmp_path, str(l2), token_file, extra=["--slots", "4"])
+    c = PeerClient(("127.0.0.1", peer.port), token)
+    data = secrets.token_bytes(1 << 16)
+    assert _put_and_seal(c, token, "bad", 1, data)
+    peer.wait_for(r"flush of bad step 1 failed: level 2: .*bad is not a directory")
+    assert _put_and_seal(c, token, "bad", 2, data)
+    t0 = time.monotonic()
+    for step in range(1, 6):
+        assert _put_and_seal(c, token, "good", step, data)
+        assert c.await_state("good", step, "durable", 15)["state"] == "durable"
+    assert time.monotonic() - t0 < 10  # not one backoff per checkpoint
+    store = open_storage(str(l2))
+    assert store.list_steps("good") == [5, 4, 3]  # --keep 3
+    for step in (3, 4, 5):
+        [f, _] = store.read_manifest("good", step)["files"]
+        assert store.read_file("good", step, f["name"], f["nbytes"]) == data
+    assert c.await_state("bad", 1, "durable", 0)["state"] == "protected"
+    time.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))  # a retry failed meanwhile
+    (l2 / "bad").unlink()
+    assert c.await_state("bad", 2, "durable", 30)["state"] == "durable"
+    assert store.list_steps("bad") == [2, 1]
+    log = peer.log()
+    assert len(re.findall(r"flush of bad step \d+ failed", log)) == 1, log
+    [again] = re.findall(r"flush of bad works again \(step 1 durable\) after (\d+) failed", log)
+    assert 2 <= int(again) <= 3, log  # retried with backoff, not after every other flush
+    assert "flush of good" not in log
