@@ -7,9 +7,10 @@ every rank gets its ``persisted`` reply, and retention runs after the reply (del
 part of the persist gap time). With several nodes sharing the job dir each node's agent
 publishes a *mark* (its files with their checksums) in the staging directory once its own ranks'
 shards are durable, and whichever agent sees every node's mark first commits, under one file lock
-for all of them (:meth:`Committer._try_commit`). When this node's ranks restart, the steps still
-waiting for other nodes are abandoned (:meth:`Committer.abandon_waiting`), so every node's ranks
-see the same committed steps.
+for all of them (:meth:`cfrun.agent.marks.NodeMarks.try_commit`: the marks and that lock, what
+the nodes share on disk, have a module of their own, :mod:`cfrun.agent.marks`). When this node's
+ranks restart, the steps still waiting for other nodes are abandoned
+(:meth:`Committer.abandon_waiting`), so every node's ranks see the same committed steps.
 
 A step the ranks disagree on fails at once instead of waiting (issue 22: ranks that checkpointed
 at different steps left every checkpoint waiting 600 s for shards that never came). A rank hands
@@ -18,42 +19,30 @@ hands off step ``s2`` will never send a shard of an earlier step ``s``: a step s
 that rank's shard is failed on the spot (:meth:`Committer.supersede`; a warning, a
 ``step_superseded`` event, a failure reply to the ranks waiting on it). With several nodes the
 same holds per node: a node whose mark of a later step is in the job dir while its mark of
-``s`` is not will never complete ``s`` (:meth:`Committer._try_commit`).
+``s`` is not will never complete ``s`` (:class:`cfrun.agent.marks.Superseded`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import filelock
-
+from cfrun.agent.marks import NodeMarks, Superseded
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import (
     FileEntry,
     apply_retention,
     commit,
-    committed_steps,
-    read_manifest,
     shard_names,
     staging_dir,
 )
 from cfrun.contract.config import job_identity
-from cfrun.contract.errors import CheckpointCorruptError, IncompatibleFormatError
-from cfrun.contract.jobdir import (
-    STAGING_PREFIX,
-    JobDir,
-    atomic_write_json,
-    parse_step_dir_name,
-    step_dir_name,
-)
+from cfrun.contract.jobdir import JobDir
 from cfrun.contract.manifest import ManifestKeys
 from cfrun.contract.messages import MAX_ERROR_CHARS, Persisted, PersistFailed, PersistRequest
 
@@ -63,39 +52,12 @@ Reply = Callable[[socket.socket, "Persisted | PersistFailed"], None]
 """``reply(conn, record)`` sends a record to a rank (errors ignored: the rank may be gone)."""
 
 
-class Superseded(RuntimeError):
-    """A step waiting for other nodes can never commit: a node went past it (several nodes)."""
-
-    def __init__(self, step: int, later_step: int, node: int) -> None:
-        super().__init__(f"step {step} superseded: node {node} went on to step {later_step} "
-                         f"without its shards of step {step} (the ranks checkpointed at "
-                         "different steps)")
-        self.step, self.later_step, self.node = step, later_step, node
-
-
-def _staging_steps(checkpoints: Path) -> dict[int, Path]:
-    """The staging directories in ``checkpoints`` (``.staging-step-NNNNNN``) by step."""
-    out = {}
-    try:
-        for p in checkpoints.iterdir():
-            step = parse_step_dir_name(p.name[len(STAGING_PREFIX):]) \
-                if p.name.startswith(STAGING_PREFIX) else None
-            if step is not None:
-                out[step] = p
-    except OSError:
-        pass
-    return out
-
-
-def _manifest_bytes(step_dir: Path) -> int:
-    try:
-        return read_manifest(step_dir).nbytes
-    except (CheckpointCorruptError, IncompatibleFormatError):
-        return 0
-
-
 class Committer:
     """Collects durable shards per step and commits complete steps; replies to the ranks.
+
+    Holds this agent's side in memory (the shards collected, the steps waiting, the replies);
+    with several nodes what they share on disk is its :attr:`marks`
+    (:class:`~cfrun.agent.marks.NodeMarks`).
 
     Args:
         jobdir: the job dir (its ``checkpoints/``).
@@ -130,6 +92,9 @@ class Committer:
         identity = job_identity(jobdir.root)
         self.job_meta: dict[str, str] = identity.meta() if identity is not None else {}
         """The job's id and command fingerprint, in every manifest's ``meta``."""
+        self.marks = NodeMarks(jobdir, nnodes=nnodes, node_rank=node_rank, keep=keep,
+                               keys=keys)
+        """Several nodes: the marks in the shared job dir and the commit they allow."""
 
     def committed(self, step: int) -> None:
         """Record that ``step`` counts (committed here, or protected in peer RAM)."""
@@ -242,14 +207,6 @@ class Committer:
 
     # ------------------------------------------------------------------ several nodes
 
-    def _mark_path(self, step: int, node_rank: int | None = None) -> Path:
-        node = self.node_rank if node_rank is None else node_rank
-        return staging_dir(self.jobdir.checkpoints, step) / f"node-{node:05d}.json"
-
-    def _commit_lock(self) -> filelock.FileLock:
-        """One lock for every commit and abandon in the shared job dir (all nodes' agents)."""
-        return filelock.FileLock(str(self.jobdir.commit_lock_path))
-
     def _node_done(self, step: int, world_size: int) -> None:
         """Every local rank's shard of ``step`` is durable: publish this node's mark (its files
         with their checksums), then commit if every node's mark is there, else wait for them on
@@ -259,9 +216,7 @@ class Committer:
         t_trigger = min(r.trigger_or(time.time()) for _, _, r in shard.values())
         conns = [c for _, c, _ in shard.values()]
         try:
-            atomic_write_json(self._mark_path(step), {
-                "node_rank": self.node_rank, "ranks": sorted(shard),
-                "files": [vars(f) for f in files], "t_trigger_unix_s": t_trigger})
+            self.marks.publish(step, sorted(shard), files, t_trigger)
         except OSError:  # the caller fails the step (fail_step): every rank hears it
             self.pending[step] = shard
             raise
@@ -278,7 +233,7 @@ class Committer:
         error: str | None = None
         while True:
             try:
-                outcome = self._try_commit(step, world_size, meta, abandon)
+                outcome = self.marks.try_commit(step, world_size, meta, abandon)
             except Superseded as e:  # another node will never mark it: fail it now
                 error = str(e)
                 self.failed += 1
@@ -297,7 +252,7 @@ class Committer:
             if outcome is not None:
                 break
             if abandon.wait(0.02):
-                continue  # the next _try_commit takes the abandon path under the lock
+                continue  # the next try_commit takes the abandon path under the lock
         self.waiting.pop(step, None)
         committed, nbytes, by_me = outcome
         t1 = time.time()
@@ -318,59 +273,6 @@ class Committer:
         for c in conns:
             self.reply(c, reply)
 
-    def _try_commit(self, step: int, world_size: int, meta: dict[str, Any],
-                    abandon: threading.Event) -> tuple[bool, int, bool] | None:
-        """Under the commit lock: ``(True, bytes, by_me)`` once ``step`` is committed (by any
-        node), ``(False, 0, False)`` when abandoned (this node's mark removed, so the step can
-        never commit), ``None`` while other nodes' marks are missing."""
-        checkpoints = self.jobdir.checkpoints
-        final = checkpoints / step_dir_name(step)
-        with self._commit_lock():
-            if (final / "manifest.json").is_file():
-                return True, _manifest_bytes(final), False
-            if abandon.is_set():
-                self._mark_path(step).unlink(missing_ok=True)
-                return False, 0, False
-            if not self._mark_path(step).is_file():  # a later step committed, and its
-                # cleanup removed this staging dir: this step can never commit
-                later = max(committed_steps(checkpoints), default=step)
-                raise Superseded(step, later, self.node_rank)
-            marks = []
-            for node in range(self.nnodes):
-                try:
-                    marks.append(json.loads(self._mark_path(step, node).read_text()))
-                except (OSError, ValueError):
-                    past = self._went_past(step, node)
-                    if past is None:
-                        return None
-                    self._mark_path(step).unlink(missing_ok=True)  # it can never commit
-                    raise Superseded(step, past, node) from None
-            files = [FileEntry.from_json(f, f"step {step} node mark") for m in marks
-                     for f in m["files"]]
-            ranks = sorted(r for m in marks for r in m["ranks"])
-            if ranks != list(range(world_size)):
-                raise RuntimeError(f"step {step}: the nodes' marks hold ranks {ranks}, not "
-                                   f"0..{world_size - 1}")
-            commit(checkpoints, step, files, world_size=world_size, meta=meta, keep=self.keep,
-                   keys=self.keys)
-            for old, p in _staging_steps(checkpoints).items():  # they can no longer complete
-                if old < step:
-                    shutil.rmtree(p, ignore_errors=True)
-            return True, sum(f.nbytes for f in files), True
-
-    def _went_past(self, step: int, node: int) -> int | None:
-        """A later step than ``step`` that ``node`` has marked, still staging (under the commit
-        lock): ``node``'s ranks went past ``step`` and will never mark it (each rank hands off
-        a checkpoint only after the previous one's reply). None if there is none. Committed
-        steps do not count: one newer than the resume step may be left from an earlier attempt
-        (resumed from an older checkpoint), where staging marks are not (a node's agent
-        removes its own at its ranks' hello and at its start)."""
-        checkpoints = self.jobdir.checkpoints
-        for s in sorted(_staging_steps(checkpoints)):
-            if s > step and self._mark_path(s, node).is_file():
-                return s
-        return None
-
     def abandon_waiting(self) -> None:
         """A rank said hello: this node's ranks restarted, so every step still waiting for
         other nodes belongs to the old run. Abandon them (under the commit lock, so a step is
@@ -388,10 +290,4 @@ class Committer:
     def drop_own_marks(self) -> None:
         """At start (several nodes): remove this node's marks of steps not committed; they
         belong to an agent of this node that died."""
-        checkpoints = self.jobdir.checkpoints
-        if not checkpoints.is_dir():
-            return
-        with self._commit_lock():
-            for p in checkpoints.iterdir():
-                if p.name.startswith(STAGING_PREFIX):
-                    (p / f"node-{self.node_rank:05d}.json").unlink(missing_ok=True)
+        self.marks.drop_own()

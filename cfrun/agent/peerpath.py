@@ -33,7 +33,7 @@ from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
 from cfrun.contract.config import job_identity
 from cfrun.contract.errors import CheckpointCorruptError
 from cfrun.contract.jobdir import JobDir
-from cfrun.contract.manifest import ManifestKeys, dumps_json
+from cfrun.contract.manifest import FileEntry, ManifestKeys, dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
 from cfrun.peer.protocol import SealKeys, job_seal_keys  # noqa: F401  (re-exported)
 
@@ -214,56 +214,20 @@ class PeerPath:
         job never ran) is skipped with a warning and a ``fetch_failed`` event naming the
         reason; the next older one is tried. A final checkpoint (taken at the script's end,
         ``meta.final``: no position to resume at, issue 27 item 2) is installed and the next
-        older one too, the newest a resume can start from."""
-        from cfrun.agent.peertier import fetch_verified
-
+        older one too, the newest a resume can start from. Listing (:meth:`_candidates`) ->
+        fetching and checking one (:meth:`_fetch`) -> committing it into the job dir."""
         local = committed_steps(self.jobdir.checkpoints)
         newest_local = local[0] if local else -1
-        candidates: list[tuple[int, int, str]] = []
-        if self.peer is not None and self.peer.available():
-            try:
-                listing = self.peer.list()
-                candidates += [(int(c["step"]), 1, "peer") for c in listing["checkpoints"]
-                               if c["state"] != "filling" and int(c["step"]) > newest_local]
-                self.peer.mark_up()
-            except Exception as e:
-                self.peer.mark_down(e)
-        if self.level2 is not None:
-            try:
-                candidates += [(s, 0, "level2") for s in self.level2.list_steps(self.job)
-                               if s > newest_local]
-            except Exception as e:
-                logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
         installed: int | None = None
-        ordered = sorted(candidates, reverse=True)
-        if len(ordered) > MAX_INSTALL_CANDIDATES:
-            logger.warning("cfrun agent: %d checkpoints at the peer and level 2 are newer than "
-                           "the job dir's; only the newest %d are examined", len(ordered),
-                           MAX_INSTALL_CANDIDATES)
-            ordered = ordered[:MAX_INSTALL_CANDIDATES]
         refused = 0
-        for step, _, source in ordered:
+        for step, _, source in self._candidates(newest_local):
             if step == installed:
                 continue  # the final one, installed from the other source
             t0 = time.monotonic()
             staging = staging_dir(self.jobdir.checkpoints, step)
             shutil.rmtree(staging, ignore_errors=True)
             try:
-                if source == "peer":
-                    assert self.peer is not None
-                    files, manifest = self.peer.fetch(step, staging)
-                    if (why := self._refusal(manifest)) is not None:
-                        raise ForeignCheckpoint(why)
-                else:
-                    assert self.level2 is not None
-                    store = self.level2
-                    manifest = store.read_manifest(self.job, step)
-                    if (why := self._refusal(manifest)) is not None:
-                        raise ForeignCheckpoint(why)
-                    assert self.seal_keys is not None
-                    files = fetch_verified(
-                        staging, manifest, step, job=self.job, seal_key=self.seal_keys,
-                        read=lambda name, n: store.read_file(self.job, step, name, n))  # noqa: B023 (called here)
+                files, manifest = self._fetch(step, source, staging)
                 commit(self.jobdir.checkpoints, step, files,
                        world_size=int(manifest["world_size"]), meta=manifest.get("meta") or {},
                        keep=self.keep, keys=self.manifest_keys)
@@ -288,3 +252,61 @@ class PeerPath:
         if refused > 1:
             logger.warning("cfrun agent: %d more checkpoints from the peer or level 2 were "
                            "refused (each a fetch_failed event in events.jsonl)", refused - 1)
+
+    def _candidates(self, newest_local: int) -> list[tuple[int, int, str]]:
+        """``(step, 1 for the peer or 0 for level 2, source)`` of the complete checkpoints at
+        the peer and level 2 newer than ``newest_local``, newest first (the peer's first on a
+        tie), at most :data:`MAX_INSTALL_CANDIDATES`. A peer that cannot list is marked down,
+        a level 2 that cannot is logged; neither raises."""
+        candidates: list[tuple[int, int, str]] = []
+        if self.peer is not None and self.peer.available():
+            try:
+                listing = self.peer.list()
+                candidates += [(int(c["step"]), 1, "peer") for c in listing["checkpoints"]
+                               if c["state"] != "filling" and int(c["step"]) > newest_local]
+                self.peer.mark_up()
+            except Exception as e:
+                self.peer.mark_down(e)
+        if self.level2 is not None:
+            try:
+                candidates += [(s, 0, "level2") for s in self.level2.list_steps(self.job)
+                               if s > newest_local]
+            except Exception as e:
+                logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
+        ordered = sorted(candidates, reverse=True)
+        if len(ordered) > MAX_INSTALL_CANDIDATES:
+            logger.warning("cfrun agent: %d checkpoints at the peer and level 2 are newer than "
+                           "the job dir's; only the newest %d are examined", len(ordered),
+                           MAX_INSTALL_CANDIDATES)
+            ordered = ordered[:MAX_INSTALL_CANDIDATES]
+        return ordered
+
+    def _fetch(self, step: int, source: str, staging: Path
+               ) -> tuple[list[FileEntry], dict[str, Any]]:
+        """Copy checkpoint ``step`` from ``source`` (``"peer"`` or ``"level2"``) into
+        ``staging``, every file checked against the job's seals; returns its files and its
+        manifest (a dict), not yet committed.
+
+        Raises:
+            ForeignCheckpoint: its manifest is not this job's (checked before any file).
+            CheckpointCorruptError: a file or a seal does not match.
+            Exception: whatever the peer or the store raised (the caller skips the step).
+        """
+        if source == "peer":
+            assert self.peer is not None
+            files, manifest = self.peer.fetch(step, staging)
+            if (why := self._refusal(manifest)) is not None:
+                raise ForeignCheckpoint(why)
+            return files, manifest
+        from cfrun.agent.peertier import fetch_verified
+
+        assert self.level2 is not None
+        store = self.level2
+        manifest = store.read_manifest(self.job, step)
+        if (why := self._refusal(manifest)) is not None:
+            raise ForeignCheckpoint(why)
+        assert self.seal_keys is not None
+        files = fetch_verified(
+            staging, manifest, step, job=self.job, seal_key=self.seal_keys,
+            read=lambda name, n: store.read_file(self.job, step, name, n))
+        return files, manifest

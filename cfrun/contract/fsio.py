@@ -10,6 +10,10 @@ Reading (:func:`read_regular`): opened with ``O_NOFOLLOW | O_NONBLOCK`` and chec
 ``fstat`` before a byte is read: a FIFO, a device (``/dev/zero``), a symlink or a file over the
 caller's size limit is refused with one line instead of hanging or filling the memory.
 
+Appending and locking (:func:`open_private`): a job dir's own files that are not replaced but
+written in place (``events.jsonl``, ``job.lock``) are opened without following a link and
+created 0600.
+
 Torch-free; imported by the supervisor, the agent, the ranks, ``cfrun peer`` and the CLI.
 """
 
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from cfrun.contract.errors import BadInputError
 
 WRITE_CHUNK_BYTES = 8 << 20
 """Bytes per ``write()`` call (bounded, so a throttle or a kill point sees progress)."""
@@ -54,6 +60,23 @@ def open_new(path: Path | str, *, direct: bool = False) -> int:
         OSError: anything else the OS refuses (``EINVAL`` for ``O_DIRECT`` on tmpfs...).
     """
     return os.open(path, new_file_flags(direct=direct), FILE_MODE)
+
+
+def open_private(path: Path | str, flags: int) -> int:
+    """``os.open`` a file of the job dir with ``flags`` without following a link, creating it
+    0600 (:data:`FILE_MODE`); returns the fd. Any process (the events, the lock).
+
+    Raises:
+        BadInputError: ``path`` is a symbolic link.
+        OSError: anything else the OS refuses.
+    """
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise BadInputError(f"{str(path)!r} is a symbolic link; cfrun does not write "
+                                "through links in a job dir: remove it") from None
+        raise
 
 
 def fsync_dir(path: Path | str) -> None:

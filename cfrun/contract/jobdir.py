@@ -27,27 +27,33 @@ layout is a constant or a property here, and no other module spells one.
 Events, heartbeats and marks are best effort (issue 13, "a full disk"): a write the disk refuses
 is dropped, counted and said once per outage on stderr (:data:`best_effort`), never raised, so
 a full or read-only job dir never kills the supervisor, the agent or a rank.
+
+:class:`JobDir` keeps the layout's paths, the tree's creation and checks and the directory's
+identity; what is written into two of its files has a room of its own: ``events.jsonl`` in
+:mod:`cfrun.contract.eventlog` (:class:`~cfrun.contract.eventlog.EventLog`, and the count of
+dropped writes, :data:`best_effort`), ``job.lock`` in :mod:`cfrun.contract.joblock`
+(:class:`~cfrun.contract.joblock.JobLock`).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import filelock
-
-from cfrun.contract import events as _events
-from cfrun.contract.errors import BadInputError, FatalJobError, JobDirLockedError
+from cfrun.contract.errors import BadInputError, FatalJobError
+from cfrun.contract.eventlog import (  # noqa: F401  (best_effort ...: re-exported)
+    BestEffortWrites,
+    EventLog,
+    best_effort,
+)
 from cfrun.contract.fsio import atomic_write_json, fsync_dir  # noqa: F401  (re-exported)
-from cfrun.contract.settings import node_rank
+from cfrun.contract.joblock import JobLock
 
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
@@ -75,60 +81,6 @@ PREVIOUS_CHECKPOINTS_PREFIX = "checkpoints.previous-"
 (:meth:`JobDir.set_aside_checkpoints`)."""
 STAGING_PREFIX = ".staging-"
 STEP_PREFIX = "step-"
-
-
-class BestEffortWrites:
-    """Counts the failed best-effort writes of this process (events, heartbeats, marks,
-    coordination files) and says each outage once on stderr.
-
-    An *outage* of a kind of write (``"events"``, ``"heartbeat"`` ...) begins with its first
-    failed write and ends with its next successful one; its first failure prints one line,
-    its end another with the number of writes dropped. Thread-safe; one per process
-    (:data:`best_effort`). Never raises.
-    """
-
-    def __init__(self) -> None:
-        self.failed: dict[str, int] = {}
-        """kind -> writes that failed in this process."""
-        self._dropped: dict[str, int] = {}  # kind -> failures in the current outage
-        self._lock = threading.Lock()
-
-    def failure(self, kind: str, path: Path | str, error: BaseException) -> None:
-        """A write of ``kind`` to ``path`` failed with ``error``: count it; the first failure
-        of an outage says so on stderr."""
-        with self._lock:
-            self.failed[kind] = self.failed.get(kind, 0) + 1
-            first = kind not in self._dropped
-            self._dropped[kind] = self._dropped.get(kind, 0) + 1
-        if first:
-            _stderr_line(f"cfrun: cannot write {kind} ({str(path)!r}: {error}); dropping "
-                         f"{kind} writes until the disk takes them again (pid {os.getpid()})")
-
-    def success(self, kind: str) -> None:
-        """A write of ``kind`` succeeded: an outage of it ends (said once, with its count)."""
-        if kind not in self._dropped:  # the common case: no lock
-            return
-        with self._lock:
-            dropped = self._dropped.pop(kind, 0)
-        if dropped:
-            _stderr_line(f"cfrun: {kind} writes work again; {dropped} were dropped "
-                         f"(pid {os.getpid()})")
-
-    @property
-    def total(self) -> int:
-        """Failed writes of every kind so far."""
-        return sum(self.failed.values())
-
-
-def _stderr_line(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # stderr closed or full: nothing more to do
-        pass
-
-
-best_effort = BestEffortWrites()
-"""This process's count of dropped best-effort writes (:class:`BestEffortWrites`)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -200,14 +152,17 @@ def check_ancestors(path: Path | str) -> None:
 
 
 class JobDir:
-    """Paths and small operations on one job directory.
+    """Paths and small operations on one job directory: its layout, its tree and identity.
 
-    Any process may construct it; only the supervisor calls :meth:`lock`.
+    Any process may construct it; only the supervisor calls :meth:`lock`. The events and the
+    lock are kept by collaborators (:attr:`event_log`, :class:`~cfrun.contract.joblock.JobLock`).
     """
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root).absolute()
-        self._lock: filelock.BaseFileLock | None = None
+        self.event_log = EventLog(self.root / EVENTS)
+        """``events.jsonl`` (:class:`~cfrun.contract.eventlog.EventLog`)."""
+        self._lock: JobLock | None = None
 
     @property
     def config_path(self) -> Path:
@@ -230,7 +185,7 @@ class JobDir:
 
     @property
     def events_path(self) -> Path:
-        return self.root / EVENTS
+        return self.event_log.path
 
     @property
     def strategy_path(self) -> Path:
@@ -356,20 +311,6 @@ class JobDir:
                                 "new --job-dir") from None
         return dst
 
-    def _open_private(self, path: Path, flags: int) -> int:
-        """``os.open`` a file of the job dir without following a link, creating it 0600.
-
-        Raises:
-            BadInputError: ``path`` is a symbolic link.
-        """
-        try:
-            return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise BadInputError(f"{str(path)!r} is a symbolic link; cfrun does not write "
-                                    "through links in a job dir: remove it") from None
-            raise
-
     def lock(self) -> None:
         """Take the job dir's lock for this process's lifetime.
 
@@ -377,14 +318,10 @@ class JobDir:
 
         Raises:
             JobDirLockedError: another live process holds it.
+            BadInputError: the lock path is a symbolic link.
         """
-        os.close(self._open_private(self.lock_path, os.O_WRONLY))  # 0600, never a link
-        lock = filelock.FileLock(str(self.lock_path), timeout=0, mode=FILE_MODE)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            raise JobDirLockedError(
-                f"job dir {str(self.root)!r} is in use by another cfrun") from None
+        lock = JobLock(self.lock_path, self.root)
+        lock.acquire()
         self._lock = lock
 
     def dir_id(self) -> tuple[int, int]:
@@ -417,38 +354,19 @@ class JobDir:
                 "it is loaded or committed. Find out who moved it, then start the job again")
 
     def unlock(self) -> None:
+        """Give the lock back (nothing when not held)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     def is_locked(self) -> bool:
-        """True when a live process holds the lock. Reads only: a shared ``flock`` tried
-        without blocking on a read-only descriptor, so the lock file is neither created nor
-        truncated and a job dir on a read-only disk answers too (``cfrun status``, issue 37,
-        item 3); a lock file that cannot be opened or locked counts as not held.
+        """True when a live process holds the lock; reads only, so a read-only job dir answers
+        too (:meth:`cfrun.contract.joblock.JobLock.is_held`).
 
         Raises:
             BadInputError: the lock path is a symbolic link.
         """
-        import fcntl
-
-        if self.lock_path.is_symlink():
-            raise BadInputError(f"{str(self.lock_path)!r} is a symbolic link; cfrun does not "
-                                "write through links in a job dir: remove it")
-        try:
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-                         | os.O_NONBLOCK)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        return False
+        return JobLock(self.lock_path, self.root).is_held()
 
     def unwritable(self, error: OSError) -> BadInputError:
         """The one line (exit 2) for a job dir this command must write and cannot:
@@ -468,54 +386,18 @@ class JobDir:
         return BadInputError(f"job dir {str(self.root)!r} cannot be written ({why}); {fix}")
 
     def emit_event(self, kind: str, **fields: Any) -> None:
-        """Append one event line to ``events.jsonl`` (O_APPEND: safe across processes), best
-        effort: a write the disk refuses (``ENOSPC``, ``EROFS``, ``EIO``, ``EACCES`` ...) is
-        dropped and counted in :data:`best_effort`, which says the outage once on stderr; it is
-        never raised (the supervisor, the agent and the ranks call this on their main paths).
-
-        Events of node R > 0 of a multi-node job carry ``"node": R`` (node 0's carry none).
-        ``kind`` and the field names are checked against :data:`cfrun.contract.events.EVENTS`
-        (:func:`cfrun.contract.events.check`).
+        """Append one event to ``events.jsonl``, best effort: a write the disk refuses is
+        dropped and counted, never raised (:meth:`cfrun.contract.eventlog.EventLog.append`).
 
         Raises:
-            EventSchemaError: an undeclared kind or field, or a missing required field, under
-                test only (in production it is logged once and the event written anyway).
+            EventSchemaError: an undeclared kind or field, under test only.
             BadInputError: ``events.jsonl`` is a symbolic link (never written through).
         """
-        _events.check(kind, fields)
-        record = {"t_unix_s": round(time.time(), 6), "event": kind, **fields}
-        node = node_rank()
-        if node:
-            record.setdefault("node", node)
-        line = json.dumps(record, sort_keys=True, default=str) + "\n"
-        try:
-            fd = self._open_private(self.events_path, os.O_RDWR | os.O_APPEND)
-            try:
-                size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":  # a writer died mid-line
-                    line = "\n" + line
-                data = line.encode()
-                written = os.write(fd, data)
-                if written != len(data):  # a short append (the disk filled up mid-line)
-                    raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes)")
-            finally:
-                os.close(fd)
-        except OSError as e:
-            best_effort.failure("events", self.events_path, e)
-            return
-        best_effort.success("events")
+        self.event_log.append(kind, **fields)
 
     def read_events(self) -> list[dict[str, Any]]:
         """All events, oldest first; a torn last line (a crash mid-append) is skipped."""
-        if not self.events_path.exists():
-            return []
-        out = []
-        for line in self.events_path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return self.event_log.read()
 
 
 def _make_private_dir(path: Path) -> None:

@@ -10,12 +10,16 @@ to level 2, and a receiver waits while every slot is dirty. :class:`RamBuffer` i
   sender waits for the flusher, up to a bound, then is refused (and persists elsewhere).
 * **States**: :class:`SlotState` FILLING -> PROTECTED (every rank sealed) -> FLUSHING ->
   DURABLE; a failed flush goes back to PROTECTED and is retried. Only DURABLE is clean.
-* **RAM accounting is of bytes held**, not of slots: :attr:`RamBuffer.held_bytes` counts every
+* **RAM accounting is of bytes held**, not of slots: :attr:`RamSlots.held_bytes` counts every
   part stored and every receive buffer of a transfer in progress (reserved before the receiver
   allocates it, given back only when the bytes are dropped), and never exceeds ``slots x
   max_checkpoint_bytes``. A checkpoint leaves its slot only with its bytes: one with a transfer
   in progress (or being read or flushed) is never evicted nor dropped; its sender either
   completes the part or its connection ends and the bytes are given back, then the slot frees.
+
+The slots' admission and eviction, with the bytes they hold, are :class:`RamSlots`
+(:mod:`cfrun.peer.ramslots`, with the :class:`Checkpoint` records); :class:`RamBuffer` keeps the
+lock, the parts received, the seals, the readers and the flush queue.
 
 The buffer keeps no socket and writes no file: the server's connection threads
 (:mod:`cfrun.peer.server`) call it with parsed requests and bytes received, the flusher thread
@@ -25,120 +29,28 @@ condition) guards everything here; every public method takes it.
 
 from __future__ import annotations
 
-import collections
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from cfrun.contract.manifest import FileEntry, Manifest
+from cfrun.peer.ramslots import (  # noqa: F401  (re-exported: older imports of the buffer)
+    MAX_EVICTED_REMEMBERED,
+    ORDER,
+    STALE_PARTIAL_S,
+    Checkpoint,
+    PartFile,
+    RamSlots,
+    Refused,
+    SlotState,
+)
 
 logger = logging.getLogger("cfrun.peer.server")
 
-STALE_PARTIAL_S = 60.0
-"""A partial checkpoint with no transfer for this long may be evicted (its sender died)."""
-MAX_EVICTED_REMEMBERED = 4096
-"""Flushed-then-evicted checkpoints remembered so that a late AWAIT still hears ``durable``
-(a few dozen bytes each)."""
-
-
-class SlotState(str, enum.Enum):
-    """A checkpoint in peer RAM: FILLING -> PROTECTED -> FLUSHING -> DURABLE (evictable);
-    FLUSHING -> PROTECTED again when a flush fails (retried); FILLING -> evicted if abandoned."""
-
-    FILLING = "filling"
-    PROTECTED = "protected"
-    FLUSHING = "flushing"
-    DURABLE = "durable"
-
-
-ORDER = {SlotState.FILLING: 0, SlotState.PROTECTED: 1, SlotState.FLUSHING: 1,
-         SlotState.DURABLE: 2}
-"""How far along each state is (an AWAIT for ``protected`` is answered by FLUSHING too)."""
-
-
-@dataclass
-class PartFile:
-    """One file of one rank as received: its parts, each stored as its bytes arrived."""
-
-    nbytes: int
-    nparts: int
-    parts: dict[int, tuple[int, bytearray]] = field(default_factory=dict)
-    """part index -> (offset, bytes as received)."""
-
-    def ordered(self) -> list[bytearray]:
-        """The parts in file order (Check-Pack: written as they are, never joined)."""
-        return [b for _, b in sorted(self.parts.values(), key=lambda ob: ob[0])]
-
-    def is_complete(self) -> bool:
-        """Every part is here and the parts cover ``nbytes`` without a gap or an overlap."""
-        if len(self.parts) != self.nparts:
-            return False
-        pos = 0
-        for off, buf in sorted(self.parts.values(), key=lambda ob: ob[0]):
-            if off != pos:
-                return False
-            pos += len(buf)
-        return pos == self.nbytes
-
-
-@dataclass
-class Checkpoint:
-    """One step of one job in a slot."""
-
-    job: str
-    step: int
-    world_size: int
-    state: SlotState = SlotState.FILLING
-    files: dict[str, PartFile] = field(default_factory=dict)
-    sealed: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-    seal_tags: dict[int, str] = field(default_factory=dict)
-    """rank -> its agent's tag over its files (:func:`cfrun.peer.protocol.seal_tag`)."""
-    job_tags: dict[int, str] = field(default_factory=dict)
-    """rank -> its job's own seal (:func:`cfrun.peer.protocol.job_seal_tag`), kept unchecked:
-    the peer does not hold the job's key."""
-    job_sha256: dict[int, list[str]] = field(default_factory=dict)
-    """rank -> the SHA-256 (hex) of its files that its job seal covers, in its files' order:
-    kept beside the seal so that a fetching agent checks the seal before reading a file."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    reserved_bytes: int = 0
-    """Bytes held for this checkpoint: parts stored plus buffers of transfers in progress."""
-    transfers: int = 0
-    """Transfers in progress into it (a reservation made, the part not yet stored nor given
-    back): while > 0 it is never evicted nor dropped."""
-    pins: int = 0
-    """Readers (a GET, the flusher): while > 0 its files are not dropped."""
-    superseded: bool = False
-    """Partial, and a newer step of its job is protected: dropped once its transfers end."""
-    t_first: float = field(default_factory=time.time)
-    t_activity: float = field(default_factory=time.monotonic)
-    t_protected: float | None = None
-    flush_error: str | None = None
-
-    def manifest(self) -> dict[str, Any]:
-        """The manifest of the job dir's format, from the ranks' seals (checksums as sent),
-        with the agents' seal tags (``seals``) that let a fetching agent verify it."""
-        files = [f for r in sorted(self.sealed) for f in self.sealed[r]]
-        return Manifest.build(self.step, self.world_size,
-                              [FileEntry(f["name"], f["nbytes"], f["xxh3_64"]) for f in files],
-                              self.meta, committed_unix_s=self.t_protected or time.time(),
-                              seals=[{"rank": r, "tag": self.seal_tags[r],
-                                      **({"job_tag": self.job_tags[r]}
-                                         if r in self.job_tags else {}),
-                                      **({"sha256": self.job_sha256[r]}
-                                         if r in self.job_sha256 else {})}
-                                     for r in sorted(self.seal_tags)]).to_json()
-
-
-class Refused(Exception):
-    """A request the buffer refuses (the server replies with the message; the connection stays
-    usable)."""
-
 
 class RamBuffer:
-    """ACUTE's level-1 circular buffer: slots, byte reservations, dirty bits, eviction.
+    """ACUTE's level-1 circular buffer: parts received, seals, readers, dirty bits; its slots
+    and their bytes are :attr:`ram` (:class:`~cfrun.peer.ramslots.RamSlots`).
 
     Args:
         slots: checkpoints held in RAM at most.
@@ -152,22 +64,15 @@ class RamBuffer:
         self.stopping = stopping
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        self.limit_bytes = slots * max_checkpoint_bytes
-        self.held_bytes = 0
-        """Bytes held in RAM: every checkpoint's ``reserved_bytes`` (parts stored and buffers
-        of transfers in progress); <= ``limit_bytes`` at all times."""
-        self.checkpoints: dict[tuple[str, int], Checkpoint] = {}
+        self.ram = RamSlots(slots, max_checkpoint_bytes)
+        """The slots and the bytes they hold (every access under :attr:`lock`)."""
         self.flush_queue: list[Checkpoint] = []
-        self.evicted_durable: collections.OrderedDict[tuple[str, int], None] = \
-            collections.OrderedDict()
-        """Checkpoints evicted from RAM after their flush (newest last, at most
-        :data:`MAX_EVICTED_REMEMBERED`): an AWAIT that comes late still hears ``durable``."""
 
     def ram_bytes(self) -> int:
         """Bytes held in RAM now, receive buffers of transfers in progress included
         (<= slots x max_checkpoint_bytes)."""
         with self.lock:
-            return self.held_bytes
+            return self.ram.held_bytes
 
     def wake(self) -> None:
         """Wake every waiter (the peer is stopping)."""
@@ -194,44 +99,14 @@ class RamBuffer:
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                ck = self.checkpoints.get((job, step))
-                if ck is not None:
-                    if ck.world_size != world_size:
-                        raise Refused(f"step {step} was started with world_size "
-                                      f"{ck.world_size}")
-                    if ck.state is not SlotState.FILLING:
-                        return None
-                    if ck.reserved_bytes + nbytes > self.max_checkpoint_bytes:
-                        raise Refused(f"checkpoint exceeds --max-checkpoint-bytes "
-                                      f"{self.max_checkpoint_bytes}")
-                    if self.held_bytes + nbytes <= self.limit_bytes:
-                        self._hold(ck, nbytes)
-                        return ck
-                else:
-                    if nbytes > self.max_checkpoint_bytes:
-                        raise Refused(f"checkpoint exceeds --max-checkpoint-bytes "
-                                      f"{self.max_checkpoint_bytes}")
-                    if len(self.checkpoints) >= self.slots:
-                        self._evict_one(job, step)
-                    if len(self.checkpoints) < self.slots \
-                            and self.held_bytes + nbytes <= self.limit_bytes:
-                        ck = Checkpoint(job, step, world_size)
-                        self.checkpoints[(job, step)] = ck
-                        self._hold(ck, nbytes)
-                        logger.info("receiving %s step %d (%d ranks)", job, step, world_size)
-                        return ck
+                admitted, ck = self.ram.admit(job, step, world_size, nbytes)
+                if admitted:
+                    return ck
                 left = deadline - time.monotonic()
                 if left <= 0 or self.stopping.is_set():
                     raise Refused(f"all {self.slots} slots hold unflushed checkpoints or "
                                   "transfers in progress")
                 self.cond.wait(min(left, 1.0))
-
-    def _hold(self, ck: Checkpoint, nbytes: int) -> None:
-        """Reserve ``nbytes`` for a transfer into ``ck`` (lock held)."""
-        ck.reserved_bytes += nbytes
-        ck.transfers += 1
-        ck.t_activity = time.monotonic()
-        self.held_bytes += nbytes
 
     def receive(self, ck: Checkpoint, name: str, *, part: int, nparts: int, offset: int,
                 file_bytes: int, buf: bytearray, checksum_ok: bool) -> bool:
@@ -242,18 +117,17 @@ class RamBuffer:
             ck.t_activity = time.monotonic()
             f = ck.files.get(name)
             ok = checksum_ok
-            if (not ok or ck.state is not SlotState.FILLING
-                    or self.checkpoints.get((ck.job, ck.step)) is not ck
+            if (not ok or ck.state is not SlotState.FILLING or not self.ram.holds(ck)
                     or (f is not None and (f.nbytes != file_bytes or f.nparts != nparts))):
                 ok = False
-                self._release(ck, len(buf))
+                self.ram.release(ck, len(buf))
             else:
                 f = ck.files.setdefault(name, PartFile(file_bytes, nparts))
                 old = f.parts.get(part)
                 f.parts[part] = (offset, buf)
                 if old is not None:  # a resent part replaces the first copy
-                    self._release(ck, len(old[1]))
-            self._drop_if_superseded(ck)
+                    self.ram.release(ck, len(old[1]))
+            self.ram.drop_if_superseded(ck)
             self.cond.notify_all()
             return ok
 
@@ -262,63 +136,9 @@ class RamBuffer:
         vanished mid-transfer, or the reply could not be sent): give them back."""
         with self.cond:
             ck.transfers -= 1
-            self._release(ck, nbytes)
-            self._drop_if_superseded(ck)
+            self.ram.release(ck, nbytes)
+            self.ram.drop_if_superseded(ck)
             self.cond.notify_all()
-
-    def _release(self, ck: Checkpoint, nbytes: int) -> None:
-        """Give back ``nbytes`` held for ``ck`` (lock held); an empty partial checkpoint with no
-        transfer in progress frees its slot."""
-        ck.reserved_bytes -= nbytes
-        self.held_bytes -= nbytes
-        if ck.state is SlotState.FILLING and not ck.files and not ck.transfers \
-                and self.checkpoints.get((ck.job, ck.step)) is ck:
-            del self.checkpoints[(ck.job, ck.step)]
-
-    def _drop(self, ck: Checkpoint) -> None:
-        """Free ``ck``'s slot and its bytes (lock held; it has no transfer and no reader)."""
-        assert not ck.transfers and not ck.pins
-        del self.checkpoints[(ck.job, ck.step)]
-        self.held_bytes -= ck.reserved_bytes
-        ck.reserved_bytes = 0
-        ck.files.clear()
-
-    def _drop_if_superseded(self, ck: Checkpoint) -> None:
-        """Drop a superseded partial checkpoint once nobody uses it (lock held)."""
-        if ck.superseded and ck.state is SlotState.FILLING and self._idle(ck) \
-                and self.checkpoints.get((ck.job, ck.step)) is ck:
-            logger.info("dropped partial %s step %d (step superseded)", ck.job, ck.step)
-            self._drop(ck)
-
-    @staticmethod
-    def _idle(ck: Checkpoint) -> bool:
-        """Nobody sends into ``ck`` nor reads it: it may be dropped."""
-        return not ck.transfers and not ck.pins
-
-    def _evict_one(self, job: str, step: int) -> None:
-        """Free one slot: the oldest durable checkpoint, else an abandoned partial one (an older
-        step of the same job, or idle for :data:`STALE_PARTIAL_S`). Never one with a transfer in
-        progress or a reader."""
-        now = time.monotonic()
-        durable = [c for c in self.checkpoints.values()
-                   if c.state is SlotState.DURABLE and self._idle(c)]
-        if durable:
-            victim = min(durable, key=lambda c: c.t_protected or 0.0)
-        else:
-            partial = [c for c in self.checkpoints.values()
-                       if c.state is SlotState.FILLING and self._idle(c)
-                       and ((c.job == job and c.step < step)
-                            or now - c.t_activity > STALE_PARTIAL_S)]
-            if not partial:
-                return
-            victim = min(partial, key=lambda c: c.t_activity)
-            logger.info("dropped partial %s step %d (a sender died mid-transfer)", victim.job,
-                        victim.step)
-        self._drop(victim)
-        if victim.state is SlotState.DURABLE:
-            self.evicted_durable[(victim.job, victim.step)] = None
-            while len(self.evicted_durable) > MAX_EVICTED_REMEMBERED:
-                self.evicted_durable.popitem(last=False)
 
     # ------------------------------------------------------------------ sealing, reading
 
@@ -335,7 +155,7 @@ class RamBuffer:
             Refused: the step is not in RAM, a file is incomplete, or the tag did not match.
         """
         with self.cond:
-            ck = self.checkpoints.get((job, step))
+            ck = self.ram.get(job, step)
             if ck is None:
                 raise Refused(f"step {step} is not in peer RAM")
             if ck.state is not SlotState.FILLING:
@@ -360,11 +180,7 @@ class RamBuffer:
                 ck.state = SlotState.PROTECTED
                 ck.t_protected = time.time()
                 self.flush_queue.append(ck)
-                for other in list(self.checkpoints.values()):  # older partial steps are dead
-                    if other.job == job and other.step < step \
-                            and other.state is SlotState.FILLING:
-                        other.superseded = True  # dropped now, or when its transfers end
-                        self._drop_if_superseded(other)
+                self.ram.supersede_older(job, step)  # older partial steps are dead
                 logger.info("protected %s step %d: %d bytes from %d ranks in %.3f s", job, step,
                             ck.reserved_bytes, ck.world_size, ck.t_protected - ck.t_first)
             self.cond.notify_all()
@@ -378,8 +194,8 @@ class RamBuffer:
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while True:
-                ck = self.checkpoints.get((job, step))
-                if ck is None and (job, step) in self.evicted_durable:  # flushed, then evicted
+                ck = self.ram.get(job, step)
+                if ck is None and (job, step) in self.ram.evicted_durable:  # flushed, evicted
                     return SlotState.DURABLE.value, None
                 if ck is None:
                     return "missing", None
@@ -393,7 +209,7 @@ class RamBuffer:
         with self.lock:
             cks = [{"step": c.step, "world_size": c.world_size, "state": c.state.value,
                     "bytes": c.reserved_bytes}
-                   for c in self.checkpoints.values() if c.job == job]
+                   for c in self.ram.checkpoints.values() if c.job == job]
         return sorted(cks, key=lambda c: -c["step"])
 
     def pin(self, job: str, step: int) -> Checkpoint:
@@ -404,7 +220,7 @@ class RamBuffer:
             Refused: not in RAM or not complete.
         """
         with self.lock:
-            ck = self.checkpoints.get((job, step))
+            ck = self.ram.get(job, step)
             if ck is None or ck.state is SlotState.FILLING:
                 raise Refused(f"step {step} of {job} is not complete in peer RAM")
             ck.pins += 1
