@@ -349,11 +349,32 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
     (:meth:`cfrun.rank.boundary.Boundary.on_loader_next`).
     Every patched method runs cfrun's part through ``guard`` (:class:`cfrun.rank.install.Guard`):
     after an internal error, and once ``guard.disabled``, the loaders behave as without cfrun.
+    The hooks are built first and set all together, so a torch that lacks one of the patched
+    methods leaves DataLoader as it was.
     """
+    init, iter_ = _loader_hooks(guard, register_loader, on_loader_iter)
+    index_sampler = _index_sampler_hook(guard)
+    next_ = _position_hook(guard, on_loader_next)
+    base_init, try_put_index, process_data = _worker_hooks(guard)
+    DataLoader.__init__ = init  # type: ignore[method-assign]
+    DataLoader.__iter__ = iter_  # type: ignore[method-assign]
+    DataLoader._index_sampler = index_sampler  # type: ignore[method-assign,assignment]
+    _dl._BaseDataLoaderIter.__next__ = next_  # type: ignore[method-assign]
+    _dl._BaseDataLoaderIter.__init__ = base_init  # type: ignore[method-assign]
+    _dl._MultiProcessingDataLoaderIter._try_put_index = try_put_index  # type: ignore[method-assign]
+    _dl._MultiProcessingDataLoaderIter._process_data = process_data  # type: ignore[method-assign]
+
+
+def _loader_hooks(guard: Any, register_loader: Callable[[DataLoader], int],
+                  on_loader_iter: Callable[[DataLoader, int, Callable[[], Any]], Any],
+                  ) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """``DataLoader.__init__`` and ``__iter__`` as :func:`install` patches them: a new loader
+    gets its creation ordinal, an ``iter()`` counter and, with workers, a :class:`WorkerInit`;
+    each ``iter(loader)`` is counted and handed to ``on_loader_iter`` with the start of the
+    epoch (:func:`_start_epoch`). A loader made before :func:`install` (no ordinal) is left
+    alone."""
     orig_init = DataLoader.__init__
     orig_iter = DataLoader.__iter__
-    orig_index_sampler = DataLoader._index_sampler
-    orig_next = _dl._BaseDataLoaderIter.__next__
 
     def register(self: DataLoader) -> None:
         object.__setattr__(self, "_cfrun_ordinal", register_loader(self))
@@ -381,45 +402,79 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             return orig_iter(self)
         return guarded_iter(self)
 
-    def _start_epoch(loader: DataLoader, it_fn: Any, state: dict[str, Any] | None = None) -> Any:
-        state = state if state is not None else epoch_rng(loader)
-        object.__setattr__(loader, "_cfrun_epoch_rng", state)
-        resumed = "_cfrun_skip_done" in loader.__dict__  # set by Resume for the resumed epoch
-        skip_done = loader.__dict__.pop("_cfrun_skip_done", 0)
-        worker_rng = loader.__dict__.pop("_cfrun_worker_rng", None)
-        base_seed = loader.__dict__.pop("_cfrun_saved_base_seed", None)
-        carried = loader.__dict__.pop("_cfrun_carried", None)  # not the training loader
-        workers = loader.num_workers > 0
-        carried = carried if workers and loader._iterator is None else None
-        init = loader.worker_init_fn
-        again = False  # the original run reused its persistent workers: it drew no base seed now
-        if resumed and workers:
-            loader.__dict__["_cfrun_worker_offset"] = skip_done % loader.num_workers
-            again = loader.persistent_workers and loader._iterator is None \
-                and loader.__dict__.get("_cfrun_iter_calls", 0) > 1
-        elif carried is not None:  # its first iter() since the resume (set_carried_state)
-            worker_rng, base_seed, again = carried["worker_rng"], carried["base_seed"], True
-        if again:
-            loader.__dict__["_cfrun_rng_again"] = state
-            if base_seed is not None:  # the workers' seed, as the original run drew it
-                loader.__dict__["_cfrun_base_seed"] = base_seed
-        if (resumed and workers or carried is not None) and isinstance(init, WorkerInit):
-            init.states = worker_rng
-        try:  # the multiprocessing iterator calls iter() on the sampler twice: both skip
-            it = it_fn(loader)
-        finally:
-            for key in ("_cfrun_skip", "_cfrun_worker_offset", "_cfrun_rng_again",
-                        "_cfrun_base_seed"):
-                loader.__dict__.pop(key, None)
-            if isinstance(init, WorkerInit):
-                init.states = None
-        if resumed and isinstance(getattr(it, "_sampler_iter", None), IndexIter):
-            it._sampler_iter.prime()  # the permutation, from the epoch's RNG (single-process)
-        it._cfrun_loader = loader
-        it._cfrun_consumed = skip_done
-        if workers and (resumed or carried is not None or "_cfrun_worker_rng" not in it.__dict__):
-            it._cfrun_worker_rng = dict(worker_rng or {})  # persistent workers: kept
-        return it
+    return __init__, __iter__
+
+
+def _start_epoch(loader: DataLoader, it_fn: Any, state: dict[str, Any] | None = None) -> Any:
+    """Start an epoch of ``loader``: ``it_fn(loader)``, PyTorch's ``iter()``, with the RNG
+    states it draws from recorded first (:func:`epoch_rng`, or ``state``). For the epoch a
+    resume starts (``_cfrun_skip_done`` set by :class:`~cfrun.rank.resume.Resume`) or a loader
+    whose carried state was put back (:func:`set_carried_state`), its workers are seeded as in
+    the original run (:func:`_seed_workers`) and, single-process, the permutation drawn at once
+    from the epoch's RNG. Returns the iterator, which counts its consumed batches from the
+    batches skipped and keeps its workers' RNG states."""
+    state = state if state is not None else epoch_rng(loader)
+    object.__setattr__(loader, "_cfrun_epoch_rng", state)
+    resumed = "_cfrun_skip_done" in loader.__dict__  # set by Resume for the resumed epoch
+    skip_done = loader.__dict__.pop("_cfrun_skip_done", 0)
+    worker_rng = loader.__dict__.pop("_cfrun_worker_rng", None)
+    base_seed = loader.__dict__.pop("_cfrun_saved_base_seed", None)
+    carried = loader.__dict__.pop("_cfrun_carried", None)  # not the training loader
+    workers = loader.num_workers > 0
+    carried = carried if workers and loader._iterator is None else None
+    init = loader.worker_init_fn
+    if resumed and workers:
+        _seed_workers(loader, state, init, worker_rng, base_seed,
+                      offset=skip_done % loader.num_workers)
+    elif carried is not None:  # its first iter() since the resume (set_carried_state)
+        worker_rng = carried["worker_rng"]
+        _seed_workers(loader, state, init, worker_rng, carried["base_seed"], offset=None)
+    try:  # the multiprocessing iterator calls iter() on the sampler twice: both skip
+        it = it_fn(loader)
+    finally:
+        for key in ("_cfrun_skip", "_cfrun_worker_offset", "_cfrun_rng_again",
+                    "_cfrun_base_seed"):
+            loader.__dict__.pop(key, None)
+        if isinstance(init, WorkerInit):
+            init.states = None
+    if resumed and isinstance(getattr(it, "_sampler_iter", None), IndexIter):
+        it._sampler_iter.prime()  # the permutation, from the epoch's RNG (single-process)
+    it._cfrun_loader = loader
+    it._cfrun_consumed = skip_done
+    if workers and (resumed or carried is not None or "_cfrun_worker_rng" not in it.__dict__):
+        it._cfrun_worker_rng = dict(worker_rng or {})  # persistent workers: kept
+    return it
+
+
+def _seed_workers(loader: DataLoader, state: dict[str, Any], init: Any,
+                  worker_rng: dict[str, Any] | None, base_seed: int | None, *,
+                  offset: int | None) -> None:
+    """Make the workers that ``iter(loader)`` is about to start load as in the original run:
+    the resumed epoch's, whose round-robin starts at worker ``offset``, or (``offset`` None)
+    those of a loader's first ``iter()`` since its carried state was put back. Flags on the
+    loader, read by the worker hooks (:func:`_worker_hooks`) during that ``iter()`` and
+    removed after it: the worker offset and, where the original run reused persistent workers
+    and so drew no base seed now, the epoch's RNG ``state`` to put back after this run's draw
+    and the workers' ``base_seed``. Each worker gets its states from ``worker_rng`` through
+    ``init`` (:class:`WorkerInit`)."""
+    again = True  # the original run reused its persistent workers: it drew no base seed now
+    if offset is not None:
+        loader.__dict__["_cfrun_worker_offset"] = offset
+        again = loader.persistent_workers and loader._iterator is None \
+            and loader.__dict__.get("_cfrun_iter_calls", 0) > 1
+    if again:
+        loader.__dict__["_cfrun_rng_again"] = state
+        if base_seed is not None:  # the workers' seed, as the original run drew it
+            loader.__dict__["_cfrun_base_seed"] = base_seed
+    if isinstance(init, WorkerInit):
+        init.states = worker_rng
+
+
+def _index_sampler_hook(guard: Any) -> property:
+    """``DataLoader._index_sampler`` as :func:`install` patches it: a registered map-style
+    loader's index sampler wrapped in :class:`ResumableIndexSampler`, so an iteration can
+    start batches in."""
+    orig_index_sampler = DataLoader._index_sampler
 
     def _index_sampler(self: DataLoader) -> Any:
         inner = orig_index_sampler.fget(self)  # type: ignore[attr-defined]
@@ -428,6 +483,14 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             return inner
         return ResumableIndexSampler(self, inner)
 
+    return property(_index_sampler)
+
+
+def _position_hook(guard: Any, on_loader_next: Callable[[Any, Any], None]) -> Callable[..., Any]:
+    """``_BaseDataLoaderIter.__next__`` as :func:`install` patches it, the per-batch path: for
+    an iterator cfrun started (:func:`_start_epoch`), ``on_loader_next`` with the caller's
+    frame first, then the batch, counted in ``_cfrun_consumed``."""
+    orig_next = _dl._BaseDataLoaderIter.__next__
     guarded_next = guard.wrap("next(DataLoader iterator)", on_loader_next)
 
     def __next__(self: Any) -> Any:
@@ -438,6 +501,16 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             return out
         return orig_next(self)
 
+    return __next__
+
+
+def _worker_hooks(guard: Any) -> tuple[Callable[..., Any], Callable[..., Any],
+                                       Callable[..., Any]]:
+    """The iterators' methods that seed the workers and keep their RNG states, as
+    :func:`install` patches them: ``_BaseDataLoaderIter.__init__`` (the base seed
+    :func:`_seed_workers` set, before the workers start), and
+    ``_MultiProcessingDataLoaderIter._try_put_index`` (the first index of an iteration) and
+    ``_process_data`` (per batch: its worker's states after it, the batch unwrapped)."""
     orig_base_init = _dl._BaseDataLoaderIter.__init__
 
     @functools.wraps(orig_base_init)
@@ -449,22 +522,7 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
 
     orig_put = _dl._MultiProcessingDataLoaderIter._try_put_index
     orig_process = _dl._MultiProcessingDataLoaderIter._process_data
-
-    def first_index(it: Any) -> None:
-        """Before the first index of an iteration: a resumed epoch's round-robin starts at the
-        worker that loaded its next batch in the original run; with persistent workers the
-        original run drew no base seed this epoch, so the epoch's RNG is put back after this
-        run's draw, before the permutation's."""
-        it._cfrun_cycle = it._worker_queue_idx_cycle
-        loader = getattr(it._index_sampler, "loader", None)
-        if loader is not None:
-            again = loader.__dict__.get("_cfrun_rng_again")
-            if again is not None:
-                set_epoch_rng(loader, again)
-            for _ in range(loader.__dict__.get("_cfrun_worker_offset", 0)):
-                next(it._worker_queue_idx_cycle)
-
-    guarded_first_index = guard.wrap("the DataLoader's first index", first_index)
+    guarded_first_index = guard.wrap("the DataLoader's first index", _first_index)
 
     def _try_put_index(self: Any) -> None:
         if self._send_idx == 0 and self.__dict__.get("_cfrun_cycle") is not \
@@ -480,10 +538,19 @@ def install(guard: Any, *, register_loader: Callable[[DataLoader], int],
             data = data.data
         return orig_process(self, data, worker_idx)
 
-    DataLoader.__init__ = __init__  # type: ignore[method-assign]
-    DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
-    DataLoader._index_sampler = property(_index_sampler)  # type: ignore[method-assign,assignment]
-    _dl._BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
-    _dl._BaseDataLoaderIter.__init__ = _base_init  # type: ignore[method-assign]
-    _dl._MultiProcessingDataLoaderIter._try_put_index = _try_put_index  # type: ignore[method-assign]
-    _dl._MultiProcessingDataLoaderIter._process_data = _process_data  # type: ignore[method-assign]
+    return _base_init, _try_put_index, _process_data
+
+
+def _first_index(it: Any) -> None:
+    """Before the first index of an iteration: a resumed epoch's round-robin starts at the
+    worker that loaded its next batch in the original run; with persistent workers the
+    original run drew no base seed this epoch, so the epoch's RNG is put back after this
+    run's draw, before the permutation's."""
+    it._cfrun_cycle = it._worker_queue_idx_cycle
+    loader = getattr(it._index_sampler, "loader", None)
+    if loader is not None:
+        again = loader.__dict__.get("_cfrun_rng_again")
+        if again is not None:
+            set_epoch_rng(loader, again)
+        for _ in range(loader.__dict__.get("_cfrun_worker_offset", 0)):
+            next(it._worker_queue_idx_cycle)

@@ -390,16 +390,39 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
         frame = live.get(tuple(rec["code"]))
         if frame is None:
             continue
-        f_locals = frame.f_locals
-        assigned = _loop_assigned(frame) if keep_invariants else None
-        bindable = bound_names(frame.f_code)
-        anchors = path_anchors(f_locals)
-        for name, item in rec["values"].items():
-            if name not in bindable or name.startswith("__"):  # never captured: refused
+        restored += _FrameRestore(frame, keep_invariants, aliases).restore(rec["values"])
+        if not in_tracer:
+            _locals_to_fast(frame)
+    return restored
+
+
+class _FrameRestore:
+    """:func:`restore_frames` in one frame: what it needs of the frame, read once (its
+    ``f_locals``, the names it binds, those its loops assign, the directories its paths
+    name), and the checks each captured variable passes before it is put back."""
+
+    def __init__(self, frame: types.FrameType, keep_invariants: bool,
+                 aliases: Callable[[TensorAlias], torch.Tensor] | None) -> None:
+        self.frame = frame
+        self.aliases = aliases
+        self.f_locals = frame.f_locals
+        self.assigned = _loop_assigned(frame) if keep_invariants else None
+        self.bindable = bound_names(frame.f_code)
+        self.anchors = path_anchors(self.f_locals)
+
+    def restore(self, values: dict[str, Any]) -> list[str]:
+        """Put the record's ``values`` back, by variable name: a name the frame never binds is
+        refused, an invariant kept (``keep_invariants``), an alias left for a later call (no
+        ``aliases``), any other value put back (:meth:`put`); one that no longer fits is
+        left, with a warning. Returns the names restored."""
+        restored = []
+        f_locals, frame, aliases = self.f_locals, self.frame, self.aliases
+        for name, item in values.items():
+            if name not in self.bindable or name.startswith("__"):  # never captured: refused
                 say(f"WARNING: checkpoint names a script variable {frame.f_code.co_name}:"
                     f"{str(name)[:60]} that {frame.f_code.co_name} never assigns; not set")
                 continue
-            if assigned is not None and name not in assigned and name in f_locals:
+            if self.assigned is not None and name not in self.assigned and name in f_locals:
                 continue
             kind, value = item["kind"], item["v"]
             current = f_locals.get(name)
@@ -409,47 +432,67 @@ def restore_frames(records: list[dict[str, Any]], decoded: list[dict[str, Any]],
                 # Enum members, namedtuples, dataclasses by reference; aliases of the models'
                 # and optimizers' tensors as views of them
                 value = resolve(value, aliases)
-                if kind == "module":
-                    if isinstance(current, torch.nn.Module):
-                        current.load_state_dict(value)
-                elif kind == "torch_generator":
-                    if isinstance(current, torch.Generator):
-                        current.set_state(value)
-                elif kind == "np_generator":
-                    if isinstance(current, np.random.Generator):
-                        current.bit_generator.state = value
-                elif kind == "attrs":
-                    if current is not None and _class_name(current) == value["cls"]:
-                        vars(current).update(value["attrs"])
-                elif kind == "object":
-                    if current is not None and type(current).__module__ == "__main__":
-                        vars(current).update(_to_device_like(value, current))
-                elif item.get("shared") and _same_bits(value, current):
-                    pass  # the script's own (made again before the loop): its aliases stay
-                elif isinstance(value, pathlib.PurePath) and not any(
-                        path_within(value, a) for a in anchors):
-                    say(f"WARNING: not restoring {frame.f_code.co_name}:{name}: the "
-                        f"checkpoint's path {str(value)[:120]!r} lies outside the working "
-                        "directory and every directory the script's paths name")
+                if kind in _IN_PLACE_KINDS:
+                    _update_in_place(kind, value, current)
+                elif not self.put(name, value, current, shared=bool(item.get("shared"))):
                     continue
-                elif not _same_kind(value, current, name in f_locals):
-                    logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
-                                   "script has a %s", name, type(value).__name__,
-                                   type(current).__name__)
-                    continue
-                else:
-                    f_locals[name] = _to_device_like(value, current)
-                    if item.get("shared") and aliases is not None:  # the last call of a resume
-                        say(f"WARNING: script variable {frame.f_code.co_name}:{name} shared its "
-                            "storage with a tensor cfrun cannot tell; it is restored as a "
-                            "copy of its values, no longer an alias")
             except Exception as e:  # a value that no longer fits: leave it, say so
                 logger.warning("cfrun: could not restore %s: %s", name, e)
                 continue
             restored.append(name)
-        if not in_tracer:
-            _locals_to_fast(frame)
-    return restored
+        return restored
+
+    def put(self, name: str, value: Any, current: Any, *, shared: bool) -> bool:
+        """Bind ``value`` (resolved) to ``name``, on the device of the ``current`` live
+        value, unless ``shared`` (an alias of the script's own tensors) and ``current`` has
+        the same bits already. False where refused: a path outside every directory the
+        script's paths name, or a value of another kind than the live one."""
+        where = self.frame.f_code.co_name
+        if shared and _same_bits(value, current):
+            pass  # the script's own (made again before the loop): its aliases stay
+        elif isinstance(value, pathlib.PurePath) and not any(
+                path_within(value, a) for a in self.anchors):
+            say(f"WARNING: not restoring {where}:{name}: the checkpoint's path "
+                f"{str(value)[:120]!r} lies outside the working directory and every "
+                "directory the script's paths name")
+            return False
+        elif not _same_kind(value, current, name in self.f_locals):
+            logger.warning("cfrun: not restoring %s: the checkpoint holds a %s where the "
+                           "script has a %s", name, type(value).__name__,
+                           type(current).__name__)
+            return False
+        else:
+            self.f_locals[name] = _to_device_like(value, current)
+            if shared and self.aliases is not None:  # the last call of a resume
+                say(f"WARNING: script variable {where}:{name} shared its storage with a "
+                    "tensor cfrun cannot tell; it is restored as a copy of its values, no "
+                    "longer an alias")
+        return True
+
+
+_IN_PLACE_KINDS = ("module", "torch_generator", "np_generator", "attrs", "object")
+"""Captured kinds of the objects that keep their identity (:func:`_update_in_place`)."""
+
+
+def _update_in_place(kind: str, value: Any, current: Any) -> None:
+    """Set the live object ``current`` from its captured ``value`` of ``kind``, keeping its
+    identity (a module's state dict, a generator's state, an object's attributes); a live
+    object of another type is left as it is."""
+    if kind == "module":
+        if isinstance(current, torch.nn.Module):
+            current.load_state_dict(value)
+    elif kind == "torch_generator":
+        if isinstance(current, torch.Generator):
+            current.set_state(value)
+    elif kind == "np_generator":
+        if isinstance(current, np.random.Generator):
+            current.bit_generator.state = value
+    elif kind == "attrs":
+        if current is not None and _class_name(current) == value["cls"]:
+            vars(current).update(value["attrs"])
+    elif kind == "object":
+        if current is not None and type(current).__module__ == "__main__":
+            vars(current).update(_to_device_like(value, current))
 
 
 _STORE_OPS = frozenset({"STORE_NAME", "STORE_GLOBAL"})

@@ -108,8 +108,37 @@ def install() -> None:
 
 
 def _install() -> Any:
-    import atexit
+    """Build this rank's :class:`~cfrun.rank.runtime.Runtime` from its settings (the
+    ``CFRUN_*`` environment, :meth:`~cfrun.rank.settings.RankSettings.from_env`) with the
+    :class:`Guard` around it, put cfrun's hooks into torch (:func:`_hook_torch`) and into the
+    process's ways out (:func:`_hook_exits`), then start the Runtime: the job dir's identity
+    checked, the persist agent connected, the plan read. Returns the Runtime."""
+    from cfrun.contract import faults
+    from cfrun.rank.runtime import Runtime
+    from cfrun.rank.settings import RankSettings
 
+    global _guard
+    guard = _guard = Guard()
+    rt = Runtime(RankSettings.from_env(), guard.wrap)
+    guard.attach(rt)
+    _hook_torch(rt, guard)
+    _hook_exits(rt)
+    start_delay_s = faults.value("rank.start_delay_s")
+    if start_delay_s:
+        time.sleep(float(start_delay_s))
+    rt.check_job_dir()
+    rt.connect_agent()
+    rt.load_plan()
+    return rt
+
+
+def _hook_torch(rt: Any, guard: Guard) -> None:
+    """Patch torch so ``rt``'s phases see the training, each hook through ``guard``: the
+    ``__init__`` of optimizers, LR schedulers and AMP scalers (registered with
+    :class:`~cfrun.rank.discovery.Discovery`), the global optimizer step hooks
+    (:class:`~cfrun.rank.boundary.Boundary`, :func:`_step_hook`), DataLoader
+    (:func:`cfrun.rank.data.install`), and ``torch.save``, silent while a resume
+    fast-forwards (the script's own per-epoch checkpoint of a skipped epoch)."""
     import torch
     import torch.optim.lr_scheduler as lrs
     from torch.optim.optimizer import (
@@ -118,16 +147,8 @@ def _install() -> Any:
         register_optimizer_step_pre_hook,
     )
 
-    from cfrun.contract import faults
     from cfrun.rank import data
-    from cfrun.rank.log import say
-    from cfrun.rank.runtime import Runtime
-    from cfrun.rank.settings import RankSettings
 
-    global _guard
-    guard = _guard = Guard()
-    rt = Runtime(RankSettings.from_env(), guard.wrap)
-    guard.attach(rt)
     found, boundary, resume = rt.found, rt.boundary, rt.resume
 
     def on_optimizer(opt: Any) -> None:
@@ -142,20 +163,8 @@ def _install() -> Any:
     _wrap_init(torch.amp.GradScaler, guard.wrap("GradScaler.__init__", found.register_scaler))
     register_optimizer_step_pre_hook(guard.wrap("the optimizer step pre-hook",
                                                 boundary.on_before_step))
-    raise_at = int(faults.value("rank.raise_in_step") or 0)
-    step_delay_s = float(faults.value("rank.step_delay_s") or 0.0)
-    on_step: Callable[..., None] = boundary.on_optimizer_step
-    if raise_at or step_delay_s:  # the fault points' extra layer only where armed
-
-        def on_step(opt: Any, args: Any, kwargs: Any) -> None:
-            boundary.on_optimizer_step(opt, args, kwargs)
-            if step_delay_s:
-                time.sleep(step_delay_s)
-            if raise_at and boundary.step == raise_at:
-                raise RuntimeError(f"injected internal error at step {raise_at} "
-                                   "(fault point rank.raise_in_step)")
-
-    register_optimizer_step_post_hook(guard.wrap("the optimizer step hook", on_step))
+    register_optimizer_step_post_hook(guard.wrap("the optimizer step hook",
+                                                 _step_hook(boundary)))
     data.install(guard, register_loader=found.register_loader,
                  on_loader_iter=resume.on_loader_iter, on_loader_next=boundary.on_loader_next)
 
@@ -167,6 +176,40 @@ def _install() -> Any:
         return orig_save(*args, **kwargs)
 
     torch.save = save
+
+
+def _step_hook(boundary: Any) -> Callable[..., None]:
+    """The optimizer step post-hook, on every step: ``boundary``'s
+    :meth:`~cfrun.rank.boundary.Boundary.on_optimizer_step` itself, or, where the fault points
+    ``rank.step_delay_s`` or ``rank.raise_in_step`` are armed, a layer around it that sleeps
+    after each step or raises an internal error at the given step."""
+    from cfrun.contract import faults
+
+    raise_at = int(faults.value("rank.raise_in_step") or 0)
+    step_delay_s = float(faults.value("rank.step_delay_s") or 0.0)
+    if not (raise_at or step_delay_s):  # the fault points' extra layer only where armed
+        return boundary.on_optimizer_step
+
+    def on_step(opt: Any, args: Any, kwargs: Any) -> None:
+        boundary.on_optimizer_step(opt, args, kwargs)
+        if step_delay_s:
+            time.sleep(step_delay_s)
+        if raise_at and boundary.step == raise_at:
+            raise RuntimeError(f"injected internal error at step {raise_at} "
+                               "(fault point rank.raise_in_step)")
+
+    return on_step
+
+
+def _hook_exits(rt: Any) -> None:
+    """Hook the ways the script's process ends, for ``rt`` (the marks of
+    :mod:`cfrun.rank.preemption`): ``sys.excepthook`` (an uncaught error; one that only
+    reports another rank's death printed as one line, :func:`_transport_note`), ``sys.exit``
+    (the script's exit code, for the end-of-script mark) and an ``atexit`` handler (the end
+    mark, the last hand-off), which runs when cfrun is disabled too."""
+    import atexit
+
+    from cfrun.rank.log import say
 
     orig_hook = sys.excepthook
 
@@ -202,13 +245,6 @@ def _install() -> Any:
             sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
 
     atexit.register(at_exit)
-    start_delay_s = faults.value("rank.start_delay_s")
-    if start_delay_s:
-        time.sleep(float(start_delay_s))
-    rt.check_job_dir()
-    rt.connect_agent()
-    rt.load_plan()
-    return rt
 
 
 _REGISTERED: dict[int, Any] = {}
