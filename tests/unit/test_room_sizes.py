@@ -24,13 +24,15 @@ SPLIT = ["rank/snapshot.py", "rank/slot.py", "rank/copyplan.py", "rank/cudacopy.
          "supervisor/core.py", "supervisor/admission.py", "supervisor/agentproc.py",
          "supervisor/monitor.py", "supervisor/records.py", "supervisor/progress.py",
          "supervisor/standby.py", "supervisor/signals.py", "contract/goodput.py",
-         "cli/timeline.py"]
+         "cli/timeline.py", "cli/app.py", "cli/logs.py", "cli/recorded_env.py", "cli/argv.py",
+         "cli/launch.py", "cli/runconfig.py", "cli/run.py", "cli/resume.py", "cli/profile.py",
+         "cli/verify.py", "cli/verify_plan.py", "cli/verify_compare.py", "cli/status.py",
+         "cli/ls.py", "cli/export.py", "cli/peer.py"]
 """Modules held to the limits (the rooms the issue asked for, once split)."""
 
 KNOWN_LARGE = {
     "agent/commit.py:Committer": 301, "agent/peerpath.py:install_newest": 81,
-    "cli/app.py:_build_config": 91, "cli/app.py:profile_cmd": 87, "cli/app.py:resume_cmd": 117,
-    "cli/app.py:run_cmd": 145, "cli/verify.py:verify": 108, "contract/jobdir.py:JobDir": 317,
+    "contract/jobdir.py:JobDir": 317,
     "peer/buffer.py:RamBuffer": 315, "rank/data.py:install": 151,
     "rank/frames.py:restore_frames": 81, "rank/install.py:_install": 102,
 }
