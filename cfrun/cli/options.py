@@ -1,6 +1,6 @@
 """Arguments and options that several commands share (``cfrun run``, ``profile``,
-``verify``): one typer definition each, so every command takes them with the same names,
-environment variables, metavars and help."""
+``verify``, ``resume``): one typer definition each, so every command takes them with the same
+names, environment variables, metavars and help."""
 
 from __future__ import annotations
 
@@ -67,6 +67,13 @@ CrashLoopOption = Annotated[str, typer.Option(
     "--crash-loop", metavar="INTEGER", envvar=E.CRASH_LOOP,
     help="Stop (exit 5) after the same failure at the same step this many times in a row "
          "(0: off).")]
+
+ReshardOption = Annotated[bool, typer.Option(
+    "--reshard", envvar=E.RESHARD,
+    help="Go on from checkpoints written by another number of ranks or nodes: replicated state "
+         "from any rank, sharded (FSDP2, TP) state resharded to the new mesh, the data "
+         "position mapped by global samples. Not bit-exact (a resharded event says from and "
+         "to). Without it such a resume is refused (exit 5).")]
 
 RetryBeforeFirstStepOption = Annotated[bool, typer.Option(
     "--retry-before-first-step", envvar=E.RETRY_BEFORE_FIRST_STEP,

@@ -253,9 +253,9 @@ def test_profile_and_verify_read_the_launchers_variable(tmp_path, command):
 def test_the_python_launcher_line_is_the_command_as_typed(typed, line):
     import click
 
-    from cfrun.cli.app import _python_launcher_line
+    from cfrun.cli.argv import python_launcher_line
 
     name = typed[0] if typed[0] in ("run", "profile", "verify") else "run"
     command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
     ctx = click.Context(command, obj={"argv": typed})
-    assert _python_launcher_line(ctx) == line
+    assert python_launcher_line(ctx) == line

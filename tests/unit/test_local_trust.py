@@ -14,6 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cfrun.cli import app as A
+from cfrun.cli import recorded_env as R
+from cfrun.cli import resume
 from cfrun.contract import ipc, slots
 from cfrun.contract.config import RunConfig
 from cfrun.contract.jobdir import JobDir
@@ -42,21 +44,21 @@ def test_recorded_env_keeps_names_not_values_of_credentials(monkeypatch) -> None
     monkeypatch.setenv("CUDA_INJECTION64_PATH", "/evil.so")
     monkeypatch.setenv("CFRUN_RANK_JOB_DIR", "/j")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never")
-    env = A._recorded_env()
+    env = R.recorded_env()
     assert env == {"OMP_NUM_THREADS": "3", "NCCL_IB_HCA": "mlx5",
-                   "CFRUN_PERSIST_TO": A.WITHHELD, "CFRUN_PEER_TOKEN_FILE": A.WITHHELD,
-                   "CUDA_API_KEY": A.WITHHELD, "MKL_AUTH_HEADER": A.WITHHELD,
-                   "CFRUN_SESSION_ID": A.WITHHELD}
+                   "CFRUN_PERSIST_TO": R.WITHHELD, "CFRUN_PEER_TOKEN_FILE": R.WITHHELD,
+                   "CUDA_API_KEY": R.WITHHELD, "MKL_AUTH_HEADER": R.WITHHELD,
+                   "CFRUN_SESSION_ID": R.WITHHELD}
     assert "hunter2" not in json.dumps(env)
 
 
 def test_resumable_env_refuses_interpreter_and_loader_variables() -> None:
-    keep, refused, withheld = A._resumable_env({
+    keep, refused, withheld = R.resumable_env({
         "OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "PYTHONSTARTUP": "/e.py",
         "LD_PRELOAD": "/e.so", "LD_LIBRARY_PATH": "/e", "DYLD_INSERT_LIBRARIES": "/e",
         "NCCL_NET_PLUGIN": "/e.so", "CFRUN_PREV_PYTHONPATH": "/e", "BASH_ENV": "/e.sh",
         "CFRUN_RANK_SETTINGS": "{}", "CUDA_VISIBLE_DEVICES": 0,
-        "CFRUN_PEER_TOKEN_FILE": A.WITHHELD})
+        "CFRUN_PEER_TOKEN_FILE": R.WITHHELD})
     assert keep == {"OMP_NUM_THREADS": "3"}
     assert refused == sorted(["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH",
                               "DYLD_INSERT_LIBRARIES", "NCCL_NET_PLUGIN", "CFRUN_PREV_PYTHONPATH",
@@ -71,7 +73,7 @@ def test_resumable_env_is_an_allowlist_of_knobs() -> None:
               "NCCL_SOCKET_IFNAME_FILE", "OMP_DISPLAY_ENV"]
     knobs = {"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0,1",
              "OMP_NUM_THREADS": "4", "CFRUN_OVERHEAD": "3.5%"}
-    keep, refused, _ = A._resumable_env({**{k: "/x" for k in chosen}, **knobs})
+    keep, refused, _ = R.resumable_env({**{k: "/x" for k in chosen}, **knobs})
     assert keep == knobs and refused == sorted(chosen)
 
 
@@ -94,7 +96,7 @@ def test_a_password_in_persist_to_is_nowhere_on_disk_and_resume_asks_for_it(
     jd.config_path.write_text(json.dumps(cfg.to_json()))
     monkeypatch.delenv("CFRUN_PERSIST_TO", raising=False)
     seen: dict = {}
-    monkeypatch.setattr(A, "_run", lambda c, **kw: seen.update(cfg=c))
+    monkeypatch.setattr(resume, "run_job", lambda c, **kw: seen.update(cfg=c))
     refused = CliRunner().invoke(A.app, ["resume", str(jd.root)])
     from cfrun.contract.errors import BadInputError
 
@@ -124,7 +126,7 @@ def test_resume_ignores_an_edited_pythonpath_and_prints_the_command(tmp_path, mo
     for k in ("OMP_NUM_THREADS", "PYTHONPATH", "LD_PRELOAD"):
         monkeypatch.delenv(k, raising=False)
     seen: dict = {}
-    monkeypatch.setattr(A, "_run", lambda c, **kw: seen.update(
+    monkeypatch.setattr(resume, "run_job", lambda c, **kw: seen.update(
         cfg=c, env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH",
                                                      "LD_PRELOAD")}))
     result = CliRunner().invoke(A.app, ["resume", str(jd.root)])

@@ -27,12 +27,14 @@ SPLIT = ["rank/snapshot.py", "rank/slot.py", "rank/copyplan.py", "rank/cudacopy.
          "supervisor/standby.py", "supervisor/signals.py", "contract/goodput.py",
          "cli/timeline.py", "peer/tenants.py", "rank/loop_total.py",
          "agent/commit.py", "agent/marks.py", "agent/peerpath.py", "peer/buffer.py",
-         "peer/ramslots.py", "contract/jobdir.py", "contract/eventlog.py", "contract/joblock.py"]
+         "peer/ramslots.py", "contract/jobdir.py", "contract/eventlog.py", "contract/joblock.py",
+         "cli/app.py", "cli/logs.py", "cli/recorded_env.py", "cli/argv.py",
+         "cli/launch.py", "cli/runconfig.py", "cli/run.py", "cli/resume.py", "cli/profile.py",
+         "cli/verify.py", "cli/verify_plan.py", "cli/verify_compare.py", "cli/status.py",
+         "cli/ls.py", "cli/export.py", "cli/peer.py"]
 """Modules held to the limits (the rooms the issue asked for, once split)."""
 
-KNOWN_LARGE = {
-    "cli/app.py:_build_config": 91, "cli/app.py:profile_cmd": 87, "cli/app.py:resume_cmd": 117,
-    "cli/app.py:run_cmd": 145, "cli/verify.py:verify": 108,
+KNOWN_LARGE: dict[str, int] = {
 }
 """``module:name`` -> lines, of the classes and functions over the limits not split yet."""
 
