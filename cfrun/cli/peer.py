@@ -26,13 +26,14 @@ def peer_cmd(
     flush_to: Annotated[str, typer.Option(
         "--flush-to", metavar="PATH|URL", envvar=E.PEER_FLUSH_TO,
         help="Level 2: a directory or fsspec URL (s3://bucket/prefix, gs://..., file://...) "
-             "where checkpoints are flushed, FIFO.")],
+             "where checkpoints are flushed, job by job in turn.")],
     token_file: Annotated[str, typer.Option(
         "--token-file", metavar="PATH", envvar=E.PEER_TOKEN_FILE,
-        help="File with the shared secret (>= 16 bytes, mode 600) that clients must prove.")],
+        help="File with the shared secret (>= 32 bytes, mode 600) that clients must prove; "
+             "or a directory (mode 700) of such files, one per tenant, named after it.")],
     slots: Annotated[str, typer.Option(
         "--slots", metavar="INTEGER", envvar=E.PEER_SLOTS,
-        help="Checkpoints held in RAM (a circular buffer).")] = "2",
+        help="Checkpoints held in RAM (a circular buffer; split between the tenants).")] = "2",
     max_checkpoint_bytes: Annotated[str, typer.Option(
         "--max-checkpoint-bytes", metavar="SIZE", envvar=E.PEER_MAX_CHECKPOINT_BYTES,
         help="Largest checkpoint (all ranks) accepted, e.g. 8G; RAM use is at most slots "
