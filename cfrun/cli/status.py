@@ -83,10 +83,12 @@ def _status_rows(st: dict[str, Any], rate: str | None = None) -> list[tuple[str,
          + (f" (-m {st['module']})" if st.get("module") else "")),
         ("current step", _step_text(st) + (f" ({rate})" if rate else "")),
         ("last committed step", or_unknown(st["last_committed_step"], "none yet")),
+        # the job's overhead first, then the interval and the last window's reason for it
+        # (its "over budget 8.21%" above "0.258% stalled" read as a contradiction: issue 37)
+        ("overhead", _overhead_text(st["overhead"])),
         ("interval", f"{st['interval']['steps']} steps ({st['interval']['why']})"
          if st["interval"]["steps"] is not None
          else f"not decided yet ({st['interval']['why']})"),
-        ("overhead", _overhead_text(st["overhead"])),
         ("stall per checkpoint", f"median {_fmt_s(st['stall_s']['median'])}, p95 "
                                  f"{_fmt_s(st['stall_s']['p95'])}, "
                                  f"max {_fmt_s(st['stall_s']['max'])}"),

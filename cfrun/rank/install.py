@@ -273,8 +273,21 @@ def _transport_note(rt: Any, exc_type: Any, exc: Any) -> str | None:
     import re
 
     first = re.sub(r"^\[[^\]]*\]\s*", "", (message.strip().splitlines() or [""])[0])
-    return (f"{exc_type.__name__}: {first[:120].rstrip()} (a consequence of another rank's "
+    return (f"{exc_type.__name__}: {clip_words(first, 120)} (a consequence of another rank's "
             f"failure; traceback in {path})")
+
+
+def clip_words(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters at a word's end, with `` ...`` where it
+    was cut (gloo's error was cut mid-word: issue 37, item 7); a first word longer than that
+    is cut inside it."""
+    text = text.strip()
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars - 4]
+    if text[max_chars - 4] != " " and " " in head:
+        head = head.rsplit(" ", 1)[0]
+    return head.rstrip(" ,;:") + " ..."
 
 
 def _mark_registered(obj: Any) -> bool:

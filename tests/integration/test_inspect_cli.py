@@ -76,6 +76,11 @@ def test_status_table_and_ls(job):
     table = cfrun_in_process(["status", "j"], cwd=job)
     assert table.returncode == 0 and "last committed step" in table.stdout
     assert "last resume" in table.stdout
+    # the job's overhead before the interval's reason (a window's "over budget" read as a
+    # contradiction of the overhead row below it: issue 37, item 7)
+    labels = [line.split("│")[1].strip() for line in table.stdout.splitlines()
+              if line.count("│") >= 2]
+    assert labels.index("overhead") < labels.index("interval"), labels
     step = _newest_committed_before_the_kill(job)
     assert re.search(rf"attempt 1 at step {step}\b", table.stdout), table.stdout
     rows = json.loads(cfrun_in_process(["ls", "j", "--json"], cwd=job).stdout)
