@@ -17,6 +17,8 @@ import os
 import sys
 import time
 import traceback
+import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -310,14 +312,42 @@ def _forget(key: int, ref: Any) -> None:
 
 
 def _wrap_init(cls: type, register: Any) -> None:
+    """Wrap ``cls.__init__`` so that every object built is handed to ``register`` once. A
+    warning the original ``__init__`` gives with ``stacklevel=2`` names this wrapper's line,
+    not the caller's (nanoGPT's own GradScaler warning read ``cfrun/rank/install.py``: issue
+    37, item 7): :func:`_warn_as_the_caller` gives it the caller's file and line back."""
     orig = cls.__init__  # type: ignore[misc]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig(self, *args, **kwargs)
+        caught: list[warnings.WarningMessage] | None = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")  # the user's filters act when given again
+                orig(self, *args, **kwargs)
+        finally:
+            _warn_as_the_caller(caught, sys._getframe(1))
         if _mark_registered(self):
             register(self)
 
     cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _warn_as_the_caller(caught: list[warnings.WarningMessage] | None,
+                        caller: types.FrameType) -> None:
+    """Give the warnings ``caught`` during a wrapped ``__init__`` again, through the user's
+    filters and the caller's registry: one that names this module (the wrapper's frame) as
+    the caller's line (``caller``: the wrapper's caller), any other as it was."""
+    here = _warn_as_the_caller.__code__.co_filename
+    for w in caught or ():
+        if w.filename == here:
+            where: Any = caller.f_globals
+            filename, lineno = caller.f_code.co_filename, caller.f_lineno
+        else:
+            where, filename, lineno = None, w.filename, w.lineno
+        warnings.warn_explicit(w.message, w.category, filename, lineno, source=w.source,
+                               registry=where.setdefault("__warningregistry__", {})
+                               if where is not None else None,
+                               module_globals=where)
 
 
 def when_torch_imported(then: Callable[[], None]) -> None:

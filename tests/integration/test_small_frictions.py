@@ -116,3 +116,39 @@ def test_a_group_writable_checkout_is_warned_about_once_per_job_dir(tmp_path):
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-3000:]
     assert "writable by its group" in runs[0].stderr
     assert "writable by its group" not in runs[1].stderr, runs[1].stderr
+
+
+SCALER_WARNS = """\
+import torch
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cuda", enabled=True)  # warns on a machine without CUDA
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 2)).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_warning_of_a_wrapped_constructor_names_the_scripts_line(tmp_path):
+    """GradScaler's own warning (``stacklevel=2``) named ``cfrun/rank/install.py``, the line of
+    cfrun's wrapper of ``GradScaler.__init__``, where plain python names the script's line
+    (nanoGPT's GradScaler warning; issue 37, item 7). The same line now, and ``-W error``
+    still raises it from the constructor."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    (tmp_path / "scaler.py").write_text(SCALER_WARNS)
+    plain = subprocess.run([sys.executable, "scaler.py"], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=120)
+    said = [ln for ln in plain.stderr.splitlines() if "Warning:" in ln]
+    assert said and said[0].startswith(f"{tmp_path / 'scaler.py'}:4: UserWarning"), plain.stderr
+    run = run_cfrun(["--launcher", "python", "--job-dir", "j", "scaler.py"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [ln for ln in run.stderr.splitlines() if "Warning:" in ln] == said, run.stderr
+    strict = run_cfrun(["--launcher", "python", "--job-dir", "k", "scaler.py"], cwd=tmp_path,
+                       env={"PYTHONWARNINGS": "error:torch.cuda.amp.GradScaler:UserWarning"})
+    assert strict.returncode != 0 and "UserWarning: torch.cuda.amp.GradScaler" in strict.stderr
