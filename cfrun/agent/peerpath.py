@@ -272,7 +272,7 @@ class PeerPath:
                 candidates += [(s, 0, "level2") for s in self.level2.list_steps(self.job)
                                if s > newest_local]
             except Exception as e:
-                logger.warning("cfrun agent: cannot list %s: %r", self.level2.url, e)
+                logger.warning("cfrun agent: cannot list %s: %r", self.level2.shown, e)
         ordered = sorted(candidates, reverse=True)
         if len(ordered) > MAX_INSTALL_CANDIDATES:
             logger.warning("cfrun agent: %d checkpoints at the peer and level 2 are newer than "

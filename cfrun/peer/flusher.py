@@ -239,8 +239,8 @@ class Flusher:
         deleted = apply_retention(storage, job, self.keep, flushed_step=ck.step, job_id=job_id)
         if ck.step not in storage.list_steps(job):
             raise RuntimeError(f"step {ck.step} of {ck.job} is not listed at "
-                               f"{storage.url} after its flush")
+                               f"{storage.shown} after its flush")
         nbytes = sum(f["nbytes"] for f in manifest["files"])
         logger.info("durable %s step %d: %d bytes flushed to %s in %.3f s%s", ck.job, ck.step,
-                    nbytes, storage.url, time.monotonic() - t0,
+                    nbytes, storage.shown, time.monotonic() - t0,
                     f" (retention deleted steps {deleted})" if deleted else "")

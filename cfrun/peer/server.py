@@ -181,7 +181,7 @@ class PeerServer:
         rings = "" if list(self.rooms) == [DEFAULT_TENANT] else ", tenants " + ", ".join(
             f"{name} ({room.buffer.slots})" for name, room in self.rooms.items())
         logger.info("listening on %s:%d, flushing to %s, %d slots of %d bytes%s", *self.address,
-                    self.storage.url, sum(r.buffer.slots for r in self.rooms.values()),
+                    self.storage.shown, sum(r.buffer.slots for r in self.rooms.values()),
                     self.max_checkpoint_bytes, rings)
         gate = Gate(self.sock, self.tenants, self._admit)
         try:
@@ -343,14 +343,14 @@ class PeerServer:
         state, error = room.buffer.await_state(room.tenant.key(job), step, want, timeout_s)
         if state == "missing":
             return {"ok": True, "state": state}
-        return {"ok": True, "state": state, "error": error, "flush_to": room.storage.url}
+        return {"ok": True, "state": state, "error": error, "flush_to": room.storage.shown}
 
     def _list(self, room: TenantRoom, h: dict[str, Any]) -> dict[str, Any]:
         try:
             job = check_job_name(h["job"])
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError(f"malformed LIST header ({e})") from None
-        return {"ok": True, "flush_to": room.storage.url,
+        return {"ok": True, "flush_to": room.storage.shown,
                 "checkpoints": room.buffer.listing(room.tenant.key(job))}
 
     def _get(self, ch: Channel, room: TenantRoom, h: dict[str, Any]) -> None:

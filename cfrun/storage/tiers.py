@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cfrun.contract import faults, settings
+from cfrun.contract.config import redact_url
 from cfrun.contract.errors import BadInputError, CfrunError, CheckpointCorruptError
 from cfrun.contract.fsio import UnsafeFileError, new_file_flags, read_regular, write_all
 from cfrun.contract.jobdir import STAGING_PREFIX, parse_step_dir_name, step_dir_name
@@ -132,6 +133,8 @@ class Storage(Protocol):
     """A level-2 store. Thread-safe for different steps; one writer per step."""
 
     url: str
+    shown: str
+    """:attr:`url` as logs and replies show it: its password withheld (:func:`redact_url`)."""
 
     def list_steps(self, job: str) -> list[int]: ...
 
@@ -348,6 +351,7 @@ class DirStorage:
         opened like a job directory: never through a link."""
         self.root = self.top.joinpath(*self.below)
         self.url = str(self.root)
+        self.shown = self.url
 
     def _job(self, job: str) -> Path:
         return self.root / check_job_name(job)
@@ -569,6 +573,9 @@ class FsspecStorage:
         import fsspec
 
         self.url = url.rstrip("/")
+        """The URL as given, password and all: for fsspec only, never shown."""
+        self.shown = redact_url(self.url) or ""
+        """:attr:`url` with its password withheld: what logs and replies show."""
         protocol = self.url.split("://", 1)[0]
         options: dict[str, Any] = {}
         endpoint = settings.get_str(settings.S3_ENDPOINT_URL)
@@ -690,10 +697,10 @@ def open_storage(url: str) -> DirStorage | FsspecStorage:
     try:
         return FsspecStorage(url)
     except ImportError as e:
-        raise BadInputError(f"storage URL {url!r} needs a package that is missing ({e}); "
-                            "e.g. pip install s3fs for s3://, gcsfs for gs://") from None
+        raise BadInputError(f"storage URL {redact_url(url)!r} needs a package that is missing "
+                            f"({e}); e.g. pip install s3fs for s3://, gcsfs for gs://") from None
     except ValueError as e:
-        raise BadInputError(f"storage URL {url!r} is not usable: {e}") from None
+        raise BadInputError(f"storage URL {redact_url(url)!r} is not usable: {e}") from None
 
 
 def below(storage: Storage, *names: str) -> DirStorage | FsspecStorage:

@@ -611,3 +611,33 @@ def _bad_hellos(caplog) -> tuple[int, list[int]]:
     single = sum("bad hello" in m for m in msgs)
     summed = [int(m.split("; ")[-1].split()[0]) for m in msgs if "for a reason logged above" in m]
     return single, summed
+
+
+def test_a_level2_password_is_in_no_log_line_or_reply(tmp_path, caplog, monkeypatch):
+    """Issue 32, finding 6: ``--flush-to file://alice:hunter2@...`` showed the password in the
+    peer's start-up line, its flush lines and every LIST and AWAIT reply. The store keeps the
+    URL whole for fsspec; what is shown is :attr:`shown` (password withheld)."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.chdir(tmp_path)  # fsspec's file:// takes "alice:hunter2@/..." as relative
+    store = open_storage("file://alice:hunter2@/l2")
+    assert store.shown == "file://alice:<withheld>@/l2"
+    srv = PeerServer(("127.0.0.1", 0), store, TOKEN, slots=2, max_checkpoint_bytes=1 << 20)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        c = PeerClient(srv.address, TOKEN)
+        assert _send(c, "j", 1, b"a" * 100)
+        durable = c.await_state("j", 1, "durable", 10)
+        listing = c.list("j")
+    finally:
+        srv.stop()
+        t.join(10)
+    assert durable["state"] == "durable" and durable["flush_to"] == store.shown
+    assert listing["flush_to"] == store.shown
+    assert "durable j step 1" in caplog.text and "listening on" in caplog.text
+    assert "hunter2" not in caplog.text + json.dumps([durable, listing])
+    with pytest.raises(BadInputError) as refused:
+        open_storage("nosuchscheme://alice:hunter2@host/p")
+    assert "hunter2" not in str(refused.value)
