@@ -51,8 +51,10 @@ _RESUMABLE_ENV = frozenset({
     "MKL_DYNAMIC", "MKL_CBWR", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
     "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS"})
 """Thread, device and ordering knobs ``cfrun resume`` sets again; values, never code or paths."""
-_NOT_A_KNOB = re.compile(r"FILE|PATH|DIR|CONF|PLUGIN|LIB|DUMP|TOOL|URL|ENDPOINT|SOCKET|HOST")
-"""A name of these words names something to load, write or reach, not a tuning value."""
+_NOT_A_KNOB = re.compile(
+    r"FILE|PATH|DIR|CONF|PLUGIN|LIB|DUMP|TOOL|URL|ENDPOINT|SOCKET|HOST|ADDR|COMM_ID")
+"""A name of these words names something to load, write or reach, not a tuning value
+(``NCCL_COMM_ID`` and ``NCCL_RAS_ADDR`` are addresses: issue 32, finding 6)."""
 
 
 def _resumable_name(name: str) -> bool:

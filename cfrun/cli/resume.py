@@ -89,6 +89,7 @@ def resume_cmd(
         raise JobDirLockedError(f"job dir {str(jd)!r} is in use by another cfrun")
     _set_recorded_env(cfg, cfg_path)
     cfg = _persist_to_again(cfg, jd, node)
+    cfg = _metrics_again(cfg, cfg_path, jd, node)
     # what config.json chooses besides the command, in sight before anything runs
     shown = ["-m", cfg.module] if cfg.module else [cfg.script]
     print(f"cfrun: resuming: {shlex.join([*shown, *cfg.script_args])} in {cfg.cwd} "
@@ -154,8 +155,8 @@ def _set_recorded_env(cfg: RunConfig, cfg_path: Path) -> None:
     env, refused, withheld = resumable_env(cfg.env)
     if refused:
         print(f"cfrun: warning: ignoring {', '.join(refused)} recorded in {cfg_path}: cfrun "
-              "resume never takes interpreter or loader variables from a job dir",
-              file=sys.stderr)
+              "resume never takes interpreter or loader variables, paths or addresses from a "
+              "job dir", file=sys.stderr)
     missing = [k for k in withheld if k not in os.environ]
     if missing:
         print(f"cfrun: note: {', '.join(missing)} looked like credentials and were not "
@@ -179,3 +180,40 @@ def _persist_to_again(cfg: RunConfig, jd: Path, node: int) -> RunConfig:
                                 f"{E.PERSIST_TO}=URL {resume_command(jd, node)}")
         cfg = dataclasses.replace(cfg, persist_to=given)
     return cfg
+
+
+def _is_loopback(host: str) -> bool:
+    """True for ``localhost`` and a loopback IP address (``127.0.0.0/8``, ``::1``)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _metrics_again(cfg: RunConfig, cfg_path: Path, jd: Path, node: int) -> RunConfig:
+    """``cfg`` with a recorded ``--metrics`` address kept only if it is a loopback one: a
+    job dir must not open a port to the network (``0.0.0.0:9100`` in an edited config.json,
+    issue 32, finding 6). Another address is dropped with one warning line, unless
+    ``CFRUN_METRICS`` gives an address now (the user's choice, used as given)."""
+    from cfrun.peer.protocol import parse_address
+
+    given = os.environ.get(E.METRICS)
+    if given:
+        parse_address(given, option=E.METRICS)
+        return dataclasses.replace(cfg, metrics=given)
+    if cfg.metrics is None:
+        return cfg
+    try:
+        host, _ = parse_address(str(cfg.metrics), option="--metrics")
+    except BadInputError:
+        host = ""
+    if host and _is_loopback(host):
+        return cfg
+    print(f"cfrun: warning: not serving metrics on {str(cfg.metrics)!r} as {cfg_path} "
+          f"records (not a loopback address); give it again if wanted: "
+          f"{E.METRICS}=HOST:PORT {resume_command(jd, node)}", file=sys.stderr)
+    return dataclasses.replace(cfg, metrics=None)

@@ -315,3 +315,42 @@ def test_a_job_dir_under_another_users_directory_is_refused(tmp_path) -> None:
     os.chown(theirs, 65534, 65534)
     with pytest.raises(BadInputError, match="owned by uid 65534"):
         JobDir(theirs / "j").check_usable()
+
+
+def test_resume_takes_back_no_nccl_address_and_no_metrics_port_open_to_the_network(
+        tmp_path, monkeypatch) -> None:
+    """Issue 32, finding 6: ``NCCL_COMM_ID``, ``NCCL_RAS_ADDR`` and ``--metrics 0.0.0.0:9100``
+    in an edited config.json were taken back silently (the ranks' rendezvous and a metrics
+    port steered by the job dir). Now the variables are in the one warning line and left
+    unset, and the metrics address is dropped with one line, unless ``CFRUN_METRICS`` gives
+    it again; a loopback address is kept."""
+    keep, refused, _ = R.resumable_env({"NCCL_COMM_ID": "10.9.9.9:1234",
+                                        "NCCL_RAS_ADDR": "10.9.9.9:1235", "NCCL_IB_HCA": "m"})
+    assert keep == {"NCCL_IB_HCA": "m"} and refused == ["NCCL_COMM_ID", "NCCL_RAS_ADDR"]
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    jd = JobDir(tmp_path / "job")
+    jd.create()
+    for k in ("NCCL_COMM_ID", "NCCL_RAS_ADDR", "CFRUN_METRICS"):
+        monkeypatch.delenv(k, raising=False)
+    seen: dict = {}
+    monkeypatch.setattr(resume, "run_job", lambda c, **kw: seen.update(
+        cfg=c, env={k: os.environ.get(k) for k in ("NCCL_COMM_ID", "NCCL_RAS_ADDR")}))
+
+    def resumed(metrics: str) -> list[str]:
+        cfg = RunConfig(script=str(script), script_args=[], job_dir=str(jd.root),
+                        cwd=str(tmp_path), metrics=metrics,
+                        env={"NCCL_COMM_ID": "10.9.9.9:1234", "NCCL_RAS_ADDR": "10.9.9.9:1"})
+        jd.config_path.write_text(json.dumps(cfg.to_json()))
+        result = CliRunner().invoke(A.app, ["resume", str(jd.root)])
+        assert result.exit_code == 0, result.output
+        return [line for line in result.output.splitlines() if "warning" in line]
+
+    warned = resumed("0.0.0.0:9100")
+    assert seen["cfg"].metrics is None
+    assert seen["env"] == {"NCCL_COMM_ID": None, "NCCL_RAS_ADDR": None}
+    assert len(warned) == 2 and "NCCL_COMM_ID, NCCL_RAS_ADDR" in warned[0]
+    assert "'0.0.0.0:9100'" in warned[1] and "CFRUN_METRICS=HOST:PORT cfrun resume" in warned[1]
+    assert len(resumed("127.0.0.1:9100")) == 1 and seen["cfg"].metrics == "127.0.0.1:9100"
+    monkeypatch.setenv("CFRUN_METRICS", "0.0.0.0:9200")  # the user's choice, now
+    assert len(resumed("0.0.0.0:9100")) == 1 and seen["cfg"].metrics == "0.0.0.0:9200"
