@@ -59,6 +59,8 @@ CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
 LOGS = "logs"
 """``logs/``: torchrun's own output per attempt (``attempt-N.log``) and its ``--log-dir``."""
+TORCHRUN_LOGS = "torchrun"
+"""``logs/torchrun/``: torchrun's ``--log-dir`` (:meth:`JobDir.private_torchrun_logs`)."""
 """The policy's cached profiles (cfrun.rank.tuner)."""
 EVENTS = "events.jsonl"
 IDENTITY = "identity.json"
@@ -214,6 +216,43 @@ class JobDir:
     def logs(self) -> Path:
         """``logs/`` (:data:`LOGS`)."""
         return self.root / LOGS
+
+    @property
+    def torchrun_logs(self) -> Path:
+        """``logs/torchrun/`` (:data:`TORCHRUN_LOGS`)."""
+        return self.logs / TORCHRUN_LOGS
+
+    def private_torchrun_logs(self) -> Path:
+        """Make ``logs/torchrun/`` 0700 (created if missing) and drop group and other bits of
+        every directory and regular file below it of this user; returns its path. torchrun
+        creates its per-run and per-rank directories there with the process's umask (0755:
+        issue 32, finding 6), so the supervisor calls this before and after each attempt.
+        Links below are neither followed nor changed (``lstat`` first; nobody else can
+        write below a 0700 directory to swap one in).
+
+        Raises:
+            BadInputError: ``logs/torchrun`` is a symbolic link or not a directory.
+        """
+        top = self.torchrun_logs
+        try:
+            top.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass
+        if top.is_symlink() or not top.is_dir():
+            raise BadInputError(f"{str(top)!r} is not a directory (a link?); remove it, "
+                                "cfrun creates it")
+        _make_private_dir(top)
+        for where, dirs, files in os.walk(top, followlinks=False):
+            for name in dirs + files:
+                path = os.path.join(where, name)
+                try:
+                    st = os.lstat(path)
+                    if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 and \
+                            (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
+                except OSError:
+                    pass  # gone meanwhile: nothing to change
+        return top
 
     def attempt_log_path(self, attempt: int) -> Path:
         """``logs/attempt-N.log`` (``attempt-N-node1.log`` on node 1): what torchrun itself

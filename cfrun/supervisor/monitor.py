@@ -28,7 +28,7 @@ from cfrun.contract import coordination as co
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import RunConfig
-from cfrun.contract.errors import FatalJobError
+from cfrun.contract.errors import BadInputError, FatalJobError
 from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
@@ -181,7 +181,7 @@ class Monitor:
         """
         log_path = self.jobdir.attempt_log_path(attempt)
         argv = build_launch_argv(self.cfg, log_path=str(log_path),
-                                 log_dir=str(self.jobdir.logs / "torchrun"))
+                                 log_dir=str(self.jobdir.private_torchrun_logs()))
         env = build_worker_env(self.cfg, attempt, mtbf_s=self.records.mtbf_s(),
                                manifest_keys=self.manifest_keys, job_dir_id=self.job_dir_id)
         warm = self.standby is not None and self.standby.ready()
@@ -202,6 +202,10 @@ class Monitor:
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
         self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
         self.proc = None
+        try:  # torchrun made its directories with the umask's modes
+            self.jobdir.private_torchrun_logs()
+        except (OSError, BadInputError) as e:
+            logger.warning("cannot make %s private: %s", self.jobdir.torchrun_logs, e)
         duration_s = time.monotonic() - t0
         self.jobdir.emit_event("attempt_end", attempt=attempt, returncode=rc,
                                duration_s=round(duration_s, 3))

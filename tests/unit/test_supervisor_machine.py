@@ -5,6 +5,7 @@ behind (a process that writes the ranks' files and exits) into an outcome."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -614,3 +615,40 @@ def test_the_default_line_goes_on_in_the_same_job_dir(tmp_path) -> None:
                     cwd=str(tmp_path))
     assert Policy.from_config(cfg).python_command == python_launch_command(cfg) == \
         "cfrun --launcher python --job-dir '/jobs/my job' /s/train.py --lr 0.1"
+
+
+def test_torchruns_log_dir_is_private_before_and_after_an_attempt(tmp_path: Path) -> None:
+    """Issue 32, finding 6: torchrun makes ``logs/torchrun/<run>/attempt_0/<rank>/`` with the
+    umask's modes (0755), readable by every user while the job dir is 0700. The supervisor
+    makes ``logs/torchrun`` 0700 before torchrun runs and drops group and other bits below it
+    after the attempt; a link there is neither followed nor changed."""
+    import stat
+
+    monitor = _monitor(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("x")
+    outside.chmod(0o644)
+    code = textwrap.dedent("""
+        import os, sys
+        top = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--log-dir=")][0]
+        os.umask(0o022)
+        d = os.path.join(top, "run_x", "attempt_0", "0")
+        os.makedirs(d)
+        open(os.path.join(d, "error.json"), "w").close()
+        os.symlink(sys.argv[1], os.path.join(d, "link"))
+    """)
+    seen: dict = {}
+
+    def spawn_fn(argv, env, cwd):
+        top = Path([a for a in argv if a.startswith("--log-dir=")][0].split("=", 1)[1])
+        seen["mode"] = stat.S_IMODE(os.lstat(top).st_mode)
+        return subprocess.Popen([sys.executable, "-c", code, str(outside), *argv], cwd=cwd)
+
+    monitor.spawn_fn = spawn_fn
+    monitor.run(0)
+    top = tmp_path / "job" / "logs" / "torchrun"
+    assert seen["mode"] == 0o700
+    made = [top / "run_x", top / "run_x" / "attempt_0", top / "run_x" / "attempt_0" / "0"]
+    assert [stat.S_IMODE(os.lstat(p).st_mode) for p in made] == [0o700] * 3
+    assert stat.S_IMODE(os.lstat(made[-1] / "error.json").st_mode) == 0o600
+    assert stat.S_IMODE(os.lstat(outside).st_mode) == 0o644
