@@ -28,7 +28,7 @@ from cfrun.contract.checkpoints import committed_steps, read_manifest, verify
 from cfrun.contract.config import resume_command
 from cfrun.contract.errors import BadInputError, CheckpointCorruptError, IncompatibleFormatError
 from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
-from cfrun.contract.fsio import UnsafeFileError, read_regular, tree_bytes
+from cfrun.contract.fsio import UnsafeFileError, open_regular, read_regular, tree_bytes
 from cfrun.contract.goodput import goodput
 from cfrun.contract.jobdir import JobDir, step_dir_name
 
@@ -53,6 +53,25 @@ def _read_small(path: Path, max_bytes: int) -> bytes:
         raise BadInputError(f"{str(path)!r} is unreadable ({e.strerror or e})") from None
 
 
+def check_regular(path: Path, max_bytes: int) -> None:
+    """Refuse ``path`` unless it is missing or a regular file of at most ``max_bytes``, without
+    reading it (``cfrun status --metrics`` then reads it in parts).
+
+    Raises:
+        BadInputError: a link, FIFO, device or directory, too big, or unreadable, naming it.
+    """
+    if not os.path.lexists(path):
+        return
+    try:
+        fd, _ = open_regular(path, max_bytes=max_bytes)
+    except UnsafeFileError as e:
+        raise BadInputError(f"{str(path)!r} is refused: {e}; restore it from the run's "
+                            "own files") from None
+    except OSError as e:
+        raise BadInputError(f"{str(path)!r} is unreadable ({e.strerror or e})") from None
+    os.close(fd)
+
+
 def _read_json(path: Path, max_bytes: int) -> dict[str, Any]:
     """A JSON object from a regular file (see :func:`_read_small`).
 
@@ -68,7 +87,7 @@ def _read_json(path: Path, max_bytes: int) -> dict[str, Any]:
     return obj
 
 
-def _read_events(jd: JobDir) -> list[dict[str, Any]]:
+def read_events(jd: JobDir) -> list[dict[str, Any]]:
     """``events.jsonl`` as :meth:`JobDir.read_events` reads it, from a regular file only."""
     if not os.path.lexists(jd.events_path):
         return []
@@ -167,7 +186,7 @@ def summary(jd: JobDir, config: dict[str, Any] | None = None,
     goes on with a stopped, failed, fatal, preempted or dead job; None while it runs or after
     it succeeded)."""
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES) if config is None else config
-    events = _read_events(jd) if events is None else events
+    events = read_events(jd) if events is None else events
     states = [e for e in events if e.get("event") == "state"]
     running, state = _liveness(jd, config, states[-1]["state"] if states else None)
     node = config.get("node_rank")
@@ -300,7 +319,7 @@ def status(jd: JobDir) -> dict[str, Any]:
     values are None (JSON null); the table says what they mean.
     """
     config = _read_json(jd.config_path, MAX_CONFIG_BYTES)
-    events = _read_events(jd)
+    events = read_events(jd)
     states = [e for e in events if e.get("event") == "state"]
     head = summary(jd, config, events)
     running = head["is_running"]
@@ -532,7 +551,7 @@ def export_note(jd: JobDir, step: int, *, asked: bool) -> str:
         return head + ("the job did not finish (it stopped, failed or was preempted): the "
                        f"steps after {step} were not checkpointed; resume it to go on")
     try:
-        events = _read_events(jd)
+        events = read_events(jd)
     except BadInputError:  # unreadable: no reason to cite
         events = []
     finals = [e for e in events if e.get("event") == "final_checkpoint"

@@ -48,6 +48,9 @@ def status_cmd(
     if metrics:
         from cfrun.supervisor.metrics import JobMetrics
 
+        # a link, FIFO or device is refused in one line, not followed or waited on
+        report.check_regular(jd.config_path, report.MAX_CONFIG_BYTES)
+        report.check_regular(jd.events_path, sys.maxsize)  # read in parts
         sys.stdout.write(JobMetrics(jd.root).exposition().decode())
         return
     st = report.status(jd)
@@ -236,6 +239,7 @@ def _watch(jd: Any, status: Any, *, every_s: float) -> None:
 
 
 def _plot(jd: Any, out: Path) -> None:
+    from cfrun.cli.inspect import read_events
     from cfrun.cli.timeline import plot
 
-    plot(jd.read_events(), jd.root.name, out)
+    plot(read_events(jd), jd.root.name, out)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cfrun.contract import events as _events
-from cfrun.contract.fsio import open_private
+from cfrun.contract.fsio import UnsafeFileError, open_private, read_regular
 from cfrun.contract.settings import node_rank
 
 
@@ -133,11 +133,15 @@ class EventLog:
         best_effort.success("events")
 
     def read(self) -> list[dict[str, Any]]:
-        """All events, oldest first; a torn last line (a crash mid-append) is skipped."""
-        if not self.path.exists():
+        """All events, oldest first; a torn last line (a crash mid-append) is skipped. A link,
+        FIFO or device in the file's place reads as no events (never followed, never waited
+        on: :func:`cfrun.contract.fsio.read_regular`)."""
+        try:
+            data = read_regular(self.path, max_bytes=sys.maxsize)
+        except (UnsafeFileError, FileNotFoundError):
             return []
         out = []
-        for line in self.path.read_text().splitlines():
+        for line in data.decode("utf-8", "replace").splitlines():
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:

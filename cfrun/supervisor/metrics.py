@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ from urllib.parse import urlsplit
 
 from cfrun.contract import coordination
 from cfrun.contract.events import OVERHEAD_DEFINITION, overhead_seconds
-from cfrun.contract.fsio import write_atomic
+from cfrun.contract.fsio import read_regular, write_atomic
 from cfrun.contract.goodput import goodput
 from cfrun.contract.gpus import samples
 from cfrun.contract.jobdir import JobDir
@@ -60,6 +61,8 @@ STALL_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 PGT_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 MAX_EVENTS_READ_BYTES = 64 << 20
 """At most this much of ``events.jsonl`` is read per scrape (a huge backlog is read in parts)."""
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest ``config.json`` read for the overhead budget."""
 
 
 def restart_cause(cause: str) -> str:
@@ -128,10 +131,12 @@ class JobMetrics:
     def _read_new_events(self) -> None:
         path = self.jobdir.events_path
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return
-        try:
+        try:  # a FIFO or device is never read (nor waited on)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return
             data = os.pread(fd, MAX_EVENTS_READ_BYTES, self._offset)
         finally:
             os.close(fd)
@@ -184,7 +189,7 @@ class JobMetrics:
 
     def _budget(self) -> float | None:
         try:
-            data = json.loads(self.jobdir.config_path.read_text())
+            data = json.loads(read_regular(self.jobdir.config_path, max_bytes=MAX_CONFIG_BYTES))
             return float(data["overhead"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
