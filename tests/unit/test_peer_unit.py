@@ -641,3 +641,26 @@ def test_a_level2_password_is_in_no_log_line_or_reply(tmp_path, caplog, monkeypa
     with pytest.raises(BadInputError) as refused:
         open_storage("nosuchscheme://alice:hunter2@host/p")
     assert "hunter2" not in str(refused.value)
+
+
+def test_peer_help_asks_for_the_token_length_read_token_needs(tmp_path) -> None:
+    """Issue 32, finding 6: ``cfrun peer --help`` said 16 bytes where :func:`read_token`
+    needs :data:`MIN_TOKEN_BYTES` (32); a token of 16 is refused in one line."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from cfrun.cli import app as A
+    from cfrun.peer.protocol import MIN_TOKEN_BYTES
+
+    result = CliRunner().invoke(A.app, ["peer", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    shown = " ".join(re.sub(r"[│|]", " ", result.output).split())
+    assert MIN_TOKEN_BYTES == 32 and f">= {MIN_TOKEN_BYTES} bytes" in shown
+    assert "16 bytes" not in shown
+    short = tmp_path / "token"
+    short.write_bytes(b"x" * 16)
+    short.chmod(0o600)
+    with pytest.raises(BadInputError, match="32") as refused:
+        read_token(str(short))
+    assert "\n" not in str(refused.value)
