@@ -525,7 +525,7 @@ def _full_modules(step_dir: Path, modules: list[Any]) -> list[Any]:
         return [{k: gather_full(parts[(i, k)]) if isinstance(v, LocalShard) else v
                  for k, v in sd.items()} for i, sd in enumerate(modules)]
     except (CheckpointCorruptError, IncompatibleFormatError, ValueError, KeyError,
-            TypeError) as e:
+            TypeError, IndexError, RuntimeError) as e:
         raise BadInputError(f"checkpoint {step_dir.name} of a sharded job cannot be "
                             f"exported ({e}); export another --step") from None
 

@@ -26,6 +26,7 @@ their chunk metadata), without DCP's planning collectives on the training proces
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ import torch
 _KINDS = ("shard", "replicate", "partial", "strided_shard")
 """Placements cfrun stores, by name."""
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+_ARITY = {"shard": 2, "replicate": 1, "partial": 2, "strided_shard": 3}
+"""The length of each kind's stored form (:func:`_placement_json`)."""
 
 
 def dtensor_class() -> Any:
@@ -148,9 +151,12 @@ def _ints(value: Any, what: str) -> list[int]:
     return value
 
 
-def check_meta(meta: Any) -> dict[str, Any]:
+def check_meta(meta: Any, local: torch.Tensor | None = None) -> dict[str, Any]:
     """``meta`` is :func:`placement_meta`'s form (a checkpoint's data is checked beyond its
-    checksum, DESIGN.md §9); returns it.
+    checksum, DESIGN.md §9); returns it. Each placement's dimension is one of the shape's
+    (a bad one made DTensor's own code raise past the refusal: issue 32, finding 6), and
+    ``local`` (the stored shard) has the shape's dimensions and lies inside it at ``offset``
+    (unless a placement is ``strided_shard``, whose shard is no one block).
 
     Raises:
         ValueError: the first field that is not.
@@ -170,13 +176,27 @@ def check_meta(meta: Any) -> dict[str, Any]:
     placements = meta.get("placements")
     if not isinstance(placements, list) or len(placements) != mesh.dim():
         raise ValueError("DTensor placements do not fit the mesh")
-    for p in placements:
-        if not isinstance(p, list) or not p or p[0] not in _KINDS:
-            raise ValueError(f"DTensor placement {str(p)[:40]} is not one cfrun stores")
     shape = _ints(meta.get("shape"), "shape")
+    for p in placements:
+        if not isinstance(p, list) or not p or p[0] not in _KINDS or len(p) != _ARITY[p[0]]:
+            raise ValueError(f"DTensor placement {str(p)[:40]} is not one cfrun stores")
+        if p[0] in ("shard", "strided_shard") and not (type(p[1]) is int
+                                                       and 0 <= p[1] < len(shape)):
+            raise ValueError(f"DTensor placement {str(p)[:40]} names no dimension of its "
+                             f"shape {shape[:8]}")
+        if p[0] == "strided_shard" and not (type(p[2]) is int and p[2] >= 1):
+            raise ValueError(f"DTensor placement {str(p)[:40]} has no split factor >= 1")
+        if p[0] == "partial" and p[1] not in _REDUCE_OPS:
+            raise ValueError(f"DTensor partial reduce op {str(p[1])[:20]} is not one of "
+                             f"{_REDUCE_OPS}")
     for key in ("stride", "offset"):
         if len(_ints(meta.get(key), key)) != len(shape):
             raise ValueError(f"DTensor {key} does not fit its shape {shape}")
+    strided = any(p[0] == "strided_shard" for p in placements)  # no one block: no offset
+    if local is not None and (local.dim() != len(shape) or not strided and any(
+            o + n > s for o, n, s in zip(meta["offset"], local.shape, shape))):
+        raise ValueError(f"DTensor shard {list(local.shape)[:8]} at {meta['offset'][:8]} lies "
+                         f"outside its shape {shape[:8]}")
     return meta
 
 
@@ -298,6 +318,9 @@ def reshard_local(shard: LocalShard, mesh: Any) -> Any:
     placements = [_placement(p) for p in meta["placements"]]
     shape = torch.Size(meta["shape"])
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if math.prod(local_shape) > sum(part.local.numel() for part in parts):  # before allocating
+        raise MeshMismatchError(f"the old ranks' shards do not cover this rank's new shard of "
+                                f"a DTensor of shape {list(shape)[:8]}")
     local = torch.empty(local_shape, dtype=shard.local.dtype)
     covered = torch.zeros(local_shape, dtype=torch.bool)
     for part in parts:
@@ -352,6 +375,8 @@ def gather_full(parts: list[Any]) -> Any:
     """
     first = parts[0]
     shape, dtype = first.meta["shape"], first.local.dtype
+    if math.prod(shape) > sum(part.local.numel() for part in parts):  # before allocating
+        raise ValueError(f"the ranks' shards do not cover a DTensor of shape {shape[:8]}")
     full = torch.empty(shape, dtype=dtype)
     covered = torch.zeros(shape, dtype=torch.bool)
     for part in parts:

@@ -259,7 +259,7 @@ def decode(tree: Any, tensors: list[torch.Tensor]) -> Any:
         return tensors[i]
     if "__dt__" in tree and set(tree) == {"__dt__", "meta"}:
         local = decode({"__t__": tree["__dt__"]}, tensors)
-        return LocalShard(local, check_meta(tree["meta"]))
+        return LocalShard(local, check_meta(tree["meta"], local))
     if "__tuple__" in tree and len(tree) == 1:
         return tuple(decode(v, tensors) for v in tree["__tuple__"])
     if "__alias__" in tree and len(tree) == 1:

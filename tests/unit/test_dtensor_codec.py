@@ -74,3 +74,31 @@ def test_cfrun_verify_compares_stored_shards_by_placement_and_bits():
     assert "values differ" in bits.detail
     [placed] = differences(state(1.0, 2), state(1.0, 0))
     assert placed.detail.startswith("placed")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("placements", [["shard", 2]]), ("placements", [["shard", -1]]),
+    ("placements", [["strided_shard", 7, 2]]), ("placements", [["strided_shard", 0, 0]]),
+    ("placements", [["partial", "xor"]]), ("placements", [["replicate", 1]]),
+    ("offset", [3, 0]), ("shape", [4, 2])])
+def test_a_bad_placement_dimension_or_a_shard_outside_its_shape_does_not_decode(field, value):
+    """Issue 32, finding 6: ``Shard(2)`` of a 2-D tensor decoded, then DTensor's own code
+    raised an IndexError past the refusal at resume (cfrun stopped instead of refusing the
+    checkpoint); a shard placed outside its shape did too. Now both are decode errors, which
+    check_usable turns into a corrupt checkpoint."""
+    meta = dict(_GOOD, **{field: value})
+    with pytest.raises(ValueError):
+        decode({"__dt__": 0, "meta": meta}, [torch.zeros(2, 3)])
+
+
+def test_export_refuses_a_crafted_shape_before_allocating_it():
+    """Issue 32, finding 6: crafted DTensor metadata (a global shape of 2**40 elements over
+    one 2 x 3 shard) made ``cfrun export`` allocate by the JSON's shape before the coverage
+    check. Now the shards' elements are counted first: refused, nothing allocated."""
+    from cfrun.codec.dtensor import gather_full
+
+    huge = LocalShard(torch.zeros(2, 3), dict(_GOOD, shape=[1 << 39, 3], offset=[0, 0]))
+    with pytest.raises(ValueError, match="do not cover"):
+        gather_full([huge])
+    whole = LocalShard(torch.ones(2, 3), dict(_GOOD, shape=[2, 3], offset=[0, 0]))
+    assert torch.equal(gather_full([whole]), torch.ones(2, 3))
