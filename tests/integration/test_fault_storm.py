@@ -104,6 +104,30 @@ def _roles(cfrun: psutil.Process) -> dict[str, list[psutil.Process]]:
     return out
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler (``SigCgt`` in /proc/PID/status): cfrun
+    holds SIGTERM from its first line (:mod:`cfrun.contract.early_signals`); before that the
+    interpreter is still starting and the default action ends it with -15, as any program."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _wait_until_it_catches_sigterm(victim: psutil.Process, proc: subprocess.Popen[bytes],
+                                   timeout_s: float = 120.0) -> None:
+    """A preemption's SIGTERM goes to cfrun once its first line ran (a fixed second after the
+    start was too little on a machine with a load of 15: the interpreter had not started)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None \
+            and not _catches_sigterm(victim.pid):
+        time.sleep(0.05)
+
+
 def _wait_for_progress(storm: Storm, proc: subprocess.Popen[bytes], since: int,
                        timeout_s: float = 180.0) -> None:
     """Until a checkpoint newer than ``since`` commits (or cfrun exits): the storm never
@@ -131,7 +155,6 @@ def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int,
     try:
         for _ in range(kills_wanted + 5):
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err)
-            started_s = time.monotonic()
             storm.say(f"start cfrun pid {proc.pid}")
             cfrun = psutil.Process(proc.pid)
             progress_mark = storm.commits()
@@ -149,7 +172,7 @@ def _run_storm(storm: Storm, argv: list[str], cwd: Path, kills_wanted: int,
                 victim = storm.rng.choice(roles[role])
                 sig = signal.SIGTERM if role == "sigterm" else signal.SIGKILL
                 if role == "sigterm":  # not before the interpreter has run cfrun's first line
-                    time.sleep(max(0.0, started_s + 1.0 - time.monotonic()))
+                    _wait_until_it_catches_sigterm(victim, proc)
                 try:
                     victim.send_signal(sig)
                 except psutil.NoSuchProcess:
