@@ -234,14 +234,7 @@ class JobDir:
             BadInputError: ``logs/torchrun`` is a symbolic link or not a directory.
         """
         top = self.torchrun_logs
-        try:
-            top.mkdir(mode=DIR_MODE)
-        except FileExistsError:
-            pass
-        if top.is_symlink() or not top.is_dir():
-            raise BadInputError(f"{str(top)!r} is not a directory (a link?); remove it, "
-                                "cfrun creates it")
-        _make_private_dir(top)
+        _private_subdir(top)
         for where, dirs, files in os.walk(top, followlinks=False):
             for name in dirs + files:
                 path = os.path.join(where, name)
@@ -316,14 +309,7 @@ class JobDir:
         self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _make_private_dir(self.root)
         for sub in (self.checkpoints, self.profiles, self.logs):
-            try:
-                sub.mkdir(mode=DIR_MODE)
-            except FileExistsError:
-                pass
-            if sub.is_symlink() or not sub.is_dir():
-                raise BadInputError(f"{str(sub)!r} is not a directory (a link?); remove it, "
-                                    "cfrun creates it")
-            _make_private_dir(sub)
+            _private_subdir(sub)
 
     def set_aside_checkpoints(self) -> Path:
         """Move ``checkpoints/`` to ``checkpoints.previous-<UTC time>`` in the job dir (a
@@ -437,6 +423,23 @@ class JobDir:
     def read_events(self) -> list[dict[str, Any]]:
         """All events, oldest first; a torn last line (a crash mid-append) is skipped."""
         return self.event_log.read()
+
+
+def _private_subdir(path: Path) -> None:
+    """Create ``path`` (one level, mode 0700) unless it exists, refuse it when it is a link or
+    not a directory, and make it private (:func:`_make_private_dir`).
+
+    Raises:
+        BadInputError: ``path`` is a symbolic link or not a directory.
+    """
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        pass
+    if path.is_symlink() or not path.is_dir():
+        raise BadInputError(f"{str(path)!r} is not a directory (a link?); remove it, "
+                            "cfrun creates it")
+    _make_private_dir(path)
 
 
 def _make_private_dir(path: Path) -> None:
