@@ -81,10 +81,11 @@ def test_cuda_amp_resumes_bit_exactly_after_kills(tmp_path: Path, mode: str, sid
     _same(ref, _cfrun(tmp_path, "kills", "train_cuda_amp.py", args, mode, "10@0,27@1"))
 
 
+@pytest.mark.parametrize("round_", ROUNDS)
 @pytest.mark.parametrize("mode, side", [("thread", False), ("thread", True), ("gpu", True),
                                         ("host", True)])
 def test_cuda_amp_with_the_copy_held_back_resumes_bit_exactly(tmp_path: Path, mode: str,
-                                                              side: bool):
+                                                              side: bool, round_: int):
     """Issue 33: the background copy starts 50 ms late, so the next iteration's forward, the
     GradScaler's update and the step's gate all meet a copy still running; the checkpoints hold
     the boundary's values and the killed run ends bit-identical with the plain one."""
