@@ -11,7 +11,9 @@ from conftest import SCRIPTS, assert_bit_identical, run_cfrun, tiny_reference
 from cfrun.contract import faults
 
 pytestmark = pytest.mark.timeout(300)
-TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "3", "--out", "x.pt"]
+# long enough that the profile, which stops the script once measured, ends well before the
+# script would (CI's slow disk once let the last probe's persist outlast 3 epochs)
+TINY = [str(SCRIPTS / "train_tiny.py"), "--epochs", "20", "--out", "x.pt"]
 
 
 @pytest.mark.slow
@@ -45,7 +47,7 @@ def test_profile_command_table_strategy_and_cache(tmp_path):
     assert again.events("decision")[-1]["source"] == "cache"
 
     other = run_cfrun(["profile", "--job-dir", "p", str(SCRIPTS / "train_tiny.py"), "--epochs",
-                       "4", "--out", "x.pt"], cwd=tmp_path)
+                       "21", "--out", "x.pt"], cwd=tmp_path)
     assert other.returncode == 0, other.stderr[-3000:]
     assert len(other.events("profile")) == 2  # new arguments, new fingerprint: profiled again
     assert len(list((job / "profiles").glob("*.json"))) == 2
