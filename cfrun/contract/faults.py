@@ -44,6 +44,9 @@ POINTS: dict[str, str] = {
         "float SECONDS: right after it started an attempt, the supervisor's main thread runs a "
         "finalizer (a __del__) that sleeps this long: a stop signal landing there has its "
         "exception printed and dropped by Python",
+    "supervisor.output_cap_bytes":
+        "int BYTES: the most of one attempt's output kept in logs/attempt-N-output.log (a small "
+        "cap, so a test can pass it)",
     "peer.flush_delay_s":
         "float SECONDS: the cfrun peer's flusher sleeps this long after the first file of each "
         "checkpoint (a slow level 2)",

@@ -247,6 +247,14 @@ class JobDir:
                     pass  # gone meanwhile: nothing to change
         return top
 
+    def attempt_output_path(self, attempt: int) -> Path:
+        """``logs/attempt-N-output.log`` (``attempt-N-node1-output.log`` on node 1): what the
+        ranks printed during attempt N, as the console showed it
+        (:mod:`cfrun.supervisor.console`)."""
+        from cfrun.contract.settings import node_suffix
+
+        return self.logs / f"attempt-{attempt}{node_suffix()}-output.log"
+
     def attempt_log_path(self, attempt: int) -> Path:
         """``logs/attempt-N.log`` (``attempt-N-node1.log`` on node 1): what torchrun itself
         wrote during attempt N (:mod:`cfrun.supervisor.torchrun_log`)."""

@@ -192,6 +192,9 @@ SHARD = _declare("CFRUN_SHARD", "choice", "1",
                  "1: each data-parallel rank persists 1/N of the replicated tensors "
                  "(DeepFreeze); 0: every rank persists its whole state; rank0: rank 0 alone "
                  "persists the replicated tensors", choices=("0", "1", "rank0"))
+CONSOLE_LOG = _declare("CFRUN_CONSOLE_LOG", "flag", "1",
+                       "1: the ranks' output is also kept in the job dir "
+                       "(logs/attempt-N-output.log); 0: it goes to the console alone")
 STANDBY = _declare("CFRUN_STANDBY", "flag", "1",
                    "1: a --launcher python job keeps a warm spare process (Python, torch and "
                    "cfrun imported) that becomes the rank after a failure; 0: restarts start cold")

@@ -57,6 +57,7 @@ from cfrun.contract.jobdir import (
 from cfrun.contract.manifest import FORMAT_VERSION, ManifestKeys
 from cfrun.supervisor.admission import Admission, drop_untrained
 from cfrun.supervisor.agentproc import AgentProcess
+from cfrun.supervisor.console import ConsoleTap
 from cfrun.supervisor.launcher import (
     kill_job_processes,
     leftover_agent_pid,
@@ -130,6 +131,7 @@ class Supervisor:
             if sys.stderr.isatty() else 0.0
         self.policy = Policy.from_config(cfg, backoff_s, python_command)
         self.history = History()
+        self.console = ConsoleTap()  # the ranks' output kept in the job dir, once opened
         self.standby = Standby(cfg) if standby_wanted(cfg) else None
         """The warm spare of a ``--launcher python`` rank (:mod:`cfrun.supervisor.standby`)."""
         self.monitor = Monitor(cfg, self.jobdir, spawn_fn=spawn_fn,
@@ -141,7 +143,7 @@ class Supervisor:
                                second_signal=lambda: self.signals.second,
                                check_stop=self.signals.check,
                                pending_signals=self.signals.pending,
-                               progress_s=self.progress_s)
+                               progress_s=self.progress_s, console=self.console)
 
     def _set(self, state: SupervisorState, **fields: Any) -> None:
         self.state = state
@@ -191,6 +193,10 @@ class Supervisor:
             if held is not None:
                 raise SignalReceived(held)
             self._start_agent()
+            if E.get_flag(E.CONSOLE_LOG):
+                self.console.open()
+            if self.standby is not None:
+                self.standby.stdio = self.console.popen_kwargs()
             return self._run_locked()
         except SignalReceived as sig:
             return self._preempt(sig)
@@ -213,6 +219,7 @@ class Supervisor:
                     self.metrics.write_textfile()
                 if self.metrics_server is not None:
                     self.metrics_server.shutdown()
+                self.console.close()
                 jd.unlock()
                 self._stop_reaper()
                 if made and self.default_job_dir:

@@ -199,11 +199,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     return preexec
 
 
-def spawn(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], env: dict[str, str], cwd: str, **stdio: Any
+          ) -> subprocess.Popen[bytes]:
     """Start torchrun in its own process group (so signals reach the whole tree); it is SIGKILLed
-    if the supervisor dies (:func:`die_with_parent`). Call from the supervisor's main thread."""
+    if the supervisor dies (:func:`die_with_parent`). ``stdio``: ``stdout``/``stderr`` for
+    ``Popen`` (the console tap's ends, :meth:`cfrun.supervisor.console.ConsoleTap.popen_kwargs`).
+    Call from the supervisor's main thread."""
     return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True,
-                            preexec_fn=die_with_parent())
+                            preexec_fn=die_with_parent(), **stdio)
 
 
 def job_processes(job_dir: str, node_rank: int, *, supervisor_pid: int | None = None,

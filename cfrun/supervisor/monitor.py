@@ -31,10 +31,12 @@ from cfrun.contract.config import RunConfig
 from cfrun.contract.errors import BadInputError, FatalJobError
 from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
+from cfrun.supervisor.console import ConsoleTap
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
 from cfrun.supervisor.machine import Outcome
 from cfrun.supervisor.progress import ProgressLine
 from cfrun.supervisor.records import RankRecords
+from cfrun.supervisor.signals import forward_pending
 from cfrun.supervisor.standby import Standby
 from cfrun.supervisor.torchrun_log import read_rank_exits, read_usage_error
 
@@ -135,6 +137,7 @@ class Monitor:
         progress_s: seconds between progress lines on stderr (0: none).
         standby: the warm spare (``--launcher python``): an attempt after the first becomes
             it when it is ready; a new one starts once the attempt made a step.
+        console: keeps the ranks' output in the job dir (:mod:`cfrun.supervisor.console`).
     """
 
     def __init__(self, cfg: RunConfig, jobdir: JobDir, *,
@@ -144,7 +147,8 @@ class Monitor:
                  second_signal: Callable[[], bool],
                  check_stop: Callable[[], None],
                  pending_signals: list[int],
-                 progress_s: float = 0.0, standby: Standby | None = None) -> None:
+                 progress_s: float = 0.0, standby: Standby | None = None,
+                 console: ConsoleTap | None = None) -> None:
         self.cfg = cfg
         self.jobdir = jobdir
         self.spawn_fn = spawn_fn
@@ -168,6 +172,7 @@ class Monitor:
         self._metrics_at = 0.0
         self._pending_signals = pending_signals
         self.standby = standby
+        self.console = console or ConsoleTap()  # unopened: the ranks inherit cfrun's console
 
     # ------------------------------------------------------------------ one attempt
 
@@ -195,11 +200,13 @@ class Monitor:
         self.attempt = attempt
         # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
         # kill_ranks finds it among our descendants
+        self.console.keep_in(self.jobdir.attempt_output_path(attempt))
         self.proc = self.standby.promote(env) if warm and self.standby is not None else None
         if self.proc is None:
-            self.proc = self.spawn_fn(argv, env, self.cfg.cwd)
+            self.proc = self.spawn_fn(argv, env, self.cfg.cwd, **self.console.popen_kwargs())
         _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
+        self.console.drain()  # the ranks' last lines before the supervisor's own
         self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
         self.proc = None
         try:  # torchrun made its directories with the umask's modes
@@ -229,7 +236,8 @@ class Monitor:
                 return self.proc.wait(timeout=0.1), hung, agent_error
             except subprocess.TimeoutExpired:
                 self.check_stop()
-                self.forward_pending()
+                forward_pending(self._pending_signals, self.proc, self.cfg.launcher,
+                                self.jobdir.emit_event)
                 self.line.progress(started_unix_s)
                 if time.monotonic() - checked_at < HOUSEKEEPING_S:
                     continue
@@ -292,30 +300,6 @@ class Monitor:
                        ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
                        last_step=self.records.last_step(),
                        committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))
-
-    def forward_pending(self) -> None:
-        """Send the queued signals to the ranks (torchrun's children; not torchrun, whose own
-        handler would end the attempt on SIGHUP or SIGQUIT). Event ``signal_forwarded``."""
-        import psutil
-
-        while self._pending_signals:
-            signum = self._pending_signals.pop(0)
-            ranks: list[Any] = []
-            if self.proc is not None:
-                try:
-                    proc = psutil.Process(self.proc.pid)
-                    # --launcher python: the attempt's process is the rank itself
-                    ranks = [proc] if self.cfg.launcher == "python" else proc.children()
-                except psutil.Error:
-                    ranks = []
-            for r in ranks:
-                try:
-                    r.send_signal(signum)
-                except psutil.Error:
-                    pass
-            name = signal.Signals(signum).name
-            logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
-            self.jobdir.emit_event("signal_forwarded", signal=name, ranks=len(ranks))
 
     # ------------------------------------------------------------------ processes
 

@@ -10,17 +10,48 @@ kept (:attr:`StopSignals.signum`) until the supervisor takes it, and its loops r
 (:meth:`StopSignals.check`, every 0.1 s). A second stop signal ends the job at once.
 
 The forwarded signals (:func:`forwarded_signals`) are queued for the monitor, which sends them
-to the ranks (:meth:`cfrun.supervisor.monitor.Monitor.forward_pending`).
+to the ranks (:func:`forward_pending`).
 
 Main thread only (``signal.signal`` and the handlers run there).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger("cfrun")
+
+
+def forward_pending(pending: list[int], proc: subprocess.Popen[bytes] | None, launcher: str,
+                    emit: Callable[..., None]) -> None:
+    """Send the signals queued in ``pending`` (emptied) to the ranks of the attempt whose
+    process is ``proc``: torchrun's children, not torchrun, whose own handler would end the
+    attempt on SIGHUP or SIGQUIT; with ``launcher`` ``python`` the process is the rank itself.
+    Event ``signal_forwarded`` through ``emit``. A rank that is gone is skipped."""
+    import psutil
+
+    while pending:
+        signum = pending.pop(0)
+        ranks: list[Any] = []
+        if proc is not None:
+            try:
+                process = psutil.Process(proc.pid)
+                ranks = [process] if launcher == "python" else process.children()
+            except psutil.Error:
+                ranks = []
+        for r in ranks:
+            try:
+                r.send_signal(signum)
+            except psutil.Error:
+                pass
+        name = signal.Signals(signum).name
+        logger.info("cfrun: forwarded %s to %d rank(s)", name, len(ranks))
+        emit("signal_forwarded", signal=name, ranks=len(ranks))
 
 
 def forwarded_signals() -> tuple[signal.Signals, ...]:

@@ -60,6 +60,9 @@ class Standby:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        self.stdio: dict[str, int] = {}
+        """``stdout``/``stderr`` for the spare's ``Popen``: the console tap's ends (set by the
+        supervisor), so the spare, once the rank, writes where a rank does."""
         self.proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._ready = False
@@ -91,7 +94,8 @@ class Standby:
             self.proc = subprocess.Popen(
                 module_argv("cfrun.rank.spare", str(theirs.fileno())), env=spare_env,
                 cwd=self.cfg.cwd, start_new_session=True, preexec_fn=die_with_parent(),
-                pass_fds=(theirs.fileno(),))
+                pass_fds=(theirs.fileno(),), stdout=self.stdio.get("stdout"),
+                stderr=self.stdio.get("stderr"))
         except OSError as e:  # no memory for another process: recover cold
             logger.debug("cfrun: no warm spare (%s)", e)
             ours.close()

@@ -20,7 +20,7 @@ cfg = RunConfig(script="x.py", script_args=[], job_dir=job, cwd=os.getcwd(), gra
 pids = {}
 
 
-def spawn_fn(argv, env, cwd):
+def spawn_fn(argv, env, cwd, **stdio):
     if case == "during_spawn":
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              start_new_session=True)

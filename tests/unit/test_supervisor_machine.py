@@ -459,7 +459,7 @@ def _attempt_that(tmp_path: Path, code: str, nproc: int = 2) -> Outcome:
     job = str(fresh / "job")
     src = "import json, os, sys\nJOB = " + repr(job) + "\n" + _MARK + textwrap.dedent(code)
 
-    def spawn_fn(argv, env, cwd):
+    def spawn_fn(argv, env, cwd, **stdio):
         return subprocess.Popen([sys.executable, "-c", src], cwd=cwd)
 
     monitor.spawn_fn = spawn_fn
@@ -536,7 +536,7 @@ def test_monitor_counts_an_agent_that_cannot_restart_as_agent_lost(tmp_path: Pat
         raise FatalJobError("the persist agent did not start (see its output above)")
 
     monitor.check_agent = check_agent
-    monitor.spawn_fn = lambda argv, env, cwd: subprocess.Popen(
+    monitor.spawn_fn = lambda argv, env, cwd, **stdio: subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], cwd=cwd)
     outcome = monitor.run(0)
     assert outcome.kind is OutcomeKind.AGENT_LOST and outcome.returncode == -9
@@ -639,7 +639,7 @@ def test_torchruns_log_dir_is_private_before_and_after_an_attempt(tmp_path: Path
     """)
     seen: dict = {}
 
-    def spawn_fn(argv, env, cwd):
+    def spawn_fn(argv, env, cwd, **stdio):
         top = Path([a for a in argv if a.startswith("--log-dir=")][0].split("=", 1)[1])
         seen["mode"] = stat.S_IMODE(os.lstat(top).st_mode)
         return subprocess.Popen([sys.executable, "-c", code, str(outside), *argv], cwd=cwd)

@@ -114,7 +114,7 @@ def test_restarts_back_off_exponentially_up_to_30_s(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(S.Supervisor, "_start_agent", lambda self: None)
     spawned: list[list[str]] = []
 
-    def fake_spawn(argv, env, cwd):
+    def fake_spawn(argv, env, cwd, **stdio):
         spawned.append(argv)
         return _Failed()
 
