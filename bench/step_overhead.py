@@ -57,7 +57,8 @@ def run(cfrun: bool, loader: bool, steps: int, tmp: Path) -> tuple[float, float]
 
 
 PARTS = {
-    "loader next() hook": ("rank/data.py", "on_loader_next"),
+    "loader next() hook": ("rank/data.py", "rank/loader_epoch.py", "rank/loader_workers.py",
+                           "rank/loader_carry.py", "on_loader_next"),
     "step pre-hook (gate)": ("on_before_step", "rank/snapshot.py"),
     "hook wrappers (Guard)": ("rank/install.py", "sitecustomize"),
     "step post-hook (own)": ("on_optimizer_step",),

@@ -224,5 +224,5 @@ def map_position(batches: int, batch_size: int, replicas: int, new_batch_size: i
 
 
 def sampler_state_for_new_world(saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``saved`` (:func:`cfrun.rank.data.sampler_state`) without :data:`WORLD_KEYS`."""
+    """``saved`` (:func:`cfrun.rank.loader_epoch.sampler_state`) without :data:`WORLD_KEYS`."""
     return [{k: v for k, v in st.items() if k not in WORLD_KEYS} for st in saved]

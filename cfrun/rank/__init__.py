@@ -29,8 +29,10 @@ Read in this order (a step meets them in this order too):
 
 Wiring: :mod:`~cfrun.rank.runtime` (one ``Runtime`` per rank holds the phase objects) and
 :mod:`~cfrun.rank.settings` (``RankSettings``: what the supervisor tells the rank). Helpers:
-:mod:`~cfrun.rank.data` (DataLoader hooks), :mod:`~cfrun.rank.frames` (script variables and
-loops), :mod:`~cfrun.rank.rng`, :mod:`~cfrun.rank.log`.
+:mod:`~cfrun.rank.data` (DataLoader hooks; the epoch they record and restart:
+:mod:`~cfrun.rank.loader_epoch`, the workers' RNG streams: :mod:`~cfrun.rank.loader_workers`,
+the other loaders' carried state: :mod:`~cfrun.rank.loader_carry`), :mod:`~cfrun.rank.frames`
+(script variables and loops), :mod:`~cfrun.rank.rng`, :mod:`~cfrun.rank.log`.
 
 This package's ``__init__`` imports nothing: the supervisor imports :mod:`cfrun.rank.settings`
 without torch.

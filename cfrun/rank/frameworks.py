@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cfrun.rank import frames as F
-from cfrun.rank.data import loader_fingerprint, set_epoch_rng
+from cfrun.rank.loader_epoch import loader_fingerprint, set_epoch_rng
 
 
 @dataclass(frozen=True)

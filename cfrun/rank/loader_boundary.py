@@ -24,14 +24,10 @@ from cfrun.rank import frameworks as FW
 from cfrun.rank.adapters import accelerate as ACC
 from cfrun.rank.adapters import hf as HF
 from cfrun.rank.adapters import lightning as PL
-from cfrun.rank.data import (
-    carried_state,
-    inexact_reasons,
-    loader_fingerprint,
-    sampler_state,
-    worker_rng_of,
-)
 from cfrun.rank.discovery import Discovery
+from cfrun.rank.loader_carry import carried_state
+from cfrun.rank.loader_epoch import inexact_reasons, loader_fingerprint, sampler_state
+from cfrun.rank.loader_workers import worker_rng_of
 
 
 class LoaderBoundary:
@@ -169,7 +165,7 @@ class LoaderBoundary:
         return data
 
     def _carried(self, train: Any) -> dict[str, Any]:
-        """:func:`cfrun.rank.data.carried_state` of every live loader but ``train``, by
+        """:func:`cfrun.rank.loader_carry.carried_state` of every live loader but ``train``, by
         creation ordinal (as a string)."""
         out: dict[str, Any] = {}
         for loader in self._found.loaders():

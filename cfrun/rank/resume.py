@@ -17,7 +17,7 @@ and cfrun fast-forwards it to the checkpoint's boundary, where it waits for the 
   Lightning Fabric's ``_FabricDataLoader``), gets its state back at that ``iter()``, which
   its ``__iter__`` makes: its prefetched batch, its own counters
   (:func:`cfrun.rank.frames.wrapper_state`), and the sampler's epoch
-  (:func:`cfrun.rank.data.sampler_state`);
+  (:func:`cfrun.rank.loader_epoch.sampler_state`);
 * **loader loops, replay** (any other epoch loop, e.g. ``for epoch in epochs_list``): completed
   epochs run without loading data and with the script's output and ``torch.save`` suppressed,
   until the training loader's ``iter()`` of the checkpoint's epoch; the script's other

@@ -21,15 +21,15 @@ from typing import Any, NoReturn
 
 from cfrun.codec import reshard as RS
 from cfrun.rank import frames as F
-from cfrun.rank.data import (
+from cfrun.rank.discovery import Discovery
+from cfrun.rank.fast_forward import FastForward
+from cfrun.rank.loader_carry import set_carried_state
+from cfrun.rank.loader_epoch import (
     loader_fingerprint,
     sampler_state,
-    set_carried_state,
     set_epoch_rng,
     set_sampler_state,
 )
-from cfrun.rank.discovery import Discovery
-from cfrun.rank.fast_forward import FastForward
 from cfrun.rank.log import say
 from cfrun.rank.resume_plan import ResumePlan
 from cfrun.rank.resume_read import PlanRead
@@ -188,7 +188,7 @@ class LoaderArrival:
 
     def _restore_other_loaders(self, train: Any, saved: dict[str, Any]) -> None:
         """The loaders other than the training one (an eval loader) get what they carried
-        into their next epoch at the checkpoint (:func:`cfrun.rank.data.set_carried_state`:
+        into their next epoch at the checkpoint (:func:`cfrun.rank.loader_carry.set_carried_state`:
         generators, persistent workers' seed and streams), matched by creation ordinal."""
         for loader in self.found.loaders():
             state = saved.get(str(loader.__dict__.get("_cfrun_ordinal")))

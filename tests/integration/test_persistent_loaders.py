@@ -8,7 +8,7 @@ one base-seed draw more than the uninterrupted run, so the next epoch's shuffle
 (``RandomSampler`` seeds itself from the global RNG), mixup and everything after differed, the
 final state first at the optimizer's momentum buffer, and the best metric with it. Now the
 checkpoint carries every other loader's generator, persistent workers' base seed and per-worker
-RNG states, and a resume restarts those workers as they were (:mod:`cfrun.rank.data`,
+RNG states, and a resume restarts those workers as they were (:mod:`cfrun.rank.loader_carry`,
 ``carried_state``).
 
 ``train_timm_loader.py`` loads data as timm's ``create_loader`` does with its defaults (2

@@ -1,5 +1,6 @@
-"""The pure parts of cfrun.rank.data: the lazy skipping index iterator, the worker RNG states
-and their checkpoint form, the batch wrapper, and a worker restarted from recorded states."""
+"""The pure parts of the DataLoader hooks (cfrun.rank.loader_epoch, cfrun.rank.loader_workers):
+the lazy skipping index iterator, the worker RNG states and their checkpoint form, the batch
+wrapper, and a worker restarted from recorded states."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 from cfrun.codec.format import decode, encode
-from cfrun.rank.data import (
-    IndexIter,
+from cfrun.rank.loader_epoch import IndexIter, inexact_reasons
+from cfrun.rank.loader_workers import (
     WorkerBatch,
     WorkerInit,
-    inexact_reasons,
     rng_state_for_checkpoint,
     set_worker_rng_state,
     worker_rng_of,

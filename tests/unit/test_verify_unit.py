@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cfrun.cli.verify import stopped_at
 from cfrun.cli.verify_compare import first_divergence, unseeded_rngs, varying_variables
 from cfrun.cli.verify_plan import AFTER_STEP, DURING_PERSIST, plan_kills
+from cfrun.cli.verify_runs import stopped_at
 from cfrun.codec.compare import differences, entry_names
 from cfrun.contract.errors import BadInputError
 from cfrun.contract.verify import StepDigest
