@@ -9,14 +9,18 @@ first waits for an event recorded at the boundary and for those :meth:`CudaCopie
 recorded on the streams the optimizer steps ran on. With the staging buffer (``gpu`` mode, or
 when free device memory allows) state is first copied device-to-device into a buffer taken from
 the caching allocator for that checkpoint only (CheckFreq's GPU snapshot), so the next step
-waits only for that fast copy. Tensors on several devices get one stream, event and gate per
-device. One :class:`CudaCopies` per rank; training thread, except
+waits only for that fast copy. The buffer is taken on the training stream before the boundary's
+event is recorded, so that what its allocation queues there (under
+``torch.use_deterministic_algorithms``, a fill) comes before the side stream's copies (issue
+33). Tensors on several devices get one stream, event and gate per device. One
+:class:`CudaCopies` per rank; training thread, except
 :meth:`CudaCopies.copy_on_side_streams` (the snapshot thread, slot not page-locked).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,12 +93,13 @@ class CudaCopies:
         """Queue the device-to-host copies of ``pairs`` (slot view, live tensor; ``entries``
         their places in the slot ``buf``) on each device's side stream.
 
-        Training thread. The side stream first waits for the stream current at the boundary
-        and for the streams the optimizer steps ran on (:meth:`after_step`). With the staging
-        buffer (``mode`` ``gpu``, or free device memory for it unless ``host``) the tensors
-        are first copied into it (:meth:`_stage`); without it, one ``_foreach_copy_`` into
-        the slot, each tensor whose slot range spans two page-locked pieces cut there when
-        ``crossing``.
+        Training thread. The side stream first waits for an event recorded on the stream
+        current at the boundary, after everything this checkpoint queued there (the staging
+        buffer's allocation included: :meth:`_staging`), and for the streams the optimizer
+        steps ran on (:meth:`after_step`). With the staging buffer (``mode`` ``gpu``, or free
+        device memory for it unless ``host``) the tensors are first copied into it
+        (:meth:`_stage`); without it, one ``_foreach_copy_`` into the slot, each tensor whose
+        slot range spans two page-locked pieces cut there when ``crossing`` (:meth:`_direct`).
 
         Returns ``(device, event)`` pairs: with ``copy``, one per device, complete once every
         copy into the slot from that device (the current-stream ones included) has landed,
@@ -110,9 +115,15 @@ class CudaCopies:
         self.gates = []
         for device, idx in by_device.items():
             with torch.cuda.device(device):
+                dev_pairs = [pairs[i] for i in idx]
+                dev_entries = [entries[i] for i in idx]
+                # the staging buffer first: it comes from the training stream, and whatever
+                # its allocation queues there (under torch.use_deterministic_algorithms, a
+                # fill with 0xFF: NaN as float32) must run before the side stream writes it
+                staging = self._staging(device, dev_entries, mode) if idx and copy else None
                 current = torch.cuda.current_stream(device)
                 ready = torch.cuda.Event()
-                ready.record(current)  # after the step's kernels and the boundary's copies
+                ready.record(current)  # after the step, the boundary's copies, the buffer
                 waits = [ready] + [ev for (d, _), ev in self.step_events.items()
                                    if d == device]
                 if not idx:  # only current-stream copies from this device
@@ -124,25 +135,45 @@ class CudaCopies:
                     continue
                 for ev in waits:
                     side.wait_event(ev)
-                gate, done = self._enqueue_device(
-                    device, side, buf, [pairs[i] for i in idx], [entries[i] for i in idx],
-                    mode=mode, crossing=crossing)
+                if staging is not None:
+                    gate, done = self._stage(side, buf, [s.detach() for _, s in dev_pairs],
+                                             staging)
+                else:
+                    gate, done = self._direct(side, buf, dev_pairs, dev_entries,
+                                              crossing=crossing)
                 self.gates.append((device, gate))
                 done_events.append((device, done))
         return done_events
 
-    def _enqueue_device(self, device: torch.device, side: Any, buf: torch.Tensor, pairs: Pairs,
-                        entries: list[TensorEntry], *, mode: str, crossing: bool
-                        ) -> tuple[Any, Any]:
-        """Queue one device's copies on its side stream ``side``; returns (the event the next
-        step waits for, the event complete once the copies into the slot have landed)."""
+    @staticmethod
+    def _staging(device: torch.device, entries: list[TensorEntry], mode: str
+                 ) -> _Staging | None:
+        """The device-side staging buffer for tensors going to the slot places ``entries``
+        (``mode`` ``gpu``, or free device memory for it unless ``host``), else None. Taken
+        from the caching allocator on the training stream (current here): once the copy is
+        done its memory goes back to that stream's pool, which the next steps allocate from
+        (issue 18, item 5). Training thread, before the event the side stream waits for is
+        recorded (:meth:`enqueue`): an allocation is a use of the memory on the stream it is
+        made on, and under ``torch.use_deterministic_algorithms(True)`` (with
+        ``torch.utils.deterministic.fill_uninitialized_memory``, the default) ``torch.empty``
+        fills the buffer there, a kernel the side stream's copies into it must follow (issue
+        33: the fill ran between the side stream's two copies, and a checkpoint held NaN)."""
+        offsets, runs, staged_bytes = run_layout(entries)
+        if not (mode == "gpu" or (mode != "host" and (
+                torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))):
+            return None
+        return _Staging(torch.empty(staged_bytes, dtype=torch.uint8, device=device), offsets,
+                        runs)
+
+    @staticmethod
+    def _direct(side: Any, buf: torch.Tensor, pairs: Pairs, entries: list[TensorEntry], *,
+                crossing: bool) -> tuple[Any, Any]:
+        """Queue one device's copies straight into the slot on its side stream ``side``, one
+        ``_foreach_copy_``, each tensor whose slot range spans two page-locked pieces cut
+        there when ``crossing``; returns (the event the next step waits for, the event
+        complete once the copies have landed): the same one."""
         dsts = [d for d, _ in pairs]
         sources = [s.detach() for _, s in pairs]
-        offsets, runs, staged_bytes = run_layout(entries)
-        use_gpu_buf = mode == "gpu" or (mode != "host" and (
-            torch.cuda.mem_get_info(device)[0] > 1.2 * staged_bytes + (256 << 20)))
-        if use_gpu_buf:
-            return self._stage(device, side, buf, sources, offsets, runs, staged_bytes)
         if crossing:  # a tensor spans two page-locked pieces: cut it there
             dsts, sources = split_pairs(buf, dsts, sources, entries)
         with torch.cuda.stream(side):
@@ -152,26 +183,28 @@ class CudaCopies:
         return done, done
 
     @staticmethod
-    def _stage(device: torch.device, side: Any, buf: torch.Tensor, sources: list[torch.Tensor],
-               offsets: list[int], runs: list[tuple[int, int, int]], staged_bytes: int
+    def _stage(side: Any, buf: torch.Tensor, sources: list[torch.Tensor], staging: _Staging
                ) -> tuple[Any, Any]:
-        """Copy ``sources`` into a device-side staging buffer with one ``torch._foreach_copy_``,
-        then into the slot with one copy per run of tensors that lie back to back in the slot
-        (the slot's alignment padding between them is copied too, not zeroed), cut at the
-        page-locked pieces. The buffer comes from the caching allocator for this checkpoint
-        only and goes back to it (``record_stream``) as soon as the copy is done, so nothing
-        stays reserved between checkpoints or after the tuner settles on ``inline`` (issue
-        18, item 5). Returns (gate: after the device-side copy, done: after the slot's)."""
-        staging = torch.empty(staged_bytes, dtype=torch.uint8, device=device)
-        staging.record_stream(side)  # reusable once the side stream is past it
+        """Copy ``sources`` into the device-side staging buffer (:meth:`_staging`) with one
+        ``torch._foreach_copy_``, then into the slot with one copy per run of tensors that lie
+        back to back in the slot (the slot's alignment padding between them is copied too,
+        not zeroed), cut at the page-locked pieces, all on the side stream ``side``. The
+        buffer is this checkpoint's only and goes back to the caching allocator
+        (``record_stream``) as soon as the copy is done, so nothing stays reserved between
+        checkpoints or after the tuner settles on ``inline`` (issue 18, item 5). Returns
+        (gate: after the device-side copy, done: after the slot's)."""
+        buffer = staging.buffer
+        assert buffer is not None, "a staging buffer is used once"
+        buffer.record_stream(side)  # reusable once the side stream is past it
+        staging.buffer = None  # freed (to the allocator, after the side stream) on return
         with torch.cuda.stream(side):
-            staged = [staged_view(staging, off, s) for off, s in zip(offsets, sources)]
+            staged = [staged_view(buffer, off, s) for off, s in zip(staging.offsets, sources)]
             copy_all(staged, sources)
             gate = torch.cuda.Event()
             gate.record(side)  # the next step waits only for the device-side copy
-            for slot_lo, slot_hi, stage_lo in runs:  # one copy per pinned piece
+            for slot_lo, slot_hi, stage_lo in staging.runs:  # one copy per pinned piece
                 for lo, hi in cuda.split_at(slot_lo, slot_hi):
-                    buf[lo:hi].copy_(staging[stage_lo + lo - slot_lo:stage_lo + hi - slot_lo],
+                    buf[lo:hi].copy_(buffer[stage_lo + lo - slot_lo:stage_lo + hi - slot_lo],
                                      non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
@@ -214,6 +247,19 @@ class CudaCopies:
         for dst, src in pairs:
             with torch.cuda.device(src.device), torch.cuda.stream(self.streams[src.device]):
                 dst.copy_(src.detach())
+
+
+@dataclass
+class _Staging:
+    """A checkpoint's device-side staging buffer (:meth:`CudaCopies._staging`) and where the
+    tensors go in it (:func:`cfrun.rank.copyplan.run_layout`)."""
+
+    buffer: torch.Tensor | None
+    """The ``uint8`` buffer, until :meth:`CudaCopies._stage` lets it go."""
+    offsets: list[int]
+    """Each tensor's byte offset in the buffer."""
+    runs: list[tuple[int, int, int]]
+    """``(slot_start, slot_end, staging_start)`` of each run copied into the slot in one."""
 
 
 def _timing_event(stream: Any) -> Any:

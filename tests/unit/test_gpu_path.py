@@ -4,9 +4,13 @@ test_snapshot.py (marked, skipped without a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from conftest import assert_bit_identical
 
@@ -94,3 +98,179 @@ def test_grad_scaler_state_is_taken_without_item_and_loads_back(monkeypatch):
 def test_a_disabled_scaler_gives_its_own_state_dict():
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     assert scaler_state(scaler) == {}
+
+
+# ------------------------------------------- the side stream's order, on a model of CUDA streams
+
+class _Stream:
+    """A CUDA stream as a list of operations in queue order: ``("run", fn)``, or ``("wait",
+    (stream, n))`` (an event wait: the first ``n`` operations of ``stream`` must have run)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ops: list[tuple[str, Any]] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.ops.append(("wait", event.at))
+
+
+class _Event:
+    """A CUDA event: recorded on a stream, complete once what was queued there before it ran."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.at: tuple[_Stream, int] | None = None
+
+    def record(self, stream: _Stream) -> None:
+        self.at = (stream, len(stream.ops))
+
+
+class _Cuda:
+    """The part of ``torch.cuda`` :mod:`cfrun.rank.cudacopy` calls, over :class:`_Stream`s."""
+
+    Event = _Event
+
+    def __init__(self, training: _Stream) -> None:
+        self.current = training
+
+    def current_stream(self, device: Any = None) -> _Stream:
+        return self.current
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def stream(self, stream: _Stream) -> Iterator[None]:
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        return 1 << 40, 1 << 40
+
+
+class _Device(torch.Tensor):
+    """Memory only the streams write (device memory, the page-locked slot): a copy into it or
+    a fill of it is queued on the current stream (:class:`_Cuda`), to run later."""
+
+    cuda: _Cuda | None = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if cls.cuda is not None and func in (torch.Tensor.copy_, torch.Tensor.fill_,
+                                             torch._foreach_copy_):
+            with torch._C.DisableTorchFunctionSubclass():
+                plain = [[t.as_subclass(torch.Tensor) for t in a] if isinstance(a, list)
+                         else a.as_subclass(torch.Tensor) if isinstance(a, torch.Tensor) else a
+                         for a in args]
+            cls.cuda.current.ops.append(("run", lambda: func(*plain, **kwargs)))
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        """The caching allocator's bookkeeping: nothing to model."""
+
+
+class _Torch:
+    """``torch`` as :mod:`cfrun.rank.cudacopy` sees it here: :class:`_Cuda`, and ``empty``
+    handing out :class:`_Device` memory as CUDA's does: under
+    ``torch.use_deterministic_algorithms(True)`` (with
+    ``torch.utils.deterministic.fill_uninitialized_memory``, its default) filled on the
+    current stream (0xFF bytes: NaN as float32)."""
+
+    def __init__(self, cuda: _Cuda) -> None:
+        self.cuda = cuda
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def empty(self, *size: Any, dtype: Any = None, device: Any = None) -> torch.Tensor:
+        out = torch.zeros(*size, dtype=dtype).as_subclass(_Device)
+        if torch.are_deterministic_algorithms_enabled() \
+                and torch.utils.deterministic.fill_uninitialized_memory:
+            out.fill_(255)
+        return out
+
+
+def _schedules(streams: list[_Stream]) -> Iterator[list[int]]:
+    """Every order in which the streams' operations may run: each stream in its own order, an
+    event wait only once what it waits for has run."""
+    def walk(done: list[int], order: list[int]) -> Iterator[list[int]]:
+        if all(n == len(s.ops) for n, s in zip(done, streams)):
+            yield order
+            return
+        for k, s in enumerate(streams):
+            if done[k] == len(s.ops):
+                continue
+            kind, what = s.ops[done[k]]
+            if kind == "wait" and done[streams.index(what[0])] < what[1]:
+                continue
+            done[k] += 1
+            yield from walk(done, order + [k])
+            done[k] -= 1
+
+    yield from walk([0] * len(streams), [])
+
+
+@pytest.mark.parametrize("mode", ["gpu", "thread"])
+def test_the_side_stream_copies_into_the_staging_buffer_only_after_its_fill(monkeypatch, mode):
+    """Issue 33 (the thread mode once in five rounds on an H200: a resumed run whose GradScaler
+    found inf at every step). The staging buffer comes from the training stream's caching
+    allocator, and under ``torch.use_deterministic_algorithms(True)`` (train_cuda_amp.py, and
+    any script that wants bit-exact runs) ``torch.empty`` fills it there: a kernel queued on
+    the training stream after the step. The side stream copies the state into that buffer and
+    from it into the slot; had it waited only for an event recorded before the allocation, the
+    fill could run between its two copies and the checkpoint would hold 0xFF bytes (NaN) in
+    the parameters and the optimizer state. Here every order the two streams may run in (a
+    model of CUDA's streams and events; the step's own update queued first) must leave the
+    slot with the state as the step left it."""
+    from cfrun.rank import cudacopy as CC
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        # the premise, on the real torch: new memory comes filled, NaN as float32
+        assert torch.empty(2, dtype=torch.uint8).view(torch.int16).eq(-1).all()
+        assert torch.empty(2, dtype=torch.float32).isnan().all()
+        training, side = _Stream("training"), _Stream("side")
+        cuda = _Cuda(training)
+        monkeypatch.setattr(CC, "torch", _Torch(cuda))
+        monkeypatch.setattr(_Device, "cuda", cuda)
+        g = torch.Generator().manual_seed(0)
+        before = [torch.randn(3000, generator=g), torch.randn(17, 33, generator=g)]
+        after = [t + 1 for t in before]  # what the step's last update leaves
+        live = [t.clone() for t in before]
+        training.ops.append(("run", lambda: [d.copy_(s) for d, s in zip(live, after)]))
+        entries, total = plan_layout(live)
+        slot = torch.zeros(total, dtype=torch.uint8).as_subclass(_Device)
+        views = [slot[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
+                 for e, t in zip(entries, live)]
+        copies = CC.CudaCopies()
+        device = torch.device("cpu")  # stands in for the CUDA device
+        copies.streams[device] = side
+        copies.enqueue(slot, list(zip(views, live)), entries, [device], mode=mode)
+        monkeypatch.setattr(_Device, "cuda", None)
+        assert any(op[0] == "run" for op in side.ops), "no copy was queued on the side stream"
+        assert len(training.ops) == 2, "the staging buffer was not allocated on the step's stream"
+        plain_slot = slot.as_subclass(torch.Tensor)
+        orders = 0
+        for order in _schedules([training, side]):
+            orders += 1
+            for t, b in zip(live, before):
+                t.copy_(b)
+            plain_slot.fill_(0)
+            done = [0, 0]
+            for k in order:
+                kind, fn = (training, side)[k].ops[done[k]]
+                done[k] += 1
+                if kind == "run":
+                    fn()
+            for e, t in zip(entries, after):
+                got = plain_slot[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape)
+                assert torch.equal(got, t), \
+                    f"stream order {order}: the slot holds {got.flatten()[:3].tolist()}"
+        assert orders >= 1
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)

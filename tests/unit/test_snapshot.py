@@ -415,6 +415,53 @@ def test_staging_buffer_is_returned_after_each_checkpoint(job):
 
 
 @needs_cuda
+def test_the_side_stream_copies_into_the_staging_buffer_only_after_its_fill(job, monkeypatch):
+    """Issue 33: under ``torch.use_deterministic_algorithms(True)`` ``torch.empty`` fills the
+    staging buffer (0xFF bytes: NaN as float32) with a kernel on the training stream. Here that
+    stream is still busy when the buffer is taken (half a second of work queued first), and
+    the side stream pauses a second between its copy into the buffer and its copy into the
+    slot: a fill the side stream did not wait for lands in between, and the checkpoint holds
+    NaN. The side stream waits for it: the bytes are the step's (every order, on a model of
+    the streams: test_gpu_path.py)."""
+    from cfrun.rank import cudacopy as CC
+
+    rank = Rank(job)
+    rank.snap.mode = "gpu"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(1 << 20, device=dev)
+    rank.start(2, {"w": w}, {"w"})  # warm-up: slot, pinning, side stream
+    rank.snap.gate()
+    rank.wait()
+    torch.cuda.synchronize()
+    real_empty, real_copy_all = torch.empty, CC.copy_all
+
+    def empty_on_a_busy_stream(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            torch.cuda._sleep(int(1e9))  # the step still runs: the fill is queued behind it
+        return real_empty(*args, **kwargs)
+
+    def copy_then_pause(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        real_copy_all(dsts, srcs)
+        if dsts and dsts[0].is_cuda:  # into the staging buffer, on the side stream
+            _long_kernel()
+
+    monkeypatch.setattr(torch, "empty", empty_on_a_busy_stream)
+    monkeypatch.setattr(CC, "copy_all", copy_then_pause)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        w.add_(1)
+        expected = w.clone()
+        rank.start(3, {"w": w}, {"w"})
+        rank.snap.gate()
+        w.mul_(3)  # the next step, after the gate
+        rank.wait()
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    assert_bit_identical(expected.cpu(), rank.committed(3)["w"])
+
+
+@needs_cuda
 def test_copy_is_ordered_after_a_step_on_another_stream(job):
     """Item 6: a loop body under ``with torch.cuda.stream(s)`` steps on ``s``; the boundary
     runs on the default stream. The copy waits for the event the step hook recorded on ``s``."""
