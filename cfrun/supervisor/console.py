@@ -47,6 +47,8 @@ OUTPUT_CAP_BYTES = 64 << 20
 """The most of one attempt's output kept in its file (the console gets all of it)."""
 
 _POLL_MS = 50
+_PARTIAL_MAX_BYTES = 1 << 16
+"""The most of an unfinished line held back from the file (longer: kept as it is)."""
 _WINSIZE_EVERY_S = 0.5
 
 
@@ -254,6 +256,9 @@ class ConsoleTap:
                 whole, newline, s.partial = (s.partial + data).rpartition(b"\n")
                 if newline:
                     self._keep(whole + newline)
+                if len(s.partial) > _PARTIAL_MAX_BYTES:  # a writer without newlines
+                    self._keep(s.partial)
+                    s.partial = b""
                 try:
                     _write_all(s.console_fd, data)
                 except OSError:  # the console's reader is gone: the ranks meet that too
