@@ -756,8 +756,13 @@ class PeerClient:
         self.who = fmt_address(address)
         self.io_timeout_s = io_timeout_s
         for attempt in range(HANDSHAKE_TRIES):
+            last = attempt == HANDSHAKE_TRIES - 1
             try:
                 self.sock = socket.create_connection(address, timeout=connect_timeout_s)
+            except ConnectionResetError as e:  # reset by the listener (its queue full)
+                if last:
+                    raise PeerError(f"cannot connect to peer {self.who}: {e}") from None
+                continue
             except OSError as e:
                 raise PeerError(f"cannot connect to peer {self.who}: {e}") from None
             try:
@@ -766,10 +771,12 @@ class PeerClient:
                                            max(connect_timeout_s, HANDSHAKE_DEADLINE_S))
                 self.sock.settimeout(io_timeout_s)
                 return
-            except HandshakeClosedError:
+            except (HandshakeClosedError, ConnectionResetError, BrokenPipeError) as e:
+                # closed or reset before the handshake ended (evicted, restarting): once more
                 self.sock.close()
-                if attempt == HANDSHAKE_TRIES - 1:
-                    raise
+                if last:
+                    raise HandshakeClosedError(f"peer {self.who} closed the connection in "
+                                               f"the handshake: {e}") from None
             except PeerError:
                 self.sock.close()
                 raise

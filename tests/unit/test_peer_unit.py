@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 
@@ -315,7 +316,8 @@ class Relay:
 
     ``mode``: ``forward`` (faithful), ``flip`` (one byte of the stream from ``direction`` at
     ``offset`` inverted), ``answer`` (forwards the handshake, then answers every request itself
-    with a forged frame: it cannot compute the tags, so it sends what it has).
+    with a forged frame: it cannot compute the tags, so it sends what it has), ``reset_first``
+    (resets the first connection at once, a TCP RST, then forwards faithfully).
     """
 
     HANDSHAKE_S2C = 37 + 36
@@ -340,6 +342,11 @@ class Relay:
                 client, _ = self.sock.accept()
             except OSError:
                 return
+            if self.mode == "reset_first":
+                self.mode = "forward"
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # linger 0: the close is a reset
+                continue
             server = socket.create_connection(self.target, timeout=10)
             client.settimeout(10)
             if self.mode == "answer":
@@ -397,6 +404,19 @@ def test_a_relay_that_answers_after_the_handshake_is_caught_at_its_first_frame(s
         with pytest.raises(ProtocolError, match="frame failed authentication") as e:
             c.list("j")
         assert relay.answered == 1 and "\n" not in str(e.value)
+    finally:
+        relay.close()
+
+
+def test_a_connection_reset_in_the_handshake_is_tried_once_more(server):
+    """A peer that resets a connection before its greeting (its accept queue overflowing, a
+    restart) gets one more try, as one that closes it does: the client connects, and the
+    reset was the first connection's."""
+    relay = Relay(server.address, "reset_first")
+    try:
+        c = PeerClient(relay.address, TOKEN)
+        assert c.list("j")["checkpoints"] == [] and relay.mode == "forward"
+        c.close()
     finally:
         relay.close()
 
