@@ -196,8 +196,9 @@ CONSOLE_LOG = _declare("CFRUN_CONSOLE_LOG", "flag", "1",
                        "1: the ranks' output is also kept in the job dir "
                        "(logs/attempt-N-output.log); 0: it goes to the console alone")
 STANDBY = _declare("CFRUN_STANDBY", "flag", "1",
-                   "1: a --launcher python job keeps a warm spare process (Python, torch and "
-                   "cfrun imported) that becomes the rank after a failure; 0: restarts start cold")
+                   "1: a job keeps a warm spare process (Python and torch imported) that becomes "
+                   "the next attempt's rank (--launcher python) or torchrun after a failure; 0: "
+                   "restarts start cold")
 EVENTS_ALL_RANKS = _declare("CFRUN_EVENTS_ALL_RANKS", "flag", "0",
                             "1: ranks other than 0 also log each checkpoint (checkpoint_rank "
                             "events)")

@@ -41,6 +41,9 @@ by the ``resumed`` event as the rank's start); None in a rank started cold."""
 GO_MAX_BYTES = 4 << 20
 """The largest go message read (the new attempt's environment as JSON)."""
 
+WARM_LAUNCHER_MODULES = ("torch", "torch.distributed.run")
+"""What torchrun imports at its start, imported ahead by a launcher spare (``FD launcher``)."""
+
 WARM_MODULES = ("torch", "torch.distributed", "torch.utils.data", "cfrun.rank.install",
                 "cfrun.rank.runtime", "cfrun.rank.boundary", "cfrun.rank.resume",
                 "cfrun.rank.snapshot", "cfrun.codec.checkpoint")
@@ -163,18 +166,40 @@ def become_rank(go: dict[str, Any]) -> None:
         raise SystemExit(1) from None
 
 
+def become_launcher(go: dict[str, Any]) -> None:
+    """Take the go message's environment and run its ``run_module`` (``MODULE ARGS...``) as
+    ``python -m MODULE ARGS`` would, as the attempt's cold command would have: the supervisor
+    sends torchrun's (:mod:`cfrun.supervisor.torchrun_log`), which starts the ranks, fresh
+    processes that inherit this environment. Raises SystemExit as the module does."""
+    import runpy
+
+    import cfrun.rank.spare as this
+
+    this.go_unix_s = time.time()
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in go["env"].items()})
+    module, *args = [str(a) for a in go["run_module"]]
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def main(argv: list[str]) -> None:
-    """``cfrun.rank.spare FD``: warm up, say ready on socket FD, wait for the go, run the rank.
-    Returns when stopped before a go, or when the script returns (the interpreter then ends as
-    after ``python SCRIPT``: no ``sys.exit``, which cfrun's runtime notes as the script's)."""
+    """``cfrun.rank.spare FD [launcher]``: warm up, say ready on socket FD, wait for the go,
+    run the rank (or, with ``launcher``, torchrun, which starts the ranks). Returns when
+    stopped before a go, or when the script returns (the interpreter then ends as after
+    ``python SCRIPT``: no ``sys.exit``, which cfrun's runtime notes as the script's)."""
     sock = socket.socket(fileno=int(argv[0]))
-    for name in WARM_MODULES:
+    launcher = argv[1:2] == ["launcher"]
+    for name in WARM_LAUNCHER_MODULES if launcher else WARM_MODULES:
         __import__(name)
     sock.sendall(b"ready\n")
     go = _recv_go(sock)
     sock.close()
     if go is not None:
-        become_rank(go)
+        if launcher:
+            become_launcher(go)
+        else:
+            become_rank(go)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from cfrun.contract import settings as E
 from cfrun.contract.config import RunConfig
 from cfrun.supervisor.torchrun_log import TORCHRUN
 
+TORCHRUN_LOG = "cfrun.supervisor.torchrun_log"
+"""The module a torchrun attempt's command runs (:func:`build_torchrun_argv`)."""
 
 def hooks_dir() -> Path:
     """Directory holding cfrun's ``sitecustomize.py``: in the wheel, or in a source checkout."""
@@ -93,7 +95,7 @@ def build_torchrun_argv(cfg: RunConfig, *, python: str = sys.executable,
     else:
         launch = ["--standalone"]
     return module_argv(
-        "cfrun.supervisor.torchrun_log", log_path or "-", TORCHRUN,
+        TORCHRUN_LOG, log_path or "-", TORCHRUN,
         *launch,
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--max-restarts=0",

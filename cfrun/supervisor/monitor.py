@@ -201,7 +201,7 @@ class Monitor:
         # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
         # kill_ranks finds it among our descendants
         self.console.keep_in(self.jobdir.attempt_output_path(attempt))
-        self.proc = self.standby.promote(env) if warm and self.standby is not None else None
+        self.proc = self.standby.promote(env, argv) if warm and self.standby is not None else None
         if self.proc is None:
             self.proc = self.spawn_fn(argv, env, self.cfg.cwd, **self.console.popen_kwargs())
         _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))

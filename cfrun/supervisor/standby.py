@@ -1,5 +1,4 @@
-"""The warm spare of a ``--launcher python`` job, kept by the supervisor (issue 35, "a warm
-restart").
+"""The warm spare of a job, kept by the supervisor (issue 35, "a warm restart").
 
 While an attempt trains, :class:`Standby` starts one spare process
 (:mod:`cfrun.rank.spare`): Python started, torch and cfrun imported, nothing of the job done.
@@ -15,9 +14,15 @@ straggler of an attempt); it carries the job's marks in its environment
 the kernel end it with the supervisor, and :meth:`stop` ends it with the job. A spare that is
 not ready, died, or cannot take the go is simply not used: the attempt starts cold.
 
+Under torchrun (the default launcher) the spare is the next attempt's *torchrun*: Python
+started and torch's launcher imported (``cfrun.rank.spare FD launcher``); at the go it runs
+torchrun (:mod:`cfrun.supervisor.torchrun_log`) with the attempt's arguments and environment,
+and torchrun starts the ranks as fresh processes, as a cold attempt's does. That takes
+torchrun's own start (~1 s of import here) off the recovery path for any number of ranks; the
+ranks' import is still paid (they are torchrun's children).
+
 ``CFRUN_STANDBY=0`` turns it off (a machine short of memory: the spare holds an interpreter with
-torch imported, ~300 MB here, no GPU memory). Only ``--launcher python`` jobs have one; under
-torchrun the ranks are torchrun's children.
+torch imported, ~300 MB here, no GPU memory).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 
 from cfrun.contract import settings as E
 from cfrun.contract.config import RunConfig
-from cfrun.supervisor.launcher import die_with_parent, module_argv
+from cfrun.supervisor.launcher import TORCHRUN_LOG, die_with_parent, module_argv
 
 logger = logging.getLogger("cfrun")
 
@@ -41,18 +46,21 @@ READY = b"ready\n"
 
 
 def standby_wanted(cfg: RunConfig) -> bool:
-    """True where a job keeps a warm spare: ``--launcher python``, not ``cfrun profile``, and
-    ``CFRUN_STANDBY`` not ``0``.
+    """True where a job keeps a warm spare: not ``cfrun profile``, and ``CFRUN_STANDBY`` not
+    ``0`` (a ``--launcher python`` job's spare is its next rank, a torchrun job's its next
+    torchrun).
 
     Raises:
         BadInputError: ``CFRUN_STANDBY`` is neither 0 nor 1.
     """
-    return E.get_flag(E.STANDBY) and cfg.launcher == "python" and not cfg.profile_only
+    return E.get_flag(E.STANDBY) and cfg.launcher in ("python", "torchrun") \
+        and not cfg.profile_only
 
 
 class Standby:
-    """One warm spare at a time for the supervisor's ``--launcher python`` rank. Called from the
-    supervisor's main thread only (the spare gets a parent-death signal tied to it).
+    """One warm spare at a time for the supervisor's next attempt: its rank (``--launcher
+    python``) or its torchrun. Called from the supervisor's main thread only (the spare gets a
+    parent-death signal tied to it).
 
     Args:
         cfg: the job's settings (``cwd``, ``script``, ``module``, ``script_args``).
@@ -92,7 +100,9 @@ class Standby:
         spare_env = {k: v for k, v in env.items() if k != E.RANK_SETTINGS}
         try:
             self.proc = subprocess.Popen(
-                module_argv("cfrun.rank.spare", str(theirs.fileno())), env=spare_env,
+                module_argv("cfrun.rank.spare", str(theirs.fileno()),
+                            *(("launcher",) if self.cfg.launcher == "torchrun" else ())),
+                env=spare_env,
                 cwd=self.cfg.cwd, start_new_session=True, preexec_fn=die_with_parent(),
                 pass_fds=(theirs.fileno(),), stdout=self.stdio.get("stdout"),
                 stderr=self.stdio.get("stderr"))
@@ -123,18 +133,23 @@ class Standby:
                     return False
         return self._ready
 
-    def promote(self, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
-        """Make the ready spare the new attempt's rank with environment ``env`` (that of
-        :func:`cfrun.supervisor.launcher.build_worker_env`). Returns its process, now the
+    def promote(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen[bytes] | None:
+        """Make the ready spare the new attempt's process with environment ``env`` (that of
+        :func:`cfrun.supervisor.launcher.build_worker_env`): its rank, or under torchrun its
+        torchrun, given the attempt's cold command ``argv``
+        (:func:`cfrun.supervisor.launcher.build_launch_argv`). Returns its process, now the
         attempt's; None when no spare was ready (it is stopped; start the attempt cold)."""
         if not self.ready():
             self.stop()
             return None
         assert self._sock is not None and self.proc is not None
-        go = json.dumps({"env": env, "script": self.cfg.script, "module": self.cfg.module,
-                         "args": list(self.cfg.script_args)}).encode()
+        if self.cfg.launcher == "torchrun":  # what follows the module in module_argv
+            go = json.dumps({"env": env, "run_module": argv[argv.index(TORCHRUN_LOG):]})
+        else:
+            go = json.dumps({"env": env, "script": self.cfg.script, "module": self.cfg.module,
+                             "args": list(self.cfg.script_args)})
         try:
-            self._sock.sendall(go)
+            self._sock.sendall(go.encode())
             self._sock.shutdown(socket.SHUT_WR)
         except OSError as e:  # it died after saying ready
             logger.debug("cfrun: the warm spare did not take the go (%s)", e)

@@ -1,4 +1,5 @@
-"""The warm spare of a ``--launcher python`` job (issue 35, "a warm restart";
+"""The warm spare of a ``--launcher python`` job, and a torchrun job's warm torchrun (issue
+35, "a warm restart";
 :mod:`cfrun.supervisor.standby`, :mod:`cfrun.rank.spare`).
 
 Real processes and real SIGKILLs: a rank killed once the spare said it was ready is replaced by
@@ -43,10 +44,10 @@ SLOW = faults.arm({}, **{"rank.step_delay_s": 0.1})
 
 
 
-def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
-           ) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None,
+           launcher: str = "python") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j", *args],
+        [sys.executable, "-m", "cfrun", "--launcher", launcher, "--job-dir", "j", *args],
         cwd=tmp_path, env=clean_env({**SLOW, **(env or {})}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
 
@@ -76,6 +77,23 @@ def _cold_rank(proc: subprocess.Popen[str]) -> psutil.Process:
         for c in psutil.Process(proc.pid).children():
             try:
                 if c.cmdline()[1:2] == [TINY]:
+                    return c
+            except psutil.Error:
+                continue
+        return None
+
+    return _wait(find, proc)  # type: ignore[return-value]
+
+
+def _torchrun_rank(proc: subprocess.Popen[str], after: int | None = None) -> psutil.Process:
+    """The rank of a torchrun job (torchrun runs it as ``python -u SCRIPT``), once started; with
+    ``after``, a rank other than that pid."""
+    def find() -> psutil.Process | None:
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                launcher = " ".join(c.parent().cmdline())  # torchrun: not a loader worker
+                if c.cmdline()[1:3] == ["-u", TINY] and c.pid != after and (
+                        "torchrun_log" in launcher or "cfrun.rank.spare" in launcher):
                     return c
             except psutil.Error:
                 continue
@@ -131,6 +149,39 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     # the spare's "process start" is its go: after the attempt's start, not its fork
     for s, r in zip(starts[1:], resumed):
         assert r["process_start_unix_s"] >= s["t_unix_s"] - 0.01, (s, r)
+    assert_resumed_from_newest(Run(0, out, err, job), 2)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(out) == final_line(plain.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_path):
+    """Under torchrun (the default launcher) the spare is the next attempt's torchrun, torch's
+    launcher imported: each SIGKILL of the rank once it is ready restarts from it (the new
+    rank is the spare's child: torchrun ran in the process that existed before the attempt),
+    from the newest committed step, and the run ends with the plain run's weights and line."""
+    plain = _plain(tmp_path)
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
+                  launcher="torchrun")
+    try:
+        first = _torchrun_rank(proc)
+        spare = _kill_when_spare_ready(job, proc, first, 0, 1)
+        second = _torchrun_rank(proc, after=first.pid)
+        assert second.parent().pid == spare
+        _wait(lambda: job_events(job, "resumed"), proc)
+        resumed_at = job_events(job, "resumed")[0]["step"]
+        _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
+        spare = _kill_when_spare_ready(job, proc, second, 1, 1)
+        assert _torchrun_rank(proc, after=second.pid).parent().pid == spare
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    starts = job_events(job, "attempt_start")
+    assert [bool(s.get("warm")) for s in starts] == [False, True, True], starts
     assert_resumed_from_newest(Run(0, out, err, job), 2)
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
     assert final_line(out) == final_line(plain.stdout)
