@@ -41,6 +41,8 @@ Usage::
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
     # the warm spare of a --launcher python job against a cold restart and torchrun (issue 35)
     .venv/bin/python bench/recovery.py --ranks 1 --warm --cfrun-args '--launcher python'
+    # the warm torchrun of a torchrun job (1 and 2 ranks) against a cold restart and torchrun
+    .venv/bin/python bench/recovery.py --warm
     # every process of the job SIGKILLed at once, then the same command (issue 35)
     .venv/bin/python bench/recovery.py --whole-tree --repeats 1
     # ~1 GB of state, 3 s of start-up; before/after: the same with --cfrun-root /work/main
@@ -166,12 +168,13 @@ def events(job_dir):
 def one_kill(ranks, args, work, warm=False):
     """One cfrun run: wait for a commit, SIGKILL a rank, wait for the first step after the
     resume; returns the breakdown (seconds per phase of :data:`PHASES`) and raw times.
-    ``warm``: ``--launcher python`` with its warm spare (``CFRUN_STANDBY=1``), the kill once
-    the spare said it is ready (``standby_ready``), as in a job that failed hours in; else
-    ``CFRUN_STANDBY=0`` (every restart cold)."""
+    ``warm``: with its warm spare (``CFRUN_STANDBY=1``: the next rank under ``--launcher
+    python``, the next torchrun under torchrun), the kill once the spare said it is ready
+    (``standby_ready``), as in a job that failed hours in; else ``CFRUN_STANDBY=0`` (every
+    restart cold)."""
     run = Path(tempfile.mkdtemp(prefix=f"r{ranks}-", dir=work))
     job, stamps = run / "job", run / "stamps"
-    more = ["--launcher", "python"] if warm else shlex.split(args.cfrun_args)
+    more = shlex.split(args.cfrun_args)
     cmd = [sys.executable, "-m", "cfrun", "--interval", str(args.interval), "--job-dir",
            str(job), "--max-restarts", "3", "--nproc-per-node", str(ranks),
            *more, str(TRAIN_SCRIPT), "--stamps", str(stamps), *work_args(args)]
@@ -313,7 +316,8 @@ def main(argv=None):
                     help="run the cfrun of this checkout instead (PYTHONPATH), e.g. /work/main "
                          "for a before/after comparison")
     ap.add_argument("--warm", action="store_true",
-                    help="for 1 rank, also a --launcher python job with its warm spare, killed "
+                    help="also a job with its warm spare (the next rank under --launcher python, "
+                         "the next torchrun under torchrun), killed "
                          "once the spare is ready, against torchrun's plain start-up")
     ap.add_argument("--whole-tree", action="store_true",
                     help="also SIGKILL every process of the job at once (a lost node whose "
@@ -342,10 +346,12 @@ def main(argv=None):
                 print(f"[{ranks} rank(s)] plain start-up {plain[-1]:.2f} s; kill {i + 1}: "
                       f"recovered in {rec['recover_s']:.2f} s "
                       + " ".join(f"{k}={fmt(v)}" for k, v in rec["phases"].items()), flush=True)
-                if ranks == 1 and args.warm:
-                    torchrun.append(plain_startup(1, work, args.timeout, args, torchrun=True))
-                    warm.append(one_kill(1, args, work, warm=True))
-                    print(f"[1 rank, warm spare] plain torchrun start-up {torchrun[-1]:.2f} s; "
+                if args.warm:
+                    torchrun.append(plain_startup(ranks, work, args.timeout, args,
+                                                  torchrun=True))
+                    warm.append(one_kill(ranks, args, work, warm=True))
+                    print(f"[{ranks} rank(s), warm spare] plain torchrun start-up "
+                          f"{torchrun[-1]:.2f} s; "
                           f"kill {i + 1}: recovered in {warm[-1]['recover_s']:.2f} s "
                           + " ".join(f"{k}={fmt(v)}" for k, v in warm[-1]["phases"].items()),
                           flush=True)
@@ -360,7 +366,7 @@ def main(argv=None):
                 results.append({"ranks": f"{ranks} tree", "plain_startup_s": plain,
                                 "kills": trees, "limit_extra_s": floor_s})
             if warm:
-                results.append({"ranks": "1 warm", "plain_startup_s": plain, "kills": warm,
+                results.append({"ranks": f"{ranks} warm", "plain_startup_s": plain, "kills": warm,
                                 "plain_torchrun_startup_s": torchrun})
     finally:
         shutil.rmtree(work, ignore_errors=True)
