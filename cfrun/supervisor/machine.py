@@ -258,11 +258,13 @@ class Outcome:
 
     @property
     def kind(self) -> OutcomeKind:
-        """How the attempt ended, from the evidence, first match wins: cfrun's own signal,
-        the agent lost, exit 0 (with stop marks: preempted), a clean end then a teardown death,
+        """How the attempt ended, from the evidence, first match wins: cfrun's own signal
+        (succeeded when every rank had ended the script cleanly before it came), the agent
+        lost, exit 0 (with stop marks: preempted), a clean end then a teardown death,
         fatal.json, a hang, the script's failure, else a kill from outside."""
-        if self.signal is not None:
-            return OutcomeKind.PREEMPTED
+        if self.signal is not None:  # unless every rank had finished the script before it
+            return OutcomeKind.SUCCEEDED if self.ended_clean and not self.ranks_stopped \
+                else OutcomeKind.PREEMPTED
         if self.agent_error is not None:
             return OutcomeKind.AGENT_LOST
         if self.returncode == 0 and not self.hung:
@@ -313,7 +315,7 @@ class Outcome:
     @property
     def is_teardown_failure(self) -> bool:
         """Every rank finished the script cleanly, then a rank died during teardown."""
-        return self.returncode != 0 and not self.hung and self.ended_clean
+        return self.returncode not in (0, None) and not self.hung and self.ended_clean
 
     @property
     def cause(self) -> str:
@@ -587,6 +589,11 @@ def decide(outcome: Outcome, history: History, policy: Policy) -> Action:
     if kind is OutcomeKind.PREEMPTED:
         return _preempted(outcome, policy)
     if kind is OutcomeKind.SUCCEEDED:
+        if outcome.signal is not None:  # it met the launcher's teardown (a node's exit barrier)
+            return _stop(SupervisorState.SUCCEEDED, EXIT_SUCCESS,
+                         {"attempt": attempt, "signal": outcome.signal},
+                         reports=((f"cfrun: {outcome.signal} came after every rank had finished "
+                                   "the script; the job succeeded"),))
         if not outcome.is_teardown_failure:
             return _stop(SupervisorState.SUCCEEDED, EXIT_SUCCESS, {"attempt": attempt})
         return _stop(SupervisorState.SUCCEEDED, EXIT_SUCCESS, {"attempt": attempt},

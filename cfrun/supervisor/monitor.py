@@ -296,7 +296,10 @@ class Monitor:
         """The outcome of the attempt that cfrun's own ``signame`` (SIGTERM/SIGINT) stopped,
         read after :meth:`shutdown` and after the agent stopped (its final commit counts)."""
         stopped = self.records.preempted_marks(self.attempt)
+        marks = self.records.ended_marks(self.attempt)  # the script may have ended before it
         return Outcome(attempt=self.attempt, returncode=None, signal=signame,
+                       ended_clean=len(marks) == self.cfg.nproc_per_node
+                       and all(m.get("clean") is True for m in marks.values()),
                        ranks_stopped=len(stopped), stop_step=max(stopped, default=None),
                        last_step=self.records.last_step(),
                        committed_steps=tuple(committed_steps(self.jobdir.checkpoints)))

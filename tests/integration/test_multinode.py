@@ -137,7 +137,9 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
     assert len(steps) == 1, resumed  # every rank of both nodes, the same step
     [step] = steps
     assert {r for _, r, _ in resumed} == {0, 1}
-    assert killed_at - 2 * 10 <= step <= killed_at, (killed_at, step)
+    # not bounded by the heartbeat read at the kill (written every 0.1 s, it lags the steps on
+    # a busy machine, and deferral moves checkpoints): the resume's step is the newest commit
+    assert step > 0, (killed_at, step)
     commits = [e["step"] for e in ev if e["event"] == "commit"]
     t_resumed = min(e["t_unix_s"] for e in ev if e["event"] == "resumed")
     before = [e["step"] for e in ev if e["event"] == "commit" and e["t_unix_s"] < t_resumed]
@@ -148,6 +150,7 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
     due = {e["due_step"] for e in ev if e["event"] == "checkpoint_deferred"}
     taken = step % 10 == 0 or any(d < step < d + 10 for d in due)
     assert step in commits or (taken and step > max(before, default=-1)), (step, commits, due)
+    assert step >= max(before, default=-1), (step, before)  # the newest committed, no older
     assert_bit_identical(ref_state, saved(tmp_path, "got"))
 
 
@@ -233,5 +236,10 @@ def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path, tm
     resumed = [e for e in events(job) if e["event"] == "resumed"]
     assert sorted(e["rank"] for e in resumed) == [0, 1]
     [step] = {e["step"] for e in resumed}
-    assert killed_at - 2 * 10 <= step <= killed_at
+    # the newest commit before the resume (the heartbeat read at the kill lags on a busy
+    # machine: it bounds nothing)
+    t_resumed = min(e["t_unix_s"] for e in resumed)
+    before = [e["step"] for e in events(job) if e["event"] == "commit"
+              and e["t_unix_s"] < t_resumed]
+    assert step == max(before), (step, before, killed_at)
     assert_bit_identical(ref_state, torch.load(tmp_path / "got.pt", weights_only=True))

@@ -15,12 +15,18 @@ import pytest
 from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference
 from test_multinode import free_port, saved
 
+from cfrun.contract import faults
+
 pytestmark = [pytest.mark.timeout(420), pytest.mark.torchrun]  # as users launch
 
 
 def _srun_node(tmp_path: Path, node: int, port: int, job_id: str) -> subprocess.Popen[str]:
+    # 0.1 s a step (cfrun's hook sleeps; the reference computes the same): the SIGTERM must
+    # land while the script trains, not after its 69 steps (0.6 s under load once: the job
+    # had finished, and a signal after the script's end is a success)
     env = clean_env({"SLURM_JOB_ID": job_id, "SLURM_NNODES": "2", "SLURM_NODEID": str(node),
-                     "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)})
+                     "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port),
+                     **faults.arm({}, **{"rank.step_delay_s": 0.1})})
     argv = [sys.executable, "-m", "cfrun", "--interval", "10", "--job-dir", "job",
             str(SCRIPTS / "train_ddp.py"), f"got{node}.pt"]
     return subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,

@@ -410,6 +410,23 @@ def test_preempted_exits_75_and_reports_the_final_checkpoint(outcome, event, fie
     assert action.state_fields == fields and action.reports == reports
 
 
+def test_a_signal_after_every_rank_finished_the_script_is_a_success() -> None:
+    """A 2-node torchrun job ends its script, then waits in torchrun's exit barrier; SLURM's
+    SIGTERM lands there (seen under load): every rank ended clean and none stopped, so the job
+    succeeded (exit 0, nothing to requeue), not "preempted" with the script's end-of-run
+    checkpoint reported as a final checkpoint a resume would not take."""
+    done = Outcome(attempt=0, returncode=None, signal="SIGTERM", ended_clean=True,
+                   last_step=69, committed_steps=(69, 49))
+    action = decide(done, History(), POLICY)
+    assert done.kind is OutcomeKind.SUCCEEDED and not done.is_teardown_failure
+    assert (action.state, action.exit_code) == (SupervisorState.SUCCEEDED, 0)
+    assert action.reports == ("cfrun: SIGTERM came after every rank had finished the script; "
+                              "the job succeeded",)
+    # a rank still training (no clean end), or one that stopped for the signal: preempted
+    for outcome in (replace(done, ended_clean=False), replace(done, ranks_stopped=1)):
+        assert decide(outcome, History(), POLICY).exit_code == 75
+
+
 def test_fatal_and_agent_lost_exit_5_without_restart() -> None:
     fatal = Outcome(attempt=1, returncode=1, errors=(_error(),),
                     fatal_message="the world size changed from 2 to 4 ranks")
