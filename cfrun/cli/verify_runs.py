@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cfrun.contract import verify as V
 from cfrun.contract.config import RunConfig
-from cfrun.contract.errors import CfrunError, JobFailedError
+from cfrun.contract.errors import EXIT_PREEMPTED, CfrunError, JobFailedError
 
 
 @dataclass
@@ -61,13 +61,16 @@ def run_supervised(cfg: RunConfig, name: str, python_command: str | None = None)
 
     result = RunResult(name, Path(cfg.job_dir))
     t0 = time.monotonic()
+    supervisor = Supervisor(cfg, python_command=python_command)
     try:
-        code = Supervisor(cfg, python_command=python_command).run()
+        code = supervisor.run()
     except CfrunError as e:
         e.args = (f"cfrun verify: the {name} run failed: {e}",)
         raise
     finally:
         result.seconds = time.monotonic() - t0
+    if supervisor.signals.taken is not None:  # Ctrl-C, even after the script's end: stop
+        code = code or EXIT_PREEMPTED
     result.exit_code = code
     if code != 0:
         raise _RunStopped(name, code)

@@ -103,6 +103,8 @@ class StopSignals:
         """A second stop signal came: end at once, leave nothing behind."""
         self.signum: int | None = None
         """The stop signal received and not taken yet (:meth:`check`, :meth:`take`)."""
+        self.taken: int | None = None
+        """The stop signal the supervisor acted on (:meth:`take`), if one came."""
         self.pending: list[int] = []
         """Forwarded signals not sent to the ranks yet (the monitor's queue)."""
         self._on_second = on_second
@@ -131,6 +133,8 @@ class StopSignals:
             raise SignalReceived(self.signum)
 
     def take(self) -> None:
-        """The supervisor acts on the stop now: :meth:`check` raises no more."""
+        """The supervisor acts on the stop now: :meth:`check` raises no more; :attr:`taken`
+        keeps which signal it was (``cfrun verify`` stops on it even where the script had
+        ended before it came)."""
         self.shutting_down = True
-        self.signum = None
+        self.taken, self.signum = self.signum, None
