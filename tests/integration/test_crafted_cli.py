@@ -104,6 +104,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+HANG_S = 180
+"""A command that meets a FIFO must not block on it: one that runs this long hangs (the bound
+is loose, a busy machine's torch import alone took over a minute once)."""
+
 def _snapshot(root: Path) -> dict[str, str]:
     """Every entry under ``root``: type, mode and (regular files) content digest."""
     out = {}
@@ -139,7 +143,7 @@ def test_inspection_commands_refuse_crafted_checkpoints(pristine: Path, tmp_path
     craft(jd / "checkpoints" / step_dir_name(CRAFTED))
     before = _snapshot(jd)
 
-    ls = run_cfrun(["ls", "j", "--json"], cwd=tmp_path, timeout=60)
+    ls = run_cfrun(["ls", "j", "--json"], cwd=tmp_path, timeout=HANG_S)
     assert ls.returncode == 5, (ls.stdout, ls.stderr)
     rows = json.loads(ls.stdout)
     assert [r["step"] for r in rows] == [CRAFTED, GOOD]
@@ -147,11 +151,11 @@ def test_inspection_commands_refuse_crafted_checkpoints(pristine: Path, tmp_path
     assert rows[1]["verified"] == "ok"
     _one_line(ls.stderr, needle)
 
-    table = run_cfrun(["ls", "j"], cwd=tmp_path, timeout=60)
+    table = run_cfrun(["ls", "j"], cwd=tmp_path, timeout=HANG_S)
     assert table.returncode == 5 and "corrupt" in table.stdout, table.stderr
     _one_line(table.stderr, "1 of 2 checkpoints are corrupt")
 
-    status = run_cfrun(["status", "j", "--json"], cwd=tmp_path, timeout=60)
+    status = run_cfrun(["status", "j", "--json"], cwd=tmp_path, timeout=HANG_S)
     assert status.returncode == 0, status.stderr
     newest = json.loads(status.stdout)["last_committed_step"]
     assert newest == (GOOD if case in ("path traversal", "fifo as manifest") else CRAFTED)
@@ -175,7 +179,7 @@ def test_status_refuses_special_files_for_its_own_files(pristine: Path, tmp_path
         (jd / name).rename(tmp_path / "elsewhere.json")
         (jd / name).symlink_to(tmp_path / "elsewhere.json")
     before = _snapshot(jd)
-    run = run_cfrun(["status", "j"], cwd=tmp_path, timeout=60)
+    run = run_cfrun(["status", "j"], cwd=tmp_path, timeout=HANG_S)
     assert run.returncode == 2, (run.stdout, run.stderr)
     _one_line(run.stderr, needle)
     assert _snapshot(jd) == before
@@ -189,7 +193,7 @@ def test_export_refuses_crafted_checkpoints(pristine: Path, tmp_path: Path, case
     craft, needle = CASES[case]
     craft(jd / "checkpoints" / step_dir_name(CRAFTED))
     before = _snapshot(jd)
-    export = run_cfrun(["export", "j", "out.pt"], cwd=tmp_path, timeout=60)  # newest: crafted
+    export = run_cfrun(["export", "j", "out.pt"], cwd=tmp_path, timeout=HANG_S)  # newest: crafted
     assert export.returncode == 2, (export.stdout, export.stderr)
     _one_line(export.stderr, f"checkpoint step {CRAFTED} failed verification")
     assert needle in export.stderr and not (tmp_path / "out.pt").exists()
