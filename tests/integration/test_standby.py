@@ -114,6 +114,20 @@ def _kill_when_spare_ready(job: Path, proc: subprocess.Popen[str], rank: psutil.
     return spare
 
 
+def _commit_after_the_resume(job: Path, proc: subprocess.Popen[str]) -> None:
+    """Wait for the first resume, then for a commit past its step."""
+    _wait(lambda: job_events(job, "resumed"), proc)
+    resumed_at = job_events(job, "resumed")[0]["step"]
+    _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
+
+
+def _ends_as_plain(tmp_path: Path, run: Run, plain: subprocess.CompletedProcess[str]) -> None:
+    """Two kills: each resume from the newest commit, and the plain run's weights and line."""
+    assert_resumed_from_newest(run, 2)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(run.stdout) == final_line(plain.stdout)
+
+
 def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     plain = subprocess.run([sys.executable, TINY, "--epochs", "3", "--out", "plain.pt"],
                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
@@ -132,9 +146,7 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
     try:
         spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
-        _wait(lambda: job_events(job, "resumed"), proc)
-        resumed_at = job_events(job, "resumed")[0]["step"]
-        _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
+        _commit_after_the_resume(job, proc)
         _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -149,9 +161,7 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     # the spare's "process start" is its go: after the attempt's start, not its fork
     for s, r in zip(starts[1:], resumed):
         assert r["process_start_unix_s"] >= s["t_unix_s"] - 0.01, (s, r)
-    assert_resumed_from_newest(Run(0, out, err, job), 2)
-    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
-    assert final_line(out) == final_line(plain.stdout)
+    _ends_as_plain(tmp_path, Run(0, out, err, job), plain)
 
 
 @pytest.mark.slow
@@ -170,9 +180,7 @@ def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_pat
         spare = _kill_when_spare_ready(job, proc, first, 0, 1)
         second = _torchrun_rank(proc, after=first.pid)
         assert second.parent().pid == spare
-        _wait(lambda: job_events(job, "resumed"), proc)
-        resumed_at = job_events(job, "resumed")[0]["step"]
-        _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
+        _commit_after_the_resume(job, proc)
         spare = _kill_when_spare_ready(job, proc, second, 1, 1)
         assert _torchrun_rank(proc, after=second.pid).parent().pid == spare
         out, err = proc.communicate(timeout=300)
@@ -182,9 +190,7 @@ def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_pat
     assert proc.returncode == 0, err[-3000:]
     starts = job_events(job, "attempt_start")
     assert [bool(s.get("warm")) for s in starts] == [False, True, True], starts
-    assert_resumed_from_newest(Run(0, out, err, job), 2)
-    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
-    assert final_line(out) == final_line(plain.stdout)
+    _ends_as_plain(tmp_path, Run(0, out, err, job), plain)
 
 
 @pytest.mark.slow
