@@ -99,6 +99,13 @@ def heartbeat_path(job_dir: Path, rank: int) -> Path:
     return Path(job_dir) / f"{HEARTBEAT_PREFIX}{rank:05d}"
 
 
+def warm_imports_path(job_dir: Path, node_rank: int) -> Path:
+    """``<job_dir>/warm-imports-node-N.json``: the modules node N's local rank 0 had imported at
+    its first step, imported ahead by the node's next warm spare
+    (:mod:`cfrun.rank.warm_imports`)."""
+    return Path(job_dir) / f"warm-imports-node-{node_rank}.json"
+
+
 def heartbeat_paths(job_dir: Path) -> list[Path]:
     """Every rank's heartbeat file in ``job_dir`` (any order)."""
     return list(Path(job_dir).glob(HEARTBEAT_GLOB))

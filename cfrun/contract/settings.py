@@ -199,6 +199,11 @@ STANDBY = _declare("CFRUN_STANDBY", "flag", "1",
                    "1: a job keeps a warm spare process (Python and torch imported) that becomes "
                    "the next attempt's rank (--launcher python) or torchrun after a failure; 0: "
                    "restarts start cold")
+STANDBY_IMPORTS = _declare("CFRUN_STANDBY_IMPORTS", "flag", "1",
+                           "1: the warm spare also imports what the last rank had imported at "
+                           "its first step (torch's stack and the standard library: "
+                           "torch._dynamo, which the first optimizer imports, ~1 s); 0: only "
+                           "torch and cfrun")
 EVENTS_ALL_RANKS = _declare("CFRUN_EVENTS_ALL_RANKS", "flag", "0",
                             "1: ranks other than 0 also log each checkpoint (checkpoint_rank "
                             "events)")

@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 from cfrun.contract import coordination as co
 from cfrun.contract.jobdir import JobDir, best_effort
+from cfrun.rank import warm_imports
 from cfrun.rank.log import say
 from cfrun.rank.settings import RankSettings
 from cfrun.rank.snapshot import SnapshotHandle, Snapshotter
@@ -109,6 +110,12 @@ class Marks:
             self.flush_beat()
 
     def _beat_loop(self) -> None:
+        if self.s.local_rank == 0:  # once, off the training thread: for the next warm spare
+            try:
+                warm_imports.record(self.jobdir.root, self.s.node_rank)
+            except OSError as e:
+                best_effort.failure("warm imports", co.warm_imports_path(
+                    self.jobdir.root, self.s.node_rank), e)
         while True:
             time.sleep(HEARTBEAT_EVERY_S)
             self.flush_beat()

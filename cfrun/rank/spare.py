@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 go_unix_s: float | None = None
@@ -183,6 +184,23 @@ def become_launcher(go: dict[str, Any]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def _import_ahead() -> None:
+    """What the last rank of this node imported (:mod:`cfrun.rank.warm_imports`), unless
+    ``CFRUN_STANDBY_IMPORTS=0``; the job dir and node come from the job's marks in this
+    process's environment. Never raises."""
+    from cfrun.contract import settings as E
+    from cfrun.rank import warm_imports
+
+    job_dir = os.environ.get(E.RANK_JOB_DIR)
+    try:
+        if not job_dir or not E.get_flag(E.STANDBY_IMPORTS):
+            return
+        node_rank = int(os.environ.get(E.NODE_RANK, "0"))
+    except Exception:  # a bad value: the rank says so itself at the go
+        return
+    warm_imports.import_ahead(Path(job_dir), node_rank)
+
+
 def main(argv: list[str]) -> None:
     """``cfrun.rank.spare FD [launcher]``: warm up, say ready on socket FD, wait for the go,
     run the rank (or, with ``launcher``, torchrun, which starts the ranks). Returns when
@@ -192,6 +210,8 @@ def main(argv: list[str]) -> None:
     launcher = argv[1:2] == ["launcher"]
     for name in WARM_LAUNCHER_MODULES if launcher else WARM_MODULES:
         __import__(name)
+    if not launcher:
+        _import_ahead()
     sock.sendall(b"ready\n")
     go = _recv_go(sock)
     sock.close()

@@ -161,6 +161,10 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
     # the spare's "process start" is its go: after the attempt's start, not its fork
     for s, r in zip(starts[1:], resumed):
         assert r["process_start_unix_s"] >= s["t_unix_s"] - 0.01, (s, r)
+    # what the rank had imported at its first step, for the spares to import ahead
+    recorded = json.loads((job / "warm-imports-node-0.json").read_text())["modules"]
+    assert "torch._dynamo" in recorded and "torch" in recorded
+    assert not any(m.split(".")[0] in ("__main__", "cfrun", "sitecustomize") for m in recorded)
     _ends_as_plain(tmp_path, Run(0, out, err, job), plain)
 
 
@@ -271,12 +275,13 @@ f()
 '''
 
 
-def _spare_run(cwd: Path, script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+def _spare_run(cwd: Path, script: str, args: list[str], extra_env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
     """A spare made by hand (``cfrun.rank.spare FD``), sent the go of ``python SCRIPT ARGS``."""
     from cfrun.supervisor.launcher import module_argv
 
     ours, theirs = socket.socketpair()
-    env = clean_env()
+    env = clean_env(extra_env or {})
     p = subprocess.Popen(module_argv("cfrun.rank.spare", str(theirs.fileno())), cwd=cwd,
                          env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -303,6 +308,36 @@ def test_the_spare_runs_a_script_as_python_does(tmp_path):
     assert spare.stdout == plain.stdout
     assert spare.stderr == plain.stderr, spare.stderr
     assert "cfrun" not in spare.stderr
+
+
+IMPORTED = '''import sys
+for name in sys.argv[1:]:
+    print(name, name in sys.modules)
+'''
+RECORDED = ["json", "torch._dynamo", "wave", "this", "cfrun.cli.app", "sklearn",
+            "no_such_module_zz", "os; import x", "__main__"]
+
+
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_the_spare_imports_ahead_what_the_last_rank_imported(tmp_path, ahead):
+    """Before it says ready, a spare imports the modules of the node's ``warm-imports`` record
+    whose package is torch's stack or the standard library (``torch._dynamo``, which the first
+    optimizer imports, ~1 s): the script finds them imported. Never a module outside them
+    (sklearn), cfrun's, the script's, an acting stdlib module (``this`` prints), a malformed
+    name; a missing one is skipped. ``CFRUN_STANDBY_IMPORTS=0``: none."""
+    from cfrun.contract import coordination as co
+
+    (tmp_path / "j").mkdir(mode=0o700)
+    co.warm_imports_path(tmp_path / "j", 0).write_text(json.dumps({"modules": RECORDED}))
+    (tmp_path / "probe.py").write_text(IMPORTED)
+    names = ["torch._dynamo", "wave", "this", "cfrun.cli.app", "sklearn"]
+    got = _spare_run(tmp_path, "probe.py", names, {
+        "CFRUN_RANK_JOB_DIR": str(tmp_path / "j"), "CFRUN_STANDBY_IMPORTS": ahead})
+    assert got.returncode == 0, got.stderr[-3000:]
+    on = ahead == "1"
+    assert got.stdout.splitlines() == [f"torch._dynamo {on}", f"wave {on}", "this False",
+                                       "cfrun.cli.app False", "sklearn False"]
+    assert "Zen of Python" not in got.stdout + got.stderr
 
 
 def test_a_spare_stopped_before_its_go_exits_quietly(tmp_path):
