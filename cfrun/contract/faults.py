@@ -54,6 +54,9 @@ POINTS: dict[str, str] = {
         "float SECONDS: each rank sleeps this long at install, before it checks the job dir's "
         "identity and reads anything of it (a slow import: the window in which a job dir "
         "could be swapped under a starting rank)",
+    "rank.spare_go_delay_s":
+        "float SECONDS: a warm spare sleeps this long right after it took the go, before it "
+        "becomes the rank (a hand-over a kill can land in)",
     "rank.raise_in_step":
         "int STEP: cfrun's optimizer-step hook raises RuntimeError at this step (an internal "
         "error of cfrun: the Guard must keep the script running)",

@@ -201,6 +201,18 @@ def _import_ahead() -> None:
     warm_imports.import_ahead(Path(job_dir), node_rank)
 
 
+def _hold_at_go() -> None:
+    """The fault point ``rank.spare_go_delay_s`` (the spare's environment is the job's: tests
+    make a kill land in the hand-over)."""
+    from cfrun.contract import faults
+
+    delay_s = faults.value("rank.spare_go_delay_s")
+    if delay_s:
+        sys.stderr.write(f"[cfrun spare] took the go; holding it {delay_s} s (fault point)\n")
+        sys.stderr.flush()
+        time.sleep(float(delay_s))
+
+
 def main(argv: list[str]) -> None:
     """``cfrun.rank.spare FD [launcher]``: warm up, say ready on socket FD, wait for the go,
     run the rank (or, with ``launcher``, torchrun, which starts the ranks). Returns when
@@ -216,6 +228,7 @@ def main(argv: list[str]) -> None:
     go = _recv_go(sock)
     sock.close()
     if go is not None:
+        _hold_at_go()
         if launcher:
             become_launcher(go)
         else:

@@ -140,6 +140,7 @@ class Standby:
         (:func:`cfrun.supervisor.launcher.build_launch_argv`). Returns its process, now the
         attempt's; None when no spare was ready (it is stopped; start the attempt cold)."""
         if not self.ready():
+            logger.warning("cfrun: the warm spare died before its go; this restart starts cold")
             self.stop()
             return None
         assert self._sock is not None and self.proc is not None
@@ -152,7 +153,8 @@ class Standby:
             self._sock.sendall(go.encode())
             self._sock.shutdown(socket.SHUT_WR)
         except OSError as e:  # it died after saying ready
-            logger.debug("cfrun: the warm spare did not take the go (%s)", e)
+            logger.warning("cfrun: the warm spare did not take its go (%s); this restart starts "
+                           "cold", e)
             self.stop()
             return None
         proc = self.proc

@@ -198,6 +198,38 @@ def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path):
+    """The spare SIGKILLed after it took the go, before it became the rank (held there by the
+    fault point ``rank.spare_go_delay_s``): that attempt fails without a step, the next starts
+    cold (no spare is ready: a new one starts only once an attempt made a step), resumes from
+    the newest committed step, and the run ends with the plain run's weights and line."""
+    plain = _plain(tmp_path)
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
+                  env=faults.arm(SLOW, **{"rank.spare_go_delay_s": 120}))
+    try:
+        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
+        out1 = job / "logs" / "attempt-1-output.log"  # the spare says it took the go
+        _wait(lambda: out1.exists() and "took the go" in out1.read_text(), proc)
+        os.kill(spare, signal.SIGKILL)  # in the hand-over: it holds the go for 120 s
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    starts = job_events(job, "attempt_start")
+    assert [bool(s.get("warm")) for s in starts] == [False, True, False], (
+        [(e["event"], e.get("pid"), e.get("attempt")) for e in job_events(job)], err[-2000:])
+    resumed = job_events(job, "resumed")
+    assert [r["attempt"] for r in resumed] == [2], resumed
+    newest = max(e["step"] for e in job_events(job, "commit")
+                 if e["t_unix_s"] < starts[2]["t_unix_s"])
+    assert resumed[0]["step"] == newest, (resumed, newest)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(out) == final_line(plain.stdout)
+
+
+@pytest.mark.slow
 def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
     """SIGKILL the ready spare: the supervisor starts another (a second ``standby_ready`` in the
     same attempt); a kill of the rank then restarts warm, from the second spare, and the run
