@@ -95,15 +95,19 @@ def test_sigterm_preempts_with_exit_75_then_resume_finishes(reference, tmp_path)
     assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("extra", [["--nproc-per-node", "2"],
-                                   ["--nnodes", "2", "--rdzv-endpoint", "localhost:29999"]])
-def test_several_ranks_or_nodes_are_refused_in_one_line(tmp_path, extra):
+@pytest.mark.parametrize("extra", [["--nnodes", "2", "--rdzv-endpoint", "localhost:29999"],
+                                   ["--nproc-per-node", "2", "--nnodes", "2",
+                                    "--rdzv-endpoint", "localhost:29999"]])
+def test_several_nodes_are_refused_in_one_line(tmp_path, extra):
+    """cfrun starts the ranks of one node itself (several ranks run:
+    test_standby.py); several nodes need torchrun's rendezvous: one line naming the value and
+    the fix, nothing made."""
     run = run_cfrun(["--launcher", "python", *extra, "--job-dir", "j", PLAIN, STEPS, "o.pt",
                      "0"], cwd=tmp_path)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cfrun: error:"), run.stderr
-    assert "--launcher python" in lines[0]
+    assert "--launcher python" in lines[0] and "--nnodes 2" in lines[0], lines
     assert not (tmp_path / "j").exists()
     assert list(tmp_path.iterdir()) == []
 
