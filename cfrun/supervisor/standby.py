@@ -92,8 +92,7 @@ class _Spare:
         spare_env = {k: v for k, v in env.items() if k != E.RANK_SETTINGS}
         try:
             self.proc = subprocess.Popen(
-                module_argv("cfrun.rank.spare", str(theirs.fileno()),
-                            *(("launcher",) if self.cfg.launcher == "torchrun" else ())),
+                module_argv("cfrun.rank.spare", str(theirs.fileno()), *self._kind()),
                 env=spare_env,
                 cwd=self.cfg.cwd, start_new_session=True, preexec_fn=die_with_parent(),
                 pass_fds=(theirs.fileno(),), stdout=stdio.get("stdout"),
@@ -107,6 +106,14 @@ class _Spare:
         self.sock = ours
         self.is_ready = self.said_ready = False
         self.started_s = time.monotonic()
+
+    def _kind(self) -> tuple[str, ...]:
+        """The spare's second word (:func:`cfrun.rank.spare.main`): ``launcher`` for a
+        torchrun, ``ranks`` for one of several ``--launcher python`` ranks (DDP's imports
+        ahead too), none for the one rank."""
+        if self.cfg.launcher == "torchrun":
+            return ("launcher",)
+        return ("ranks",) if self.cfg.nproc_per_node > 1 else ()
 
     def wanted(self) -> bool:
         """True when it is not alive (never started, or died)."""
