@@ -199,13 +199,17 @@ def one_kill(ranks, args, work, warm=False):
         victim = rank_pids(p.pid)[-1]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
-        first = wait_for(lambda: [t for _, t in read_stamps(stamps) if t > t_kill],
+        # the first step of the next attempt: a surviving rank 0 may still stamp the step it
+        # was in when its peer died (the all-reduce had finished), after the kill
+        start = wait_for(lambda: [e for e in events(job) if e.get("event") == "attempt_start"
+                                  and e["attempt"] == 1], args.timeout, "the restart")[0]
+        first = wait_for(lambda: [t for _, t in read_stamps(stamps)
+                                  if t > max(t_kill, start["t_unix_s"])],
                          args.timeout, "the first step after the resume")[0]
         resumed = wait_for(lambda: [e for e in events(job) if e.get("event") == "resumed"
                                     and e.get("rank") == 0], args.timeout, "resumed")[-1]
         ev = events(job)
         end = next(e for e in ev if e.get("event") == "attempt_end" and e["attempt"] == 0)
-        start = next(e for e in ev if e.get("event") == "attempt_start" and e["attempt"] == 1)
         rec.update(t_kill=t_kill, t_first_step=first, recover_s=first - t_kill,
                    resumed=resumed, resumed_step=resumed.get("step"))
         rec["phases"] = breakdown(t_kill, end, start, resumed, first)
