@@ -192,20 +192,27 @@ def attempt_pids(proc: Any) -> set[int]:
 
 
 def start_attempt(cfg: RunConfig, argv: list[str], env: dict[str, str], *, warm: bool,
-                  standby: Any, spawn_fn: Callable[..., Any], stdio: dict[str, Any]) -> Any:
+                  standby: Any, spawn_fn: Callable[..., Any], stdio: dict[str, Any],
+                  warm_ranks: tuple[int, ...] = ()) -> Any:
     """Start an attempt's process (supervisor, main thread): with :func:`uses_local_ranks`
-    every rank (:func:`start_local_ranks`, each from its warm spare where ready); else the
-    ready warm spare (``warm``: :meth:`cfrun.supervisor.standby.Standby.promote`), or
-    ``spawn_fn(argv, env, cwd, **stdio)`` (torchrun, or the one rank). ``standby``: the
+    every rank (:func:`start_local_ranks`), each local rank of ``warm_ranks`` from its warm
+    spare (those the ``attempt_start`` event names; a spare ready only since then is kept for
+    the next restart); else the ready warm spare (``warm``:
+    :meth:`cfrun.supervisor.standby.Standby.promote`), or ``spawn_fn(argv, env, cwd,
+    **stdio)`` (torchrun, or the one rank). ``standby``: the
     :class:`cfrun.supervisor.standby.Standby`, or None.
 
     Raises:
         OSError: a process could not be started.
     """
     if uses_local_ranks(cfg):
-        ranks, _ = start_local_ranks(
-            cfg, argv, env, spawn_fn=spawn_fn, stdio=stdio,
-            promote=standby.promote_rank if standby is not None else None)
+        def promote(local_rank: int, rank_env: dict[str, str]) -> Any:
+            if standby is None or local_rank not in warm_ranks:
+                return None
+            return standby.promote_rank(local_rank, rank_env)
+
+        ranks, _ = start_local_ranks(cfg, argv, env, spawn_fn=spawn_fn, stdio=stdio,
+                                     promote=promote)
         return ranks
     proc = standby.promote(env, argv) if warm and standby is not None else None
     return proc if proc is not None else spawn_fn(argv, env, cfg.cwd, **stdio)

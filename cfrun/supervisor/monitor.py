@@ -207,7 +207,8 @@ class Monitor:
         # kill_ranks finds it among our descendants
         self.console.keep_in(self.jobdir.attempt_output_path(attempt))
         self.proc = start_attempt(self.cfg, argv, env, warm=warm, standby=self.standby,
-                                  spawn_fn=self.spawn_fn, stdio=self.console.popen_kwargs())
+                                  spawn_fn=self.spawn_fn, stdio=self.console.popen_kwargs(),
+                                  warm_ranks=tuple(warm_ranks))
         _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
         self.console.drain()  # the ranks' last lines before the supervisor's own

@@ -24,8 +24,8 @@ ranks' import is still paid (they are torchrun's children).
 A ``--launcher python --nproc-per-node N`` job (cfrun starts the node's ranks itself,
 :mod:`cfrun.supervisor.local_ranks`) keeps N spares, one per local rank: at a restart each
 ready one becomes its rank (its go carries that rank's environment), and a rank whose spare is
-not ready (it died, or is still importing) starts cold beside them. So every rank's interpreter
-start and import are off the recovery path.
+not ready (it died, or is still importing: then it is kept for the next restart) starts cold
+beside them. So every rank's interpreter start and import are off the recovery path.
 
 ``CFRUN_STANDBY=0`` turns it off (a machine short of memory: the spare holds an interpreter with
 torch imported, ~300 MB here, no GPU memory).
