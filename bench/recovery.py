@@ -41,6 +41,8 @@ Usage::
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
     # the warm spare of a --launcher python job against a cold restart and torchrun (issue 35)
     .venv/bin/python bench/recovery.py --ranks 1 --warm --cfrun-args '--launcher python'
+    # 2 ranks started by cfrun itself, a warm spare per rank, against torchrun's start-up
+    .venv/bin/python bench/recovery.py --ranks 2 --warm --cfrun-args '--launcher python'
     # the warm torchrun of a torchrun job (1 and 2 ranks) against a cold restart and torchrun
     .venv/bin/python bench/recovery.py --warm
     # every process of the job SIGKILLed at once, then the same command (issue 35)
@@ -190,19 +192,24 @@ def one_kill(ranks, args, work, warm=False):
         step0 = commit["step"]
         wait_for(lambda: any(s >= step0 + 3 for s, _ in read_stamps(stamps)), args.timeout,
                  "3 steps past the commit")
-        if warm:
-            wait_for(lambda: [e for e in events(job) if e.get("event") == "standby_ready"],
-                     args.timeout, "the warm spare")
+        if warm:  # every spare: one per rank under --launcher python
+            spares = ranks if python_launcher(more) else 1
+            wait_for(lambda: len([e for e in events(job) if e.get("event") == "standby_ready"])
+                     >= spares, args.timeout, "the warm spares")
         victim = rank_pids(p.pid)[-1]
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
-        first = wait_for(lambda: [t for _, t in read_stamps(stamps) if t > t_kill],
+        # the first step of the next attempt: a surviving rank 0 may still stamp the step it
+        # was in when its peer died (the all-reduce had finished), after the kill
+        start = wait_for(lambda: [e for e in events(job) if e.get("event") == "attempt_start"
+                                  and e["attempt"] == 1], args.timeout, "the restart")[0]
+        first = wait_for(lambda: [t for _, t in read_stamps(stamps)
+                                  if t > max(t_kill, start["t_unix_s"])],
                          args.timeout, "the first step after the resume")[0]
         resumed = wait_for(lambda: [e for e in events(job) if e.get("event") == "resumed"
                                     and e.get("rank") == 0], args.timeout, "resumed")[-1]
         ev = events(job)
         end = next(e for e in ev if e.get("event") == "attempt_end" and e["attempt"] == 0)
-        start = next(e for e in ev if e.get("event") == "attempt_start" and e["attempt"] == 1)
         rec.update(t_kill=t_kill, t_first_step=first, recover_s=first - t_kill,
                    resumed=resumed, resumed_step=resumed.get("step"))
         rec["phases"] = breakdown(t_kill, end, start, resumed, first)
@@ -212,6 +219,12 @@ def one_kill(ranks, args, work, warm=False):
         rec["log_tail"] = (run / "cfrun.log").read_text()[-1500:]
         shutil.rmtree(run, ignore_errors=True)
     return rec
+
+
+def python_launcher(cfrun_args):
+    """True when the cfrun options ``cfrun_args`` (a list) choose ``--launcher python``."""
+    joined = " ".join(cfrun_args).replace("=", " ").split()
+    return any(a == "--launcher" and b == "python" for a, b in zip(joined, joined[1:]))
 
 
 def tree_kill(ranks, args, work):
@@ -305,7 +318,8 @@ def main(argv=None):
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per wait")
     ap.add_argument("--cfrun-args", default="",
-                    help="more cfrun options, e.g. '--launcher python' (1 rank, no torchrun)")
+                    help="more cfrun options, e.g. '--launcher python' (no torchrun: cfrun "
+                         "starts the ranks itself)")
     ap.add_argument("--hidden", type=int, default=2048,
                     help="the MLP's width: ~24 * hidden**2 bytes of state (2048: ~126 MB; "
                          "6500: ~1 GB)")

@@ -37,8 +37,9 @@ NprocPerNodeOption = Annotated[str, typer.Option(
 
 LauncherOption = Annotated[str, typer.Option(
     "--launcher", metavar="[torchrun|python]", envvar=E.LAUNCHER,
-    help="torchrun, or python: one process run as python SCRIPT would be (no RANK, "
-         "WORLD_SIZE or MASTER_* in its environment); not with several ranks or nodes."
+    help="torchrun, or python: cfrun starts each rank itself as python SCRIPT would be run "
+         "(one rank: no RANK, WORLD_SIZE or MASTER_* in its environment; --nproc-per-node N: "
+         "torchrun's variables), each restart from warm spares; one node only."
 )]
 
 TotalStepsOption = Annotated[str | None, typer.Option(

@@ -6,6 +6,7 @@ it stopped at (:func:`stopped_at`) and whether it holds a step's checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -88,7 +89,9 @@ class _RunStopped(CfrunError):
 
 def plain_run(cfg: RunConfig, root: Path, stop_step: int) -> RunResult:
     """The script without cfrun's runtime (``--against-plain``): launched as cfrun launches it
-    (torchrun, or ``python SCRIPT``), with only the observer hook (``CFRUN_VERIFY_OBSERVE``,
+    (torchrun, or ``python SCRIPT``; the ranks ``--launcher python`` starts itself on one node,
+    :mod:`cfrun.supervisor.local_ranks`, stand in for ``torchrun --standalone``, which runs
+    the plain one), with only the observer hook (``CFRUN_VERIFY_OBSERVE``,
     :func:`cfrun.rank.verify.observe`), which ends every rank at ``stop_step``.
 
     Raises:
@@ -99,6 +102,8 @@ def plain_run(cfg: RunConfig, root: Path, stop_step: int) -> RunResult:
 
     out = root / "plain"
     out.mkdir(mode=0o700)
+    if cfg.launcher == "python" and cfg.nproc_per_node > 1:
+        cfg = dataclasses.replace(cfg, launcher="torchrun")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "CFRUN_RANK_"))
            and k not in (E.HOOK_OWNER_PID, E.RANK_SETTINGS)}
     if cfg.launcher == "python":

@@ -158,8 +158,11 @@ class RunConfig:
     nproc_per_node: int = 1
     """Ranks started on this node (torchrun ``--nproc-per-node``)."""
     launcher: str = "torchrun"
-    """How the ranks start (``--launcher``): ``torchrun``, or ``python`` (one process, as
-    ``python SCRIPT`` would run it: no ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its environment).
+    """How the ranks start (``--launcher``): ``torchrun``, or ``python``: cfrun's supervisor
+    starts them itself, each as ``python SCRIPT`` would run it (one rank: no
+    ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its environment; ``--nproc-per-node N`` on one node:
+    torchrun's variables, as ``torchrun --standalone`` sets them,
+    :mod:`cfrun.supervisor.local_ranks`), so each rank can be a warm spare.
     A launch option, not part of the job's command (:class:`Command`): changing it between runs
     is no changed command."""
     max_restarts: int = 5
@@ -254,11 +257,11 @@ class RunConfig:
         if self.launcher not in LAUNCHERS:
             raise BadInputError(f"--launcher {self.launcher!r} must be one of "
                                 f"{', '.join(LAUNCHERS)}")
-        if self.launcher == "python" and (self.nproc_per_node > 1 or self.nnodes > 1):
+        if self.launcher == "python" and self.nnodes > 1:
             raise BadInputError(
-                f"--launcher python runs one process; it cannot run --nproc-per-node "
-                f"{self.nproc_per_node} --nnodes {self.nnodes}: drop --launcher python (torchrun "
-                f"starts several ranks) or run one rank")
+                f"--launcher python starts the ranks of one node; it cannot run --nnodes "
+                f"{self.nnodes}: drop --launcher python (torchrun's rendezvous joins the nodes) "
+                f"or run on one node")
         if self.max_restarts < 0:
             raise BadInputError(f"--max-restarts {self.max_restarts} must be at least 0")
         if self.total_steps is not None and self.total_steps < 1:

@@ -105,7 +105,9 @@ MTBF = _declare("CFRUN_MTBF", "duration", None,
 NPROC_PER_NODE = _declare("CFRUN_NPROC_PER_NODE", "int", "1", "ranks on this node (torchrun)")
 LAUNCHER = _declare("CFRUN_LAUNCHER", "choice", "torchrun",
                     "torchrun: the ranks run under torchrun (RANK, WORLD_SIZE, MASTER_* set); "
-                    "python: one process run as `python SCRIPT` would be, none of them set",
+                    "python: cfrun starts the ranks of one node itself, each as `python "
+                    "SCRIPT` would be (one rank: none of them set; several: as torchrun sets "
+                    "them)",
                     choices=("torchrun", "python"))
 NNODES = _declare("CFRUN_NNODES", "int", "1",
                   "nodes in the job; one cfrun per node, same job dir on a shared file system")
@@ -197,7 +199,8 @@ CONSOLE_LOG = _declare("CFRUN_CONSOLE_LOG", "flag", "1",
                        "(logs/attempt-N-output.log); 0: it goes to the console alone")
 STANDBY = _declare("CFRUN_STANDBY", "flag", "1",
                    "1: a job keeps a warm spare process (Python and torch imported) that becomes "
-                   "the next attempt's rank (--launcher python) or torchrun after a failure; 0: "
+                   "the next attempt's rank, one per rank (--launcher python), or torchrun "
+                   "after a failure; 0: "
                    "restarts start cold")
 STANDBY_IMPORTS = _declare("CFRUN_STANDBY_IMPORTS", "flag", "1",
                            "1: the warm spare also imports what the last rank had imported at "

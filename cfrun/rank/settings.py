@@ -62,8 +62,14 @@ class RankSettings:
     node_rank: int = 0
     """This node's index in a multi-node job."""
     launcher: str = "torchrun"
-    """``torchrun``, or ``python``: this process is the job's one rank, started as
-    ``python SCRIPT`` without torchrun's variables (rank 0 of world 1; ``--launcher``)."""
+    """``torchrun``, or ``python``: cfrun's supervisor started this rank itself
+    (``--launcher``): with :attr:`nproc_per_node` 1 the job's one rank, started as ``python
+    SCRIPT`` without torchrun's variables (rank 0 of world 1, whatever ``RANK`` says); with
+    more, one of the node's ranks, with torchrun's variables as ``torchrun --standalone``
+    sets them (:mod:`cfrun.supervisor.local_ranks`)."""
+    nproc_per_node: int = 1
+    """Ranks on this node (``--nproc-per-node``); with launcher ``python`` also the world size
+    (one node)."""
     verify: bool = False
     """A run of ``cfrun verify`` (:mod:`cfrun.rank.verify`): record a digest per step, stop at
     :attr:`verify_stop_step` with a final checkpoint, make the :attr:`verify_kills`."""
@@ -109,9 +115,11 @@ class RankSettings:
         if self.launcher not in ("torchrun", "python"):
             raise BadInputError(f"{ENV}: launcher {self.launcher!r} must be 'torchrun' or "
                                 "'python' (CFRUN_LAUNCHER)")
-        if self.launcher == "python" and self.world_size != 1:
-            raise BadInputError(f"{ENV}: launcher 'python' runs one rank, not WORLD_SIZE "
-                                f"{self.world_size}")
+        if self.nproc_per_node < 1:
+            raise BadInputError(f"{ENV}: nproc_per_node {self.nproc_per_node} must be at least 1")
+        if self.launcher == "python" and self.world_size != self.nproc_per_node:
+            raise BadInputError(f"{ENV}: launcher 'python' runs the {self.nproc_per_node} "
+                                f"rank(s) of one node, not WORLD_SIZE {self.world_size}")
         if self.verify_stop_step is not None and self.verify_stop_step < 1:
             raise BadInputError(f"{ENV}: verify_stop_step {self.verify_stop_step} must be at "
                                 "least 1")
@@ -192,7 +200,8 @@ class RankSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> RankSettings:
         """This rank's settings: ``CFRUN_RANK_SETTINGS`` plus torchrun's ``RANK``,
         ``WORLD_SIZE`` and ``LOCAL_RANK`` (rank process, at install); with ``--launcher
-        python`` (no torchrun) rank 0 of world 1.
+        python`` and one rank (no torchrun) rank 0 of world 1 (with several, the supervisor
+        set torchrun's variables itself).
 
         Raises:
             BadInputError: the variable is missing or invalid (the rank then runs unprotected).
@@ -200,7 +209,7 @@ class RankSettings:
         env = os.environ if env is None else env
         if ENV not in env:
             raise BadInputError(f"{ENV} is not set (cfrun's supervisor sets it for the ranks)")
-        if '"launcher": "python"' in env[ENV]:  # no torchrun: rank 0 of 1, whatever RANK says
+        if _is_one_python_rank(env[ENV]):  # no torchrun: rank 0 of 1, whatever RANK says
             return cls.from_json(env[ENV])
         try:
             ids = {name: int(env.get(var, default)) for name, var, default in (
@@ -210,6 +219,19 @@ class RankSettings:
             raise BadInputError(f"torchrun's RANK/WORLD_SIZE/LOCAL_RANK are not integers ({e})"
                                 ) from None
         return cls.from_json(env[ENV], **ids)
+
+
+def _is_one_python_rank(text: str) -> bool:
+    """The settings ``text`` are those of a ``--launcher python`` job's one rank (its
+    environment has none of torchrun's variables that count); False for anything else,
+    unparsable text included (:meth:`RankSettings.from_json` then says what is wrong)."""
+    if '"launcher": "python"' not in text:
+        return False
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("nproc_per_node", 1) == 1
 
 
 def _is_hex(text: str) -> bool:

@@ -2,7 +2,10 @@
 
 With ``--launcher python`` the one rank is the script run as ``python SCRIPT ARGS`` instead
 (:func:`build_launch_argv`): the attempt's process *is* the rank, with torchrun's variables
-kept out of its environment; everything else below holds for it too.
+kept out of its environment; everything else below holds for it too. With ``--launcher python
+--nproc-per-node N`` (one node) the supervisor starts N such processes itself, each with the
+variables ``torchrun --standalone`` gives its workers (:func:`local_rank_env`;
+:mod:`cfrun.supervisor.local_ranks`).
 
 The ranks run as ``python -m torch.distributed.run --standalone ... SCRIPT ARGS`` (one node;
 torchrun under :mod:`cfrun.supervisor.torchrun_log`, which keeps the script's ARGS from
@@ -110,8 +113,8 @@ def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable,
                       log_path: str | None = None, log_dir: str | None = None) -> list[str]:
     """The command of one attempt (no I/O): :func:`build_torchrun_argv`, or with
     ``--launcher python`` the script itself, ``python SCRIPT ARGS`` (``python -m MODULE ARGS``
-    with ``-m``), as its user would run it (one process; :class:`RunConfig` refuses it with
-    several ranks or nodes)."""
+    with ``-m``), as its user would run it: each rank's command (:class:`RunConfig` refuses it
+    with several nodes)."""
     if cfg.launcher == "python":
         return [python, *(["-m", cfg.module] if cfg.module else [cfg.script]), *cfg.script_args]
     return build_torchrun_argv(cfg, python=python, log_path=log_path, log_dir=log_dir)
@@ -121,14 +124,64 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 """What torchrun sets in its ranks' environment (and every ``TORCHELASTIC_*``): kept out of a
-``--launcher python`` script's environment, where a script reads them as "go distributed"."""
+``--launcher python`` script's environment, where a script reads them as "go distributed"
+(several ranks get cfrun's own values, :func:`local_rank_env`)."""
+
+LOCAL_MASTER_ADDR = "localhost"
+"""``MASTER_ADDR`` of a ``--launcher python`` job's ranks: what ``torchrun --standalone``
+sets (torch 2.13)."""
+
+
+def local_rank_env(env: dict[str, str], *, local_rank: int, nproc_per_node: int,
+                   master_port: int, run_id: str) -> dict[str, str]:
+    """The environment of local rank ``local_rank`` of a ``--launcher python --nproc-per-node
+    N`` attempt (no I/O): ``env`` (:func:`build_worker_env`'s) with the variables
+    ``torchrun --standalone --nproc-per-node N`` gives its worker of that local rank, from
+    torch 2.13's ``LocalElasticAgent._start_workers``: ``RANK``/``LOCAL_RANK``/``ROLE_RANK``
+    the local rank (one node), ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``/``ROLE_WORLD_SIZE`` N,
+    ``GROUP_RANK`` 0 of ``GROUP_WORLD_SIZE`` 1, ``ROLE_NAME`` ``default``, ``MASTER_ADDR``
+    :data:`LOCAL_MASTER_ADDR`, ``MASTER_PORT`` ``master_port`` (chosen per attempt,
+    :func:`free_port`), ``TORCHELASTIC_RUN_ID`` ``run_id``, ``TORCHELASTIC_RESTART_COUNT`` and
+    ``TORCHELASTIC_MAX_RESTARTS`` 0 (cfrun restarts, as under its torchrun, ``--max-restarts
+    0``), ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` as torchrun (1 unless set).
+
+    Where it differs from torchrun: ``TORCHELASTIC_USE_AGENT_STORE`` is ``False`` (there is no
+    agent: rank 0 hosts the ``env://`` store at ``MASTER_PORT``, as torch does for any launcher
+    without one), and ``TORCHELASTIC_ERROR_FILE`` is not set (torch's ``@record`` then logs the
+    error; cfrun keeps each rank's error itself, ``errors/``).
+    """
+    n = str(nproc_per_node)
+    return {**env,
+            "RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
+            "ROLE_RANK": str(local_rank), "GROUP_RANK": "0", "ROLE_NAME": "default",
+            "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "ROLE_WORLD_SIZE": n,
+            "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": LOCAL_MASTER_ADDR, "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel's choice), for one attempt's
+    ``MASTER_PORT``: rank 0 binds it a moment later (a race with another program, as any
+    ``--master-port`` choice has; a new one per attempt, so no port of a killed attempt's
+    store, still in TIME_WAIT, is reused)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None = None, *,
                      mtbf_s: float | None = None, manifest_keys: tuple[str, ...] = (),
                      job_dir_id: tuple[int, int] | None = None) -> dict[str, str]:
     """The environment of torchrun and its ranks for attempt ``attempt`` (no I/O). With
-    ``--launcher python`` the script's own, without any of :data:`TORCHRUN_VARIABLES`.
+    ``--launcher python`` the script's own, without any of :data:`TORCHRUN_VARIABLES` (with
+    several ranks, each rank's are added by :func:`local_rank_env`; ``OMP_NUM_THREADS`` is 1
+    where it is not set, as torchrun sets it for several ranks, before the warm spares import
+    torch).
 
     torchrun's ``PET_*`` variables are dropped (cfrun read them: :mod:`cfrun.contract.cluster`,
     and passes its choices as flags). ``hooks/`` goes first on PYTHONPATH (ranks only: cfrun's
@@ -153,6 +206,8 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
             del env[name]
     for name in [k for k in env if k.startswith("PET_")]:
         del env[name]  # torchrun reads PET_* as its options' defaults: cfrun chose them already
+    if cfg.launcher == "python" and cfg.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # torch.distributed.run's, for several ranks
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks_dir()), old) if p)
     settings = RankSettings(
@@ -160,10 +215,12 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         overhead=cfg.overhead, mtbf_s=mtbf_s or None, profile_only=cfg.profile_only,
         inject_crash=tuple(parse_inject_crash(cfg.inject_crash)),
         ff_eval=env.get(E.FF_EVAL, "one"), supervisor_pid=os.getpid(),
-        node_rank=cfg.node_rank, launcher=cfg.launcher, verify=cfg.verify,
+        node_rank=cfg.node_rank, launcher=cfg.launcher, nproc_per_node=cfg.nproc_per_node,
+        verify=cfg.verify,
         verify_stop_step=cfg.verify_stop_step,
         verify_kills=tuple(tuple(k) for k in cfg.verify_kills),  # type: ignore[misc]
-        reshard=cfg.reshard, manifest_keys=manifest_keys, job_dir_id=job_dir_id)
+        reshard=cfg.reshard, manifest_keys=manifest_keys, job_dir_id=job_dir_id,
+        world_size=cfg.nproc_per_node if cfg.launcher == "python" else 1)  # checked, not sent
     env.update({
         E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,

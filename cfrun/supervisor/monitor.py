@@ -33,6 +33,7 @@ from cfrun.contract.gpus import FaultWatch
 from cfrun.contract.jobdir import JobDir
 from cfrun.supervisor.console import ConsoleTap
 from cfrun.supervisor.launcher import build_launch_argv, build_worker_env
+from cfrun.supervisor.local_ranks import attempt_pids, start_attempt, uses_local_ranks
 from cfrun.supervisor.machine import Outcome
 from cfrun.supervisor.progress import ProgressLine
 from cfrun.supervisor.records import RankRecords
@@ -135,8 +136,9 @@ class Monitor:
         pending_signals: signal numbers queued by the supervisor's handler, forwarded to the
             ranks by :meth:`run` within 0.1 s.
         progress_s: seconds between progress lines on stderr (0: none).
-        standby: the warm spare (``--launcher python``): an attempt after the first becomes
-            it when it is ready; a new one starts once the attempt made a step.
+        standby: the warm spares (:class:`cfrun.supervisor.standby.Standby`): an attempt
+            after the first becomes them where they are ready; new ones start once the
+            attempt made a step.
         console: keeps the ranks' output in the job dir (:mod:`cfrun.supervisor.console`).
     """
 
@@ -190,8 +192,11 @@ class Monitor:
         env = build_worker_env(self.cfg, attempt, mtbf_s=self.records.mtbf_s(),
                                manifest_keys=self.manifest_keys, job_dir_id=self.job_dir_id)
         warm = self.standby is not None and self.standby.ready()
+        warm_ranks = self.standby.ready_ranks() if self.standby is not None and \
+            uses_local_ranks(self.cfg) else []
         self.jobdir.emit_event("attempt_start", attempt=attempt, argv=argv,
-                               **({"warm": True} if warm else {}))
+                               **({"warm": True} if warm else {}),
+                               **({"warm_ranks": warm_ranks} if warm_ranks else {}))
         t0 = time.monotonic()
         started_unix_s = time.time()
         self.line.start(t0)  # the first progress line progress_s from now
@@ -201,13 +206,14 @@ class Monitor:
         # a signal during spawn_fn can leave torchrun running with self.proc unset: shutdown's
         # kill_ranks finds it among our descendants
         self.console.keep_in(self.jobdir.attempt_output_path(attempt))
-        self.proc = self.standby.promote(env, argv) if warm and self.standby is not None else None
-        if self.proc is None:
-            self.proc = self.spawn_fn(argv, env, self.cfg.cwd, **self.console.popen_kwargs())
+        self.proc = start_attempt(self.cfg, argv, env, warm=warm, standby=self.standby,
+                                  spawn_fn=self.spawn_fn, stdio=self.console.popen_kwargs(),
+                                  warm_ranks=tuple(warm_ranks))
         _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
         self.console.drain()  # the ranks' last lines before the supervisor's own
         self.kill_ranks()  # stragglers (workers of a killed rank): none may outlive it
+        local_exits = tuple(getattr(self.proc, "rank_exits", ()))  # cfrun's own ranks'
         self.proc = None
         try:  # torchrun made its directories with the umask's modes
             self.jobdir.private_torchrun_logs()
@@ -220,7 +226,8 @@ class Monitor:
         oom_kills = oom_after - oom_before if oom_before is not None and \
             oom_after is not None else 0
         return self._outcome(attempt, rc, duration_s, started_unix_s, log_path, hung=hung,
-                             agent_error=agent_error, oom_kills=max(oom_kills, 0))
+                             agent_error=agent_error, oom_kills=max(oom_kills, 0),
+                             local_exits=local_exits)
 
     def _wait(self, attempt: int, started_unix_s: float) -> tuple[int, bool, str | None]:
         """Wait for the attempt's process in 0.1 s steps (signals forwarded, the progress
@@ -268,13 +275,15 @@ class Monitor:
 
     def _outcome(self, attempt: int, rc: int, duration_s: float, started_unix_s: float,
                  log_path: Path, *, hung: bool, agent_error: str | None,
-                 oom_kills: int) -> Outcome:
-        """The attempt's :class:`Outcome` from its exit code and what the ranks left."""
+                 oom_kills: int, local_exits: tuple[tuple[int, int], ...] = ()) -> Outcome:
+        """The attempt's :class:`Outcome` from its exit code and what the ranks left
+        (``local_exits``: the failed ranks where cfrun started them, else torchrun's log)."""
         errors = self.records.rank_errors(attempt)
         marks = self.records.ended_marks(attempt)
         stopped = self.records.preempted_marks(attempt)
         raised = {e.rank for e in errors}
-        rank_exits = tuple(read_rank_exits(str(log_path))) if rc else ()
+        rank_exits = (local_exits if uses_local_ranks(self.cfg)
+                      else tuple(read_rank_exits(str(log_path)))) if rc else ()
         return Outcome(
             attempt=attempt, returncode=rc, duration_s=duration_s, hung=hung, errors=errors,
             ended_clean=len(marks) == self.cfg.nproc_per_node
@@ -373,9 +382,9 @@ class Monitor:
                 p.kill()
             except psutil.Error:
                 pass
-        own = self.proc.pid if self.proc is not None else None
+        own = attempt_pids(self.proc)
         # torchrun itself is reaped by its Popen (reaping it here would lose its exit status)
-        psutil.wait_procs([p for p in procs if p.pid != own], timeout=timeout_s)
+        psutil.wait_procs([p for p in procs if p.pid not in own], timeout=timeout_s)
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=timeout_s)
@@ -387,7 +396,7 @@ class Monitor:
         """Reap exited processes re-parented to us (PID 1, or as subreaper), not our own."""
         import psutil
 
-        own = {p.pid for p in (self.proc, *self.own_processes()) if p is not None}
+        own = attempt_pids(self.proc) | {p.pid for p in self.own_processes() if p is not None}
         try:
             children = psutil.Process().children()
         except psutil.Error:

@@ -31,17 +31,23 @@ def forward_pending(pending: list[int], proc: subprocess.Popen[bytes] | None, la
                     emit: Callable[..., None]) -> None:
     """Send the signals queued in ``pending`` (emptied) to the ranks of the attempt whose
     process is ``proc``: torchrun's children, not torchrun, whose own handler would end the
-    attempt on SIGHUP or SIGQUIT; with ``launcher`` ``python`` the process is the rank itself.
+    attempt on SIGHUP or SIGQUIT; with ``launcher`` ``python`` the process is the rank itself
+    (with several ranks, :class:`cfrun.supervisor.local_ranks.LocalRanks`: its ``pids``).
     Event ``signal_forwarded`` through ``emit``. A rank that is gone is skipped."""
     import psutil
 
     while pending:
         signum = pending.pop(0)
         ranks: list[Any] = []
-        if proc is not None:
+        if proc is not None and launcher == "python":
+            for pid in getattr(proc, "pids", (proc.pid,)):
+                try:
+                    ranks.append(psutil.Process(pid))
+                except psutil.Error:
+                    pass
+        elif proc is not None:
             try:
-                process = psutil.Process(proc.pid)
-                ranks = [process] if launcher == "python" else process.children()
+                ranks = psutil.Process(proc.pid).children()
             except psutil.Error:
                 ranks = []
         for r in ranks:

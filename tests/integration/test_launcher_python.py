@@ -1,8 +1,10 @@
 """``--launcher python``: one process run as ``python script.py`` would be (no RANK,
-WORLD_SIZE, MASTER_* in its environment), still checkpointed, supervised and resumable."""
+WORLD_SIZE, MASTER_* in its environment), still checkpointed, supervised and resumable; with
+``--nproc-per-node N`` cfrun starts the ranks itself with torchrun's environment."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import subprocess
@@ -95,15 +97,19 @@ def test_sigterm_preempts_with_exit_75_then_resume_finishes(reference, tmp_path)
     assert_bit_identical(reference, torch.load(tmp_path / "out.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("extra", [["--nproc-per-node", "2"],
-                                   ["--nnodes", "2", "--rdzv-endpoint", "localhost:29999"]])
-def test_several_ranks_or_nodes_are_refused_in_one_line(tmp_path, extra):
+@pytest.mark.parametrize("extra", [["--nnodes", "2", "--rdzv-endpoint", "localhost:29999"],
+                                   ["--nproc-per-node", "2", "--nnodes", "2",
+                                    "--rdzv-endpoint", "localhost:29999"]])
+def test_several_nodes_are_refused_in_one_line(tmp_path, extra):
+    """cfrun starts the ranks of one node itself (several ranks run:
+    test_standby.py); several nodes need torchrun's rendezvous: one line naming the value and
+    the fix, nothing made."""
     run = run_cfrun(["--launcher", "python", *extra, "--job-dir", "j", PLAIN, STEPS, "o.pt",
                      "0"], cwd=tmp_path)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cfrun: error:"), run.stderr
-    assert "--launcher python" in lines[0]
+    assert "--launcher python" in lines[0] and "--nnodes 2" in lines[0], lines
     assert not (tmp_path / "j").exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -171,3 +177,37 @@ def test_verify_takes_the_launcher(tmp_path):
                     env={"TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "exact:" in run.stdout
+
+
+@pytest.mark.slow  # tests/unit/test_local_ranks.py checks it against torch's source, quickly
+def test_several_ranks_see_the_environment_torchrun_standalone_gives_its_ranks(tmp_path):
+    """``--launcher python --nproc-per-node 2``: each rank's whole environment equals what the
+    plain ``torchrun --standalone --nproc-per-node 2`` gives its rank, but for cfrun's own
+    marks and hooks, the per-run values (port, run id) and the two differences on purpose
+    (no agent store, no torchrun error file or signal list: cfrun.supervisor.launcher's
+    local_rank_env); OMP_NUM_THREADS is 1 in both when unset. Both join gloo and train."""
+    probe = str(SCRIPTS / "dist_env_probe.py")
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", probe, "plain"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    got = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python",
+                          "--nproc-per-node", "2", "--job-dir", "j", probe, "got"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.count("FINAL done") == 2
+    for rank in (0, 1):
+        want = json.loads((tmp_path / f"plain-{rank}.json").read_text())
+        have = json.loads((tmp_path / f"got-{rank}.json").read_text())
+        assert want["OMP_NUM_THREADS"] == have["OMP_NUM_THREADS"] == "1"
+        assert have["RANK"] == have["LOCAL_RANK"] == str(rank)
+        assert want.pop("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        assert have.pop("TORCHELASTIC_USE_AGENT_STORE") == "False"
+        for name in ("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+            want.pop(name)
+        for name in ("MASTER_PORT", "TORCHELASTIC_RUN_ID"):  # chosen per run
+            assert want.pop(name) and have.pop(name)
+        ours = {k for k in have if k.startswith("CFRUN_") or k == "PYTHONPATH"}
+        assert {k: v for k, v in have.items() if k not in ours} == {
+            k: v for k, v in want.items() if k != "PYTHONPATH"}

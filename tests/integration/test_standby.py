@@ -398,3 +398,139 @@ def test_a_bad_standby_setting_is_one_line_and_exit_2(tmp_path, value):
     assert "CFRUN_STANDBY" in p.stderr and value in p.stderr
     assert not (tmp_path / "j" / "checkpoints").exists() or not any(
         (tmp_path / "j" / "checkpoints").iterdir())
+
+
+# ------------------------------------------- several ranks: cfrun starts them, a spare per rank
+
+DDP = str(SCRIPTS / "train_ddp.py")
+
+
+def _plain_torchrun(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 2 train_ddp.py plain.pt``, no cfrun."""
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", DDP, "plain.pt"], cwd=tmp_path,
+                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return plain
+
+
+def _start_ddp(tmp_path: Path) -> subprocess.Popen[str]:
+    return _start(tmp_path, ["--nproc-per-node", "2", "--interval", "10", DDP, "got.pt"])
+
+
+def _cold_ranks(proc: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    """The first attempt's two ranks by RANK, once both run the script as ``python SCRIPT``
+    (cfrun's own children: no torchrun between)."""
+    def find() -> dict[int, psutil.Process] | None:
+        found = {}
+        for c in psutil.Process(proc.pid).children():
+            try:
+                if c.cmdline()[1:2] == [DDP]:
+                    found[int(c.environ()["RANK"])] = c
+            except (psutil.Error, KeyError):
+                continue
+        return found if len(found) == 2 else None
+
+    return _wait(find, proc)  # type: ignore[return-value]
+
+
+def _ready_spares(job: Path, proc: subprocess.Popen[str], seen: int) -> dict[int, int]:
+    """local rank -> pid of the two spares of ``standby_ready`` events ``seen`` and ``seen+1``,
+    once both are logged."""
+    ready = _wait(lambda: job_events(job, "standby_ready")[seen:seen + 2]
+                  if len(job_events(job, "standby_ready")) >= seen + 2 else None, proc)
+    return {e["local_rank"]: e["pid"] for e in ready}  # type: ignore[union-attr]
+
+
+def _stop_then_kill(job: Path, proc: subprocess.Popen[str], rank: psutil.Process, seen: int,
+                    after_step: int) -> dict[int, int]:
+    """Once a step past ``after_step`` is committed, SIGSTOP ``rank`` (training stops: the
+    spares may take long to import torch on a busy machine), wait for both spares, then
+    SIGKILL it. Returns the spares, the next attempt's ranks."""
+    _wait(lambda: any(e["step"] > after_step for e in job_events(job, "commit")), proc)
+    rank.send_signal(signal.SIGSTOP)
+    spares = _ready_spares(job, proc, seen)
+    rank.kill()
+    return spares
+
+
+def _ddp_ends_as_plain(tmp_path: Path, proc: subprocess.Popen[str],
+                       plain: subprocess.CompletedProcess[str]) -> Run:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert [l for l in out.splitlines() if l.startswith("epoch")] == \
+        [l for l in plain.stdout.splitlines() if l.startswith("epoch")]
+    return Run(0, out, err, tmp_path / "j")
+
+
+def _resumed_by_attempt(job: Path) -> dict[int, dict[int, dict]]:
+    """attempt -> rank -> that rank's ``resumed`` event."""
+    out: dict[int, dict[int, dict]] = {}
+    for e in job_events(job, "resumed"):
+        out.setdefault(e["attempt"], {})[e["rank"]] = e
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_started_by_cfrun_restart_from_a_spare_each_twice_as_plain_torchrun(tmp_path):
+    """``--launcher python --nproc-per-node 2`` (gloo, DDP): rank 1 SIGKILLed, then rank 0 of
+    the next attempt; each time both spares were ready, and the next attempt's ranks are those
+    spares (their pids are the ``standby_ready`` pids; ``attempt_start`` and both ``resumed``
+    say ``warm``), resumed from the newest commit; the run ends bit-identical with the plain
+    ``torchrun --standalone --nproc-per-node 2`` run."""
+    plain = _plain_torchrun(tmp_path)
+    job = tmp_path / "j"
+    proc = _start_ddp(tmp_path)
+    try:
+        first = _stop_then_kill(job, proc, _cold_ranks(proc)[1], 0, 0)
+        _wait(lambda: len(_resumed_by_attempt(job).get(1, {})) == 2, proc)
+        # a spare not promoted is killed at the attempt's start: these live on as its ranks,
+        # and no rank was started cold
+        assert all(psutil.Process(pid).is_running() for pid in first.values())
+        assert not [c for c in psutil.Process(proc.pid).children() if DDP in c.cmdline()]
+        resumed_at = _resumed_by_attempt(job)[1][0]["step"]
+        second = _stop_then_kill(job, proc, psutil.Process(first[0]), 2, resumed_at)
+        run = _ddp_ends_as_plain(tmp_path, proc, plain)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert set(first.values()).isdisjoint(second.values())
+    starts = job_events(job, "attempt_start")
+    assert [(bool(s.get("warm")), s.get("warm_ranks")) for s in starts] == [
+        (False, None), (True, [0, 1]), (True, [0, 1])], starts
+    resumed = _resumed_by_attempt(job)
+    assert all(resumed[a][r].get("warm") for a in (1, 2) for r in (0, 1)), resumed
+    for a in (1, 2):  # the spare's go, its "process start", came after the attempt began
+        for r in (0, 1):
+            assert resumed[a][r]["process_start_unix_s"] >= starts[a]["t_unix_s"] - 0.01
+    assert_resumed_from_newest(run, 2)
+    assert_resumed_from_newest(run, 2, rank=1)
+    failures = job_events(job, "failure")
+    assert len(failures) == 2, failures
+
+
+@pytest.mark.slow
+def test_a_killed_spare_of_one_rank_starts_that_rank_cold_and_the_run_is_exact(tmp_path):
+    """Both spares ready, then local rank 1's spare SIGKILLed just before rank 0 is: the
+    restart promotes rank 0's spare and starts rank 1 cold (``warm_ranks`` [0]; rank 1's
+    ``resumed`` not warm), and the run still ends bit-identical with plain torchrun."""
+    plain = _plain_torchrun(tmp_path)
+    job = tmp_path / "j"
+    proc = _start_ddp(tmp_path)
+    try:
+        ranks = _cold_ranks(proc)
+        _wait(lambda: job_events(job, "commit"), proc)
+        ranks[0].send_signal(signal.SIGSTOP)
+        spares = _ready_spares(job, proc, 0)
+        os.kill(spares[1], signal.SIGKILL)
+        ranks[0].kill()
+        _ddp_ends_as_plain(tmp_path, proc, plain)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    starts = job_events(job, "attempt_start")
+    assert [(bool(s.get("warm")), s.get("warm_ranks")) for s in starts] == [
+        (False, None), (False, [0])], starts
+    resumed = _resumed_by_attempt(job)[1]
+    assert resumed[0].get("warm") and not resumed[1].get("warm"), resumed

@@ -346,11 +346,14 @@ def ddp_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path,
+                                                                        launcher):
     """Both ranks stop at the same step and the final checkpoint holds both shards; no rank is
-    killed by torchrun because another one exited first (persists slowed: the signal may land
-    during one)."""
-    run, tree, _ = _sigterm_run(tmp_path, "j", ["--nproc-per-node", "2"], at_step=12,
+    killed by torchrun (or by cfrun, which starts them itself with ``--launcher python``)
+    because another one exited first (persists slowed: the signal may land during one)."""
+    run, tree, _ = _sigterm_run(tmp_path, "j", ["--launcher", launcher, "--nproc-per-node", "2"],
+                                at_step=12,
                                 env=faults.arm({}, **{"agent.commit_delay_s": 0.6}),
                                 script=[DDP_SLOW, "j.pt", "0.1"])
     assert run.returncode == 75, run.stderr[-3000:]
