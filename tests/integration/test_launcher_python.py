@@ -191,7 +191,11 @@ def test_several_ranks_see_the_environment_torchrun_standalone_gives_its_ranks(t
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", "2", probe, "plain"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=240)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    # torch 2.13 with gloo may abort a rank in C++ teardown after the script ended
+    # (conftest.plain_run): the run is complete when both ranks printed their last line
+    torn_down = "terminate called without an active exception" in plain.stderr \
+        and plain.stdout.count("FINAL done") == 2
+    assert plain.returncode == 0 or torn_down, plain.stderr[-3000:]
     got = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python",
                           "--nproc-per-node", "2", "--job-dir", "j", probe, "got"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
