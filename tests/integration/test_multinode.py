@@ -30,6 +30,8 @@ from conftest import (
     run_cfrun,
 )
 
+from cfrun.contract import faults
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
 DDP = str(SCRIPTS / "train_ddp.py")
 
@@ -111,6 +113,7 @@ def test_two_nodes_commit_together_and_match_one_node_with_two_ranks(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two nodes, one killed and brought back: minutes on a busy machine
 def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_path_factory):
     """Compared with one node of two ranks: the test above shows a 2-node run ends equal."""
     _, ref_state = ddp_reference(tmp_path_factory)
@@ -129,7 +132,7 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
     killed_at = max(int(p.read_text().strip() or 0) for p in job.glob("heartbeat-rank-*"))
     node1 = start_node(tmp_path, 1, port, "got1.pt")  # the scheduler brings the node back
     for p in (node0, node1):
-        _, err = p.communicate(timeout=240)
+        _, err = p.communicate(timeout=480)
         assert p.returncode == 0, err[-3000:]
     ev = events(job)
     resumed = [(e.get("node", 0), e["rank"], e["step"]) for e in ev if e["event"] == "resumed"]
@@ -210,27 +213,36 @@ def test_bad_multinode_options_are_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path, tmp_path_factory):
-    """2 ranks on one node, both SIGKILLed (not through cfrun) once past step 40."""
+    """2 ranks on one node, both SIGKILLed (not through cfrun) once past step 40 of 69: the
+    ranks are found once both beat, then stopped (SIGSTOP) at step 40 and killed, so a busy
+    machine cannot let the script end before the kill lands."""
     common = ["--nproc-per-node", "2", "--interval", "10"]
     _, ref_state = ddp_reference(tmp_path_factory)
     argv = [sys.executable, "-m", "cfrun", *common, "--job-dir", "got", DDP, "got.pt"]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # 0.05 s a step in cfrun's hook (the plain reference computes the same): 69 steps
+    proc = subprocess.Popen(argv, cwd=tmp_path,
+                            env=clean_env(faults.arm({}, **{"rank.step_delay_s": 0.05})),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     job = tmp_path / "got"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     ranks: list[psutil.Process] = []
     while time.monotonic() < deadline:
         beats = [p.read_text().strip() for p in job.glob("heartbeat-rank-*")]
-        if len(beats) == 2 and all(b and int(b) >= 40 for b in beats):
-            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                     if any("train_ddp.py" in a for a in c.cmdline())
-                     and "torch.distributed.run" not in c.cmdline()]
-            break
+        if len(beats) == 2 and all(beats):
+            if len(ranks) != 2:
+                ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                         if any("train_ddp.py" in a for a in c.cmdline())
+                         and "torch.distributed.run" not in c.cmdline()]
+            if all(int(b) >= 40 for b in beats):
+                break
         time.sleep(0.01)
     assert len(ranks) == 2, ranks
     for r in ranks:
+        r.send_signal(signal.SIGSTOP)
+    for r in ranks:
         r.send_signal(signal.SIGKILL)
     killed_at = max(int(p.read_text().strip()) for p in job.glob("heartbeat-rank-*"))
+    assert killed_at < 69, killed_at  # mid-training: the test's premise
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     resumed = [e for e in events(job) if e["event"] == "resumed"]
