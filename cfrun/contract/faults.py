@@ -67,6 +67,11 @@ POINTS: dict[str, str] = {
         "'SECONDS@FIRST-LAST': every checkpoint taken at a step in [FIRST, LAST) holds the "
         "training thread SECONDS more (a checkpoint made expensive by outside pressure, e.g. a "
         "saturated disk: what the adaptive tuner must react to)",
+    "rank.in_flight_at_step":
+        "int STEP: in attempt 0, the first boundary at which a checkpoint is due while the "
+        "step count is STEP finds the previous one still in flight, as a persist that ends "
+        "right after that boundary would (the checkpoint is deferred to a later boundary: "
+        "where a loaded machine's timing puts it)",
     "rank.kill_after_snapshot":
         "int STEP: in attempt 0, the rank SIGKILLs itself right after it handed the first "
         "checkpoint at or after STEP to the agent (the training thread takes that checkpoint "

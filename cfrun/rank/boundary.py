@@ -3,8 +3,9 @@
 The optimizer step hooks (installed by :mod:`cfrun.rank.install`) count steps. Every
 ``interval`` steps (the tuner decides), at a preemption's stop step, or at an injected crash,
 the step *triggers* (:mod:`cfrun.rank.trigger`); the checkpoint is then taken at the next
-*boundary*: the next ``next()`` on the training DataLoader (loader loops,
-:mod:`cfrun.rank.loader_boundary`) or the next arrival at the head of the loop around
+*boundary*: the first ``next()`` on the training DataLoader after a step (loader loops,
+:mod:`cfrun.rank.loader_boundary`; a later one of the same step may follow a backward whose
+gradients are in no checkpoint, issue 36) or the next arrival at the head of the loop around
 ``optimizer.step()`` (step loops, found with a line tracer: :mod:`cfrun.rank.loop_boundary`).
 At the boundary the iteration's remaining code (``scheduler.step()``, ``running_loss += ...``)
 has run and the next forward has not, so model, optimizer, scheduler, RNG, data position and
@@ -215,14 +216,14 @@ class Boundary:
 
     def on_loader_next(self, it: Any, caller: types.FrameType) -> None:
         """Called before every ``next()`` on a tracked DataLoader iterator: at the training
-        loader's, with a trigger pending in a loader loop, the boundary."""
+        loader's first since a step, with a trigger pending in a loader loop, the boundary."""
         if self._preemption.preempted:
             self._preemption.end_now()
         if self._resume.fixing_enumerate:
             self._resume.on_next(it, caller)
         self._loader.on_next(it, caller)
         if (self._trigger.pending is not None and self.mode == "loader"
-                and self._loader.is_training(it)):
+                and self._loader.first_after_step):
             self._boundary(caller, self._loader.position(it, caller))
 
     # ---------------------------------------------------------------- at the boundary

@@ -45,6 +45,13 @@ class LoaderBoundary:
         self._flag = flag
         self._last_next_iter: weakref.ref[Any] | None = None
         self._next_since_step = False
+        self._step_open = False
+        """A counted step came and the training loader's ``next()`` has not run since."""
+        self.first_after_step = False
+        """The ``next()`` under way is the training loader's first since a counted step: the
+        loader boundary. A later one of the same step may follow a backward whose gradients
+        no checkpoint holds (gradient accumulation: a checkpoint deferred there resumed the
+        step without them, issue 36)."""
         self.train_iter: Callable[[], Any] | None = None
         """The training loader's iterator (a weakref.ref), once a step decided it."""
         self._next_outside_for = False
@@ -68,6 +75,9 @@ class LoaderBoundary:
             self._enum_cache = None  # a new epoch: let the last one's wrappers go
         self._last_next_iter = weakref.ref(it)
         self._next_since_step = True
+        self.first_after_step = self._step_open and self.is_training(it)
+        if self.first_after_step:
+            self._step_open = False
         if not self._held_decided:
             self._next_outside_for = FW.is_script_frame(caller, self.script) \
                 and not is_for_header(caller)
@@ -92,6 +102,7 @@ class LoaderBoundary:
         elif mode is None:
             mode = "loop"
         self._next_since_step = False
+        self._step_open = True
         return mode
 
     def position(self, it: Any, caller: types.FrameType) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from cfrun.contract import coordination as co
+from cfrun.contract import faults
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank.log import say
 from cfrun.rank.preemption import Preemption
@@ -62,6 +63,11 @@ class Trigger:
         numbers are each node's own, so on another node than rank 0's the record's attempt
         cannot tell this attempt's gate from an earlier one's; rank 0's attempt number grows
         with each restart, so a record of this attempt always differs from the stale one."""
+        in_flight_at = faults.value("rank.in_flight_at_step")
+        self._in_flight_at = int(in_flight_at) if in_flight_at is not None \
+            and settings.attempt == 0 else None
+        """Fault point ``rank.in_flight_at_step``: the step whose first due boundary finds the
+        previous checkpoint in flight (None in every real run)."""
         self._fields: dict[int, dict[str, Any]] = {}
         """Rank 0: step -> the fields its ``checkpoint`` event adds at its commit, as they were
         at its boundary: the deferral's, and the loader's ``progress`` (read at the commit,
@@ -105,6 +111,9 @@ class Trigger:
         :meth:`cfrun.rank.slot.SnapshotSlot.prepare`, 1-2 s for a 4.4 GB state on an H200,
         which the first checkpoint, the policy's warm-up probe at step 4, waited for).
         """
+        if step == self._in_flight_at:  # the fault point: once
+            self._in_flight_at = None
+            return True
         if self.s.world_size == 1 and self._snap.slot.locking():
             return True  # the slot is being page-locked: a checkpoint now would wait for it
         if self.last_taken is None:

@@ -31,6 +31,8 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_bit_identical, plain_run, run_cfrun
 
+from cfrun.contract import faults
+
 pytestmark = pytest.mark.timeout(400)
 
 SCRIPT = str(SCRIPTS / "train_timm_loader.py")
@@ -69,6 +71,32 @@ def test_timm_loader_defaults_resume_bit_identical_after_three_kills(tmp_path):
     epoch, no longer shift the next epoch's shuffle. On the code before, the epoch after the
     second resumed one (epoch 2) differed from its first batch on."""
     _killed_equals_plain(tmp_path)
+
+
+def test_checkpoint_deferred_into_gradient_accumulation_waits_for_the_next_step(tmp_path):
+    """Issue 36: a checkpoint deferred at its boundary (the previous one still in flight) is
+    taken at the first ``next()`` after a later step, never at a later ``next()`` of the same
+    step. There, with 2 batches per step, a backward had put gradients into ``.grad`` that no
+    checkpoint holds: deferred from the boundary after step 8 (batch 4 of epoch 2) to the
+    prefetcher's next ``next()`` (batch 5), checkpoint 8 resumed batch 5's step without batch
+    4's gradients, and the resumed run validated epoch 2 again with that model
+    (``eval 2 loss 0.7280497849``, a loaded machine's flake of the test above) and diverged
+    from there on. The fault point defers it at step 8's boundary as a persist ending right
+    after it does; no checkpoint comes due before (``--interval 8``)."""
+    plain = plain_run([SCRIPT, "--out", "plain.pt"], tmp_path)
+    run = run_cfrun(["--launcher", "python", "--interval", "8", "--inject-crash", "11@0",
+                     "--job-dir", "job", SCRIPT, "--out", "got.pt"], cwd=tmp_path,
+                    env=faults.arm({}, **{"rank.in_flight_at_step": 8}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [e["due_step"] for e in run.events("checkpoint_deferred")] == [8]
+    assert [e["step"] for e in run.events("commit")][:1] == [9], run.events("commit")
+    assert [e["step"] for e in run.events("resumed")] == [9], run.stderr[-3000:]
+    assert not run.events("not_exact"), run.events("not_exact")
+    assert _lines(run.stdout) == _lines(plain.stdout)
+    want = torch.load(tmp_path / "plain.pt", weights_only=True)
+    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    assert got["best_metric"] == want["best_metric"]
+    assert_bit_identical(want, got)
 
 
 @pytest.mark.slow
