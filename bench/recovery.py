@@ -39,12 +39,11 @@ Usage::
 
     .venv/bin/python bench/recovery.py                  # 3 kills each for 1 and 2 ranks (~5 min)
     .venv/bin/python bench/recovery.py --repeats 1 --ranks 1
-    # the warm spare of a --launcher python job against a cold restart and torchrun (issue 35)
-    .venv/bin/python bench/recovery.py --ranks 1 --warm --cfrun-args '--launcher python'
-    # 2 ranks started by cfrun itself, a warm spare per rank, against torchrun's start-up
-    .venv/bin/python bench/recovery.py --ranks 2 --warm --cfrun-args '--launcher python'
-    # the warm torchrun of a torchrun job (1 and 2 ranks) against a cold restart and torchrun
+    # the default on one node (cfrun starts the ranks, a warm spare per rank), 1 and 2 ranks,
+    # against a cold restart and torchrun's start-up (issue 35)
     .venv/bin/python bench/recovery.py --warm
+    # the warm torchrun of a torchrun job (1 and 2 ranks) against a cold restart and torchrun
+    .venv/bin/python bench/recovery.py --warm --cfrun-args '--launcher torchrun'
     # every process of the job SIGKILLed at once, then the same command (issue 35)
     .venv/bin/python bench/recovery.py --whole-tree --repeats 1
     # ~1 GB of state, 3 s of start-up; before/after: the same with --cfrun-root /work/main
@@ -170,8 +169,8 @@ def events(job_dir):
 def one_kill(ranks, args, work, warm=False):
     """One cfrun run: wait for a commit, SIGKILL a rank, wait for the first step after the
     resume; returns the breakdown (seconds per phase of :data:`PHASES`) and raw times.
-    ``warm``: with its warm spare (``CFRUN_STANDBY=1``: the next rank under ``--launcher
-    python``, the next torchrun under torchrun), the kill once the spare said it is ready
+    ``warm``: with its warm spare (``CFRUN_STANDBY=1``: the next rank where cfrun starts the
+    ranks, the default on one node; the next torchrun under ``--launcher torchrun``), the kill once the spare said it is ready
     (``standby_ready``), as in a job that failed hours in; else ``CFRUN_STANDBY=0`` (every
     restart cold)."""
     run = Path(tempfile.mkdtemp(prefix=f"r{ranks}-", dir=work))
@@ -192,8 +191,8 @@ def one_kill(ranks, args, work, warm=False):
         step0 = commit["step"]
         wait_for(lambda: any(s >= step0 + 3 for s, _ in read_stamps(stamps)), args.timeout,
                  "3 steps past the commit")
-        if warm:  # every spare: one per rank under --launcher python
-            spares = ranks if python_launcher(more) else 1
+        if warm:  # every spare: one per rank where cfrun starts the ranks
+            spares = 1 if launcher_of(more) == "torchrun" else ranks
             wait_for(lambda: len([e for e in events(job) if e.get("event") == "standby_ready"])
                      >= spares, args.timeout, "the warm spares")
         victim = rank_pids(p.pid)[-1]
@@ -221,10 +220,13 @@ def one_kill(ranks, args, work, warm=False):
     return rec
 
 
-def python_launcher(cfrun_args):
-    """True when the cfrun options ``cfrun_args`` (a list) choose ``--launcher python``."""
+def launcher_of(cfrun_args):
+    """The launcher the cfrun options ``cfrun_args`` (a list) run the bench's one-node job
+    with: the ``--launcher`` they give, else ``local`` (``auto``'s choice on one node:
+    cfrun starts the ranks itself, a warm spare per rank)."""
     joined = " ".join(cfrun_args).replace("=", " ").split()
-    return any(a == "--launcher" and b == "python" for a, b in zip(joined, joined[1:]))
+    given = [b for a, b in zip(joined, joined[1:]) if a == "--launcher"]
+    return "local" if not given or given[-1] == "auto" else given[-1]
 
 
 def tree_kill(ranks, args, work):
@@ -318,8 +320,8 @@ def main(argv=None):
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per wait")
     ap.add_argument("--cfrun-args", default="",
-                    help="more cfrun options, e.g. '--launcher python' (no torchrun: cfrun "
-                         "starts the ranks itself)")
+                    help="more cfrun options, e.g. '--launcher torchrun' (the default on one "
+                         "node: cfrun starts the ranks itself)")
     ap.add_argument("--hidden", type=int, default=2048,
                     help="the MLP's width: ~24 * hidden**2 bytes of state (2048: ~126 MB; "
                          "6500: ~1 GB)")
@@ -330,8 +332,8 @@ def main(argv=None):
                     help="run the cfrun of this checkout instead (PYTHONPATH), e.g. /work/main "
                          "for a before/after comparison")
     ap.add_argument("--warm", action="store_true",
-                    help="also a job with its warm spare (the next rank under --launcher python, "
-                         "the next torchrun under torchrun), killed "
+                    help="also a job with its warm spare (the next rank where cfrun starts the "
+                         "ranks, the next torchrun under --launcher torchrun), killed "
                          "once the spare is ready, against torchrun's plain start-up")
     ap.add_argument("--whole-tree", action="store_true",
                     help="also SIGKILL every process of the job at once (a lost node whose "
@@ -380,8 +382,8 @@ def main(argv=None):
             results.append({"ranks": ranks, "plain_startup_s": plain, "kills": kills})
             if trees:  # against the plain start-up of the launcher the job used
                 results.append({"ranks": f"{ranks} tree", "kills": trees,
-                                "plain_startup_s": plain if python_launcher(
-                                    shlex.split(args.cfrun_args)) else torchrun,
+                                "plain_startup_s": plain if launcher_of(
+                                    shlex.split(args.cfrun_args)) == "python" else torchrun,
                                 "limit_extra_s": floor_s, "plain_python_startup_s": plain,
                                 "plain_torchrun_startup_s": torchrun})
             if warm:

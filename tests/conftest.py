@@ -63,7 +63,9 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 ONE_RANK_LAUNCHER = {"launcher": "python"}
 """The launcher :func:`run_cfrun` gives a one-process job: ``python`` (``CFRUN_LAUNCHER``),
-unless the test is marked ``torchrun`` (:func:`_one_rank_launcher`)."""
+unless the test is marked ``launched`` (``default``: none given, as users launch) or
+``torchrun`` (then ``torchrun``, for any number of ranks) (:func:`_one_rank_launcher`). Other
+jobs of several ranks on one node run the default (``local``)."""
 
 _SEVERAL_RANK_FLAGS = ("--nproc", "--nnodes", "--launcher", "--standalone", "--rdzv", "--node",
                        "--master")
@@ -73,30 +75,41 @@ _SEVERAL_RANK_FLAGS = ("--nproc", "--nnodes", "--launcher", "--standalone", "--r
 def _one_rank_launcher(request: pytest.FixtureRequest) -> Iterator[None]:
     """Where torchrun is not the point, a one-process job runs as ``python SCRIPT``
     (``--launcher python``, a supported mode that checkpoints, supervises and resumes the same
-    way): it saves each attempt a second interpreter importing torch (about 3 CPU-seconds and
-    torchrun's rendezvous), the largest fixed cost of the suite's ~1,000 launches (issue 27,
-    item 9). Tests and modules marked ``torchrun`` keep torchrun: the launch and supervision
-    paths, transparency against ``torchrun``, signals, the README's commands.
-    ``TESTS_LAUNCHER=torchrun`` runs every test under torchrun."""
+    way, and that the one-rank scripts' plain ``python`` references run as): it saves each
+    attempt torchrun's interpreter importing torch (about 3 CPU-seconds and torchrun's
+    rendezvous), the largest fixed cost of the suite's ~1,000 launches (issue 27, item 9).
+    Tests and modules marked ``launched`` run the default launcher, as users launch (one node:
+    cfrun's own, ``local``; several: torchrun): the launch and supervision paths,
+    transparency, signals, the README's commands. Tests marked ``torchrun`` run under
+    torchrun (``CFRUN_LAUNCHER=torchrun``, one rank or several): its logs, its warm spare, its
+    ``--module``. ``TESTS_LAUNCHER=torchrun`` runs every test under torchrun."""
     marked = request.node.get_closest_marker("torchrun") is not None
     everywhere = os.environ.get("TESTS_LAUNCHER") == "torchrun"
-    ONE_RANK_LAUNCHER["launcher"] = "torchrun" if marked or everywhere else "python"
+    launched = request.node.get_closest_marker("launched") is not None
+    ONE_RANK_LAUNCHER["launcher"] = "torchrun" if marked or everywhere else \
+        "default" if launched else "python"
     yield
     ONE_RANK_LAUNCHER["launcher"] = "python"
 
 
 def _launch_env(args: list[str], env: dict[str, str] | None) -> dict[str, str] | None:
-    """``env`` with ``CFRUN_LAUNCHER`` added for a one-process launch (see
-    :data:`ONE_RANK_LAUNCHER`); unchanged for subcommands other than ``verify`` and
-    ``profile``, for any rank or launcher flag, and where ``env`` chose already."""
-    if ONE_RANK_LAUNCHER["launcher"] != "python" or not args:
+    """``env`` with ``CFRUN_LAUNCHER`` added (see :data:`ONE_RANK_LAUNCHER`): ``python`` for a
+    one-process launch, ``torchrun`` for any launch of a test marked ``torchrun``; unchanged
+    for subcommands other than ``verify`` and ``profile``, for a ``--launcher`` flag (and,
+    for ``python``, any rank flag), and where ``env`` chose already."""
+    if not args or env and "CFRUN_LAUNCHER" in env or any(
+            a.startswith("--launcher") for a in args):
         return env
     if not args[0].startswith("-") and args[0] not in ("verify", "profile") \
             and not args[0].endswith(".py"):
         return env  # resume, status, export, ...: the job's own ranks decide
+    if ONE_RANK_LAUNCHER["launcher"] == "torchrun":
+        return {**(env or {}), "CFRUN_LAUNCHER": "torchrun"}
+    if ONE_RANK_LAUNCHER["launcher"] == "default":
+        return env
     if any(a.startswith(_SEVERAL_RANK_FLAGS) for a in args):
         return env
-    if env and any(k in env for k in ("CFRUN_LAUNCHER", "CFRUN_NPROC_PER_NODE", "CFRUN_NNODES")):
+    if env and any(k in env for k in ("CFRUN_NPROC_PER_NODE", "CFRUN_NNODES")):
         return env
     return {**(env or {}), "CFRUN_LAUNCHER": "python"}
 

@@ -36,10 +36,12 @@ NprocPerNodeOption = Annotated[str, typer.Option(
     help="Ranks on this node (torchrun).")]
 
 LauncherOption = Annotated[str, typer.Option(
-    "--launcher", metavar="[torchrun|python]", envvar=E.LAUNCHER,
-    help="torchrun, or python: cfrun starts each rank itself as python SCRIPT would be run "
-         "(one rank: no RANK, WORLD_SIZE or MASTER_* in its environment; --nproc-per-node N: "
-         "torchrun's variables), each restart from warm spares; one node only."
+    "--launcher", metavar="[auto|local|torchrun|python]", envvar=E.LAUNCHER,
+    help="auto (default): local on one node, torchrun on several. local: cfrun starts the "
+         "node's ranks itself with the variables torchrun --standalone sets (RANK, "
+         "WORLD_SIZE, MASTER_*) and restarts them from warm spares. torchrun: every attempt "
+         "under torchrun. python: as local, but one rank runs as python SCRIPT would, "
+         "without RANK, WORLD_SIZE or MASTER_*."
 )]
 
 TotalStepsOption = Annotated[str | None, typer.Option(

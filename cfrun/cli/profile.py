@@ -75,7 +75,7 @@ def profile_cmd(
         "--mtbf", metavar="DURATION", envvar=E.MTBF,
         help="Mean time between failures, e.g. 6h.")] = None,
     nproc_per_node: NprocPerNodeOption = "1",
-    launcher: LauncherOption = "torchrun",
+    launcher: LauncherOption = "auto",
     local_addr: LocalAddrOption = None,
     standalone: StandaloneOption = False,
     master_addr: MasterAddrOption = None,

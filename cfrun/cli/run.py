@@ -144,7 +144,7 @@ def run_cmd(
     interval: IntervalOption = None,
     overhead: OverheadOption = "3.5%",
     nproc_per_node: NprocPerNodeOption = "1",
-    launcher: LauncherOption = "torchrun",
+    launcher: LauncherOption = "auto",
     max_restarts: MaxRestartsOption = "5",
     keep: KeepOption = "2",
     grace: GraceOption = "25",

@@ -16,6 +16,7 @@ from cfrun.contract.config import (
     parse_interval,
     parse_overhead,
     parse_positive_int,
+    resolve_launcher,
 )
 from cfrun.contract.errors import BadInputError
 from cfrun.policy import parse_duration
@@ -122,7 +123,7 @@ def build_config(script: str, script_args: list[str] | None, job_dir: str | None
                  peer_token_file: str | None = None, peer_streams: str = "4",
                  persist_to: str | None = None, nnodes: str = "1", node_rank: str = "0",
                  rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                 job_name: str | None = None, launcher: str = "torchrun",
+                 job_name: str | None = None, launcher: str = "auto",
                  metrics: str | None = None, local_addr: str | None = None,
                  module: bool = False) -> RunConfig:
     """The run's :class:`RunConfig` from the command line's words; ``module`` (``-m``):
@@ -158,7 +159,7 @@ def build_config(script: str, script_args: list[str] | None, job_dir: str | None
         interval=parse_interval(interval) if interval is not None else None,
         overhead=parse_overhead(overhead),
         nproc_per_node=nproc_n,
-        launcher=launcher.strip() or "torchrun",
+        launcher=resolve_launcher(launcher, nnodes_n),
         max_restarts=parse_positive_int("--max-restarts", max_restarts, minimum=0),
         keep=parse_positive_int("--keep", keep, minimum=1),
         grace_s=grace_s,

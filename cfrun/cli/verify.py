@@ -112,7 +112,7 @@ def verify_cmd(
         "--json", help="Print one JSON object (the script's output goes to stderr).")] = False,
     interval: IntervalOption = None,
     nproc_per_node: NprocPerNodeOption = "1",
-    launcher: LauncherOption = "torchrun",
+    launcher: LauncherOption = "auto",
     max_restarts: MaxRestartsOption = "5",
     grace: GraceOption = "25",
     hang_timeout: HangTimeoutOption = "1800",

@@ -102,7 +102,7 @@ def plain_run(cfg: RunConfig, root: Path, stop_step: int) -> RunResult:
 
     out = root / "plain"
     out.mkdir(mode=0o700)
-    if cfg.launcher == "python" and cfg.nproc_per_node > 1:
+    if cfg.starts_ranks and not cfg.one_python_rank:  # torchrun sets the same variables
         cfg = dataclasses.replace(cfg, launcher="torchrun")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "CFRUN_RANK_"))
            and k not in (E.HOOK_OWNER_PID, E.RANK_SETTINGS)}

@@ -132,8 +132,30 @@ def parse_bytes(name: str, text: str) -> int:
     return value
 
 
-LAUNCHERS = ("torchrun", "python")
-"""The values of ``--launcher`` (:attr:`RunConfig.launcher`)."""
+LAUNCHERS = ("torchrun", "python", "local")
+"""The launchers a :class:`RunConfig` names (:attr:`RunConfig.launcher`): ``--launcher``'s
+values less ``auto``, which :func:`resolve_launcher` turns into one of them."""
+
+LAUNCHER_CHOICES = ("auto", *LAUNCHERS)
+"""The values of ``--launcher`` and ``CFRUN_LAUNCHER``."""
+
+
+def resolve_launcher(launcher: str, nnodes: int) -> str:
+    """The launcher a job runs with: ``launcher`` as given, or for ``auto`` (the default)
+    ``local`` on one node (cfrun's supervisor starts the node's ranks itself with the
+    environment ``torchrun --standalone`` gives them, so each restart takes warm spares: issue
+    35) and ``torchrun`` on several (its c10d rendezvous joins the nodes). Pure.
+
+    Raises:
+        BadInputError: ``launcher`` is not one of :data:`LAUNCHER_CHOICES`.
+    """
+    launcher = launcher.strip() or "auto"
+    if launcher not in LAUNCHER_CHOICES:
+        raise BadInputError(f"--launcher {launcher!r} must be one of "
+                            f"{', '.join(LAUNCHER_CHOICES)}")
+    if launcher == "auto":
+        return "local" if nnodes == 1 else "torchrun"
+    return launcher
 
 
 @dataclass(frozen=True)
@@ -158,11 +180,13 @@ class RunConfig:
     nproc_per_node: int = 1
     """Ranks started on this node (torchrun ``--nproc-per-node``)."""
     launcher: str = "torchrun"
-    """How the ranks start (``--launcher``): ``torchrun``, or ``python``: cfrun's supervisor
-    starts them itself, each as ``python SCRIPT`` would run it (one rank: no
-    ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its environment; ``--nproc-per-node N`` on one node:
-    torchrun's variables, as ``torchrun --standalone`` sets them,
-    :mod:`cfrun.supervisor.local_ranks`), so each rank can be a warm spare.
+    """How the ranks start (``--launcher``, resolved by :func:`resolve_launcher`; a job dir
+    written before ``auto`` existed says ``torchrun``): ``torchrun``; ``local`` (one node's
+    default): cfrun's supervisor starts the node's ranks itself, each with the variables
+    ``torchrun --standalone`` gives it (``RANK``, ``WORLD_SIZE``, ``MASTER_*``, one rank
+    included, :mod:`cfrun.supervisor.local_ranks`); or ``python``: as ``local``, but one rank
+    runs as ``python SCRIPT`` would, with none of torchrun's variables. With ``local`` and
+    ``python`` each rank can be a warm spare.
     A launch option, not part of the job's command (:class:`Command`): changing it between runs
     is no changed command."""
     max_restarts: int = 5
@@ -242,6 +266,18 @@ class RunConfig:
         """The script as the user named it: ``-m pkg.train``, else the script's file name."""
         return f"-m {self.module}" if self.module else Path(self.script).name
 
+    @property
+    def starts_ranks(self) -> bool:
+        """cfrun's supervisor starts the node's ranks itself (launcher ``local`` or ``python``,
+        :mod:`cfrun.supervisor.local_ranks`), not torchrun."""
+        return self.launcher != "torchrun"
+
+    @property
+    def one_python_rank(self) -> bool:
+        """The job's one rank runs as ``python SCRIPT`` would (launcher ``python``, one rank):
+        the attempt's process is the rank, with none of torchrun's variables."""
+        return self.launcher == "python" and self.nproc_per_node == 1
+
     def __post_init__(self) -> None:
         if self.interval is not None and self.interval < 1:
             raise BadInputError(f"interval {self.interval} must be at least 1")
@@ -257,11 +293,11 @@ class RunConfig:
         if self.launcher not in LAUNCHERS:
             raise BadInputError(f"--launcher {self.launcher!r} must be one of "
                                 f"{', '.join(LAUNCHERS)}")
-        if self.launcher == "python" and self.nnodes > 1:
+        if self.launcher != "torchrun" and self.nnodes > 1:
             raise BadInputError(
-                f"--launcher python starts the ranks of one node; it cannot run --nnodes "
-                f"{self.nnodes}: drop --launcher python (torchrun's rendezvous joins the nodes) "
-                f"or run on one node")
+                f"--launcher {self.launcher} starts the ranks of one node; it cannot run "
+                f"--nnodes {self.nnodes}: drop --launcher {self.launcher} (torchrun's "
+                f"rendezvous joins the nodes) or run on one node")
         if self.max_restarts < 0:
             raise BadInputError(f"--max-restarts {self.max_restarts} must be at least 0")
         if self.total_steps is not None and self.total_steps < 1:

@@ -103,12 +103,13 @@ MTBF = _declare("CFRUN_MTBF", "duration", None,
                 "mean time between failures (90s, 30m, 6h, 2d) for the Young/Daly limit",
                 unset="learned")
 NPROC_PER_NODE = _declare("CFRUN_NPROC_PER_NODE", "int", "1", "ranks on this node (torchrun)")
-LAUNCHER = _declare("CFRUN_LAUNCHER", "choice", "torchrun",
-                    "torchrun: the ranks run under torchrun (RANK, WORLD_SIZE, MASTER_* set); "
-                    "python: cfrun starts the ranks of one node itself, each as `python "
-                    "SCRIPT` would be (one rank: none of them set; several: as torchrun sets "
-                    "them)",
-                    choices=("torchrun", "python"))
+LAUNCHER = _declare("CFRUN_LAUNCHER", "choice", "auto",
+                    "auto: local on one node, torchrun on several; local: cfrun starts the "
+                    "ranks of one node itself, with the variables torchrun --standalone sets "
+                    "(RANK, WORLD_SIZE, MASTER_*), and restarts them from warm spares; "
+                    "torchrun: the ranks run under torchrun; python: as local, but one rank "
+                    "runs as `python SCRIPT` would, with none of them set",
+                    choices=("auto", "torchrun", "python", "local"))
 NNODES = _declare("CFRUN_NNODES", "int", "1",
                   "nodes in the job; one cfrun per node, same job dir on a shared file system")
 NODE_RANK = _declare("CFRUN_NODE_RANK", "int", "0",

@@ -62,14 +62,14 @@ class RankSettings:
     node_rank: int = 0
     """This node's index in a multi-node job."""
     launcher: str = "torchrun"
-    """``torchrun``, or ``python``: cfrun's supervisor started this rank itself
-    (``--launcher``): with :attr:`nproc_per_node` 1 the job's one rank, started as ``python
-    SCRIPT`` without torchrun's variables (rank 0 of world 1, whatever ``RANK`` says); with
-    more, one of the node's ranks, with torchrun's variables as ``torchrun --standalone``
-    sets them (:mod:`cfrun.supervisor.local_ranks`)."""
+    """``torchrun``; ``local``: cfrun's supervisor started this rank itself, with torchrun's
+    variables as ``torchrun --standalone`` sets them (:mod:`cfrun.supervisor.local_ranks`);
+    or ``python``: as ``local``, but with :attr:`nproc_per_node` 1 the job's one rank,
+    started as ``python SCRIPT`` without torchrun's variables (rank 0 of world 1, whatever
+    ``RANK`` says) (``--launcher``, resolved)."""
     nproc_per_node: int = 1
-    """Ranks on this node (``--nproc-per-node``); with launcher ``python`` also the world size
-    (one node)."""
+    """Ranks on this node (``--nproc-per-node``); with launcher ``local`` or ``python`` also the
+    world size (one node)."""
     verify: bool = False
     """A run of ``cfrun verify`` (:mod:`cfrun.rank.verify`): record a digest per step, stop at
     :attr:`verify_stop_step` with a final checkpoint, make the :attr:`verify_kills`."""
@@ -112,13 +112,13 @@ class RankSettings:
         if self.ff_eval not in ("one", "run"):
             raise BadInputError(f"{ENV}: ff_eval {self.ff_eval!r} must be 'one' or 'run' "
                                 "(CFRUN_FF_EVAL)")
-        if self.launcher not in ("torchrun", "python"):
-            raise BadInputError(f"{ENV}: launcher {self.launcher!r} must be 'torchrun' or "
-                                "'python' (CFRUN_LAUNCHER)")
+        if self.launcher not in ("torchrun", "python", "local"):
+            raise BadInputError(f"{ENV}: launcher {self.launcher!r} must be 'torchrun', "
+                                "'python' or 'local' (CFRUN_LAUNCHER)")
         if self.nproc_per_node < 1:
             raise BadInputError(f"{ENV}: nproc_per_node {self.nproc_per_node} must be at least 1")
-        if self.launcher == "python" and self.world_size != self.nproc_per_node:
-            raise BadInputError(f"{ENV}: launcher 'python' runs the {self.nproc_per_node} "
+        if self.launcher != "torchrun" and self.world_size != self.nproc_per_node:
+            raise BadInputError(f"{ENV}: launcher {self.launcher!r} runs the {self.nproc_per_node} "
                                 f"rank(s) of one node, not WORLD_SIZE {self.world_size}")
         if self.verify_stop_step is not None and self.verify_stop_step < 1:
             raise BadInputError(f"{ENV}: verify_stop_step {self.verify_stop_step} must be at "

@@ -115,7 +115,7 @@ def build_launch_argv(cfg: RunConfig, *, python: str = sys.executable,
     ``--launcher python`` the script itself, ``python SCRIPT ARGS`` (``python -m MODULE ARGS``
     with ``-m``), as its user would run it: each rank's command (:class:`RunConfig` refuses it
     with several nodes)."""
-    if cfg.launcher == "python":
+    if cfg.starts_ranks:
         return [python, *(["-m", cfg.module] if cfg.module else [cfg.script]), *cfg.script_args]
     return build_torchrun_argv(cfg, python=python, log_path=log_path, log_dir=log_dir)
 
@@ -201,12 +201,12 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
 
     env = dict(os.environ if base is None else base)
     env.pop(E.HOOK_OWNER_PID, None)
-    if cfg.launcher == "python":  # cfrun itself may run under torchrun: none of it leaks
+    if cfg.starts_ranks:  # cfrun itself may run under torchrun: none of it leaks
         for name in [k for k in env if k in TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]:
             del env[name]
     for name in [k for k in env if k.startswith("PET_")]:
         del env[name]  # torchrun reads PET_* as its options' defaults: cfrun chose them already
-    if cfg.launcher == "python" and cfg.nproc_per_node > 1:
+    if cfg.starts_ranks and cfg.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torch.distributed.run's, for several ranks
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks_dir()), old) if p)
@@ -220,7 +220,7 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
         verify_stop_step=cfg.verify_stop_step,
         verify_kills=tuple(tuple(k) for k in cfg.verify_kills),  # type: ignore[misc]
         reshard=cfg.reshard, manifest_keys=manifest_keys, job_dir_id=job_dir_id,
-        world_size=cfg.nproc_per_node if cfg.launcher == "python" else 1)  # checked, not sent
+        world_size=cfg.nproc_per_node if cfg.starts_ranks else 1)  # checked, not sent
     env.update({
         E.RANK_SETTINGS: settings.to_json(),
         E.RANK_JOB_DIR: cfg.job_dir,

@@ -177,9 +177,10 @@ def _pidfd(pid: int) -> int | None:
 
 
 def uses_local_ranks(cfg: RunConfig) -> bool:
-    """The supervisor starts the node's ranks itself: ``--launcher python`` with several
-    ranks (with one, the attempt's process is the rank, as before)."""
-    return cfg.launcher == "python" and cfg.nproc_per_node > 1
+    """The supervisor starts the node's ranks itself with torchrun's variables: launcher
+    ``local`` (one rank included), or ``python`` with several ranks (with ``python`` and one,
+    the attempt's process is the rank, as ``python SCRIPT``)."""
+    return cfg.starts_ranks and not cfg.one_python_rank
 
 
 def attempt_pids(proc: Any) -> set[int]:

@@ -29,9 +29,10 @@ What :func:`decide` does with it (exit codes: :mod:`cfrun.contract.errors`)::
     FATAL, AGENT_LOST      -> stop, exit 5
     FAILED, HUNG, KILLED   -> a ``failure`` event, then
         the console's pipe closed (``| head`` exited)                -> stop, exit 4
-        FAILED before the attempt's first optimizer step, one rank under torchrun, an error
-            naming NCCL, RANK or init_process_group (the script went distributed because
-            torchrun set RANK; the hint: the --launcher python line)  -> stop, exit 5
+        FAILED before the attempt's first optimizer step, one rank with torchrun's
+            variables (launcher local or torchrun), an error naming NCCL, RANK or
+            init_process_group (the script went distributed because its launcher set RANK;
+            the hint: the --launcher python line)                      -> stop, exit 5
         FAILED before the attempt's first optimizer step with an error every start meets
             again (a SyntaxError, an ImportError, a NameError, an argparse usage error),
             or after an attempt that failed before its first step too (it will fail
@@ -387,13 +388,13 @@ class Policy:
     """``--retry-before-first-step``: restart a failure before the first optimizer step like
     any other (up to ``max_restarts``, no crash loop), for a data mount that comes up late."""
     launcher: str = "torchrun"
-    """``--launcher``: under torchrun a one-rank job's rank sees ``RANK``
-    (:func:`went_distributed`)."""
+    """``--launcher`` (resolved): under ``local`` and ``torchrun`` a one-rank job's rank sees
+    ``RANK`` (:func:`went_distributed`)."""
     world_size: int = 1
     """Ranks in the job (``--nproc-per-node`` times ``--nnodes``)."""
     python_command: str | None = None
     """The command line that runs this job with ``--launcher python`` (the hint of a one-rank
-    script that went distributed under torchrun); None: none is known."""
+    script that went distributed because its launcher set ``RANK``); None: none is known."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, backoff_s: float = 0.5,
@@ -427,12 +428,12 @@ have NCCL built in``, ``ProcessGroupNCCL is only supported with GPUs``), ``RANK`
 
 
 def went_distributed(outcome: Outcome, policy: Policy) -> bool:
-    """The attempt of a one-rank job under torchrun failed before its first step with an error
-    that names NCCL, ``RANK`` or ``init_process_group``: the script set up
-    ``torch.distributed`` because torchrun set ``RANK`` (nanoGPT, many scripts: DDP whenever
-    ``RANK`` is set) and it cannot on this machine. ``python SCRIPT`` would not have; every
-    restart fails the same way."""
-    if policy.launcher != "torchrun" or policy.world_size != 1 or outcome.made_a_step \
+    """The attempt of a one-rank job whose launcher sets torchrun's variables (``local``, the
+    one-node default, or ``torchrun``) failed before its first step with an error that names
+    NCCL, ``RANK`` or ``init_process_group``: the script set up ``torch.distributed`` because
+    ``RANK`` was set (nanoGPT, many scripts: DDP whenever ``RANK`` is set) and it cannot on
+    this machine. ``python SCRIPT`` would not have; every restart fails the same way."""
+    if policy.launcher == "python" or policy.world_size != 1 or outcome.made_a_step \
             or outcome.kind is not OutcomeKind.FAILED:
         return False
     error = first_error(outcome.errors)
@@ -661,10 +662,11 @@ def _stop_on_failure(outcome: Outcome, history: History, policy: Policy,
                            f"| head): {said}; not restarted",
                      hint=f"continue with: {resume_command(policy.job_dir, policy.node_rank)}")
     if early and went_distributed(outcome, policy):
+        who = "torchrun" if policy.launcher == "torchrun" else "cfrun, as torchrun does,"
         return _stop(SupervisorState.FATAL, EXIT_FATAL,
                      {"attempt": attempt, "cause": "went distributed under torchrun"},
-                     error=f"the script went distributed because torchrun, cfrun's default "
-                           f"launcher, set RANK, and it failed before its first step "
+                     error=f"the script went distributed because {who} set RANK, and it "
+                           f"failed before its first step "
                            f"({outcome.detail}); not restarted: it fails the same way every "
                            f"time. --launcher python runs it as python SCRIPT does, without RANK",
                      hint="run it as plain python under cfrun: "

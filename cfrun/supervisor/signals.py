@@ -31,15 +31,16 @@ def forward_pending(pending: list[int], proc: subprocess.Popen[bytes] | None, la
                     emit: Callable[..., None]) -> None:
     """Send the signals queued in ``pending`` (emptied) to the ranks of the attempt whose
     process is ``proc``: torchrun's children, not torchrun, whose own handler would end the
-    attempt on SIGHUP or SIGQUIT; with ``launcher`` ``python`` the process is the rank itself
-    (with several ranks, :class:`cfrun.supervisor.local_ranks.LocalRanks`: its ``pids``).
+    attempt on SIGHUP or SIGQUIT; with ``launcher`` ``local`` or ``python`` the process is the
+    rank itself (with ``local`` or several ranks,
+    :class:`cfrun.supervisor.local_ranks.LocalRanks`: its ``pids``).
     Event ``signal_forwarded`` through ``emit``. A rank that is gone is skipped."""
     import psutil
 
     while pending:
         signum = pending.pop(0)
         ranks: list[Any] = []
-        if proc is not None and launcher == "python":
+        if proc is not None and launcher != "torchrun":
             for pid in getattr(proc, "pids", (proc.pid,)):
                 try:
                     ranks.append(psutil.Process(pid))

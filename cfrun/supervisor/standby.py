@@ -53,14 +53,13 @@ READY = b"ready\n"
 
 def standby_wanted(cfg: RunConfig) -> bool:
     """True where a job keeps warm spares: not ``cfrun profile``, and ``CFRUN_STANDBY`` not
-    ``0`` (a ``--launcher python`` job's spares are its next ranks, a torchrun job's its next
+    ``0`` (a ``local`` or ``python`` job's spares are its next ranks, a torchrun job's its next
     torchrun).
 
     Raises:
         BadInputError: ``CFRUN_STANDBY`` is neither 0 nor 1.
     """
-    return E.get_flag(E.STANDBY) and cfg.launcher in ("python", "torchrun") \
-        and not cfg.profile_only
+    return E.get_flag(E.STANDBY) and not cfg.profile_only
 
 
 class _Spare:
@@ -109,11 +108,12 @@ class _Spare:
 
     def _kind(self) -> tuple[str, ...]:
         """The spare's second word (:func:`cfrun.rank.spare.main`): ``launcher`` for a
-        torchrun, ``ranks`` for one of several ``--launcher python`` ranks (DDP's imports
-        ahead too), none for the one rank."""
+        torchrun, ``ranks`` for a rank that sees torchrun's variables (launcher ``local``, or
+        one of several ``python`` ranks: DDP's imports ahead too), none for the one rank of
+        ``--launcher python``."""
         if self.cfg.launcher == "torchrun":
             return ("launcher",)
-        return ("ranks",) if self.cfg.nproc_per_node > 1 else ()
+        return () if self.cfg.one_python_rank else ("ranks",)
 
     def wanted(self) -> bool:
         """True when it is not alive (never started, or died)."""
@@ -183,7 +183,7 @@ class Standby:
         self.stdio: dict[str, int] = {}
         """``stdout``/``stderr`` for the spares' ``Popen``: the console tap's ends (set by the
         supervisor), so a spare, once a rank, writes where a rank does."""
-        count = cfg.nproc_per_node if cfg.launcher == "python" else 1
+        count = cfg.nproc_per_node if cfg.starts_ranks else 1
         self.spares = [_Spare(cfg) for _ in range(count)]
         """The spares, by local rank (one for a torchrun)."""
 

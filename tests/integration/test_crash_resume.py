@@ -28,7 +28,7 @@ EPOCHS = 4
 STEPS_PER_EPOCH = 23  # 1500 samples, batch 64, drop_last
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(400), pytest.mark.launched]  # as users launch
 
 
 def _train(cwd: Path, name: str, *extra: str, env: dict[str, str] | None = None,

@@ -29,7 +29,7 @@ from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference, ti
 
 from cfrun.contract import faults
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.launched]  # as users launch
 
 WEIGHTS = {"rank": 4, "torchrun": 2, "agent": 2, "worker": 2, "reaper": 1, "supervisor": 1,
            "sigterm": 1}

@@ -19,7 +19,7 @@ from test_supervision import _resume_and_compare, _sigterm_run, _start
 
 from cfrun.contract import faults, slots
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(600), pytest.mark.launched]  # as users launch
 ARGS = ["--d", "3", "--st", "2", "--ma", "1", "--nproc", "7"]
 """Each abbreviates two of torchrun's options (``--nproc``: ``--nproc-per-node``)."""
 

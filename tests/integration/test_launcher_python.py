@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun
+from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, job_events, run_cfrun
 
 from cfrun.contract.config import Command, RunConfig
 
@@ -32,9 +32,10 @@ def reference(tmp_path_factory) -> dict:
     return torch.load(cwd / "ref.pt", weights_only=True)
 
 
-@pytest.mark.torchrun  # the default launcher is the point
+@pytest.mark.launched  # the default launcher is the point
 def test_under_torchrun_the_script_refuses_to_run(tmp_path):
-    """Why the option exists: the default launcher sets RANK, and this script fails on it."""
+    """Why the option exists: the default launcher sets RANK as torchrun does, and this script
+    fails on it."""
     run = run_cfrun(["--crash-loop", "1", "--max-restarts", "0", "--job-dir", "j", PLAIN,
                      STEPS, "out.pt", "0"], cwd=tmp_path)
     assert run.returncode != 0
@@ -140,17 +141,20 @@ needs_no_nccl = pytest.mark.skipif(torch.distributed.is_nccl_available()
 
 
 @needs_no_nccl
-@pytest.mark.torchrun  # the default launcher is the point
-def test_a_script_that_goes_distributed_stops_at_once_with_the_python_line(tmp_path):
-    """Under torchrun a one-rank job's script sees RANK and sets up NCCL, which this machine
-    lacks: one attempt (it fails the same way every time), and the hint is the command as
-    typed with --launcher python, which then trains."""
+@pytest.mark.parametrize("launcher, who", [("auto", "cfrun, as torchrun does,"),
+                                           ("torchrun", "torchrun")])
+def test_a_script_that_goes_distributed_stops_at_once_with_the_python_line(
+        tmp_path, launcher, who):
+    """Under the one-node default (cfrun's launcher, torchrun's variables) and under torchrun
+    a one-rank job's script sees RANK and sets up NCCL, which this machine lacks: one attempt
+    (it fails the same way every time), and the hint is the command as typed with --launcher
+    python, which then trains."""
     typed = ["--interval", "5", "--job-dir", "j", DDP_WHEN_RANK, "20", "out.pt"]
-    run = run_cfrun(typed, cwd=tmp_path)
+    run = run_cfrun(typed, cwd=tmp_path, env={"CFRUN_LAUNCHER": launcher})
     assert run.returncode == 5, run.stderr[-3000:]
     assert len(run.events("attempt_start")) == 1
     [error] = [line for line in run.stderr.splitlines() if line.startswith("cfrun: error:")]
-    assert "went distributed because torchrun" in error and "set RANK" in error
+    assert f"went distributed because {who} set RANK" in error
     assert "NCCL" in error and "--launcher python" in error
     [hint] = [line for line in run.stderr.splitlines() if line.startswith("hint:")]
     line = hint.rpartition(": ")[2]
@@ -179,32 +183,45 @@ def test_verify_takes_the_launcher(tmp_path):
     assert "exact:" in run.stdout
 
 
-@pytest.mark.slow  # tests/unit/test_local_ranks.py checks it against torch's source, quickly
-def test_several_ranks_see_the_environment_torchrun_standalone_gives_its_ranks(tmp_path):
-    """``--launcher python --nproc-per-node 2``: each rank's whole environment equals what the
-    plain ``torchrun --standalone --nproc-per-node 2`` gives its rank, but for cfrun's own
-    marks and hooks, the per-run values (port, run id) and the two differences on purpose
+@pytest.mark.parametrize("nproc, launcher", [
+    (1, None),
+    pytest.param(2, None, marks=pytest.mark.slow),
+    # tests/unit/test_local_ranks.py checks it against torch's source, quickly
+    pytest.param(2, "python", marks=pytest.mark.slow)], ids=["default-1", "default-2", "python-2"])
+def test_the_ranks_see_the_environment_torchrun_standalone_gives_its_ranks(
+        tmp_path, nproc, launcher):
+    """The one-node default (``local``: no ``--launcher``, no ``CFRUN_LAUNCHER``), one rank or
+    two, and ``--launcher python --nproc-per-node 2``: each rank's whole environment equals
+    what the plain ``torchrun --standalone --nproc-per-node N`` gives its rank, but for cfrun's
+    own marks and hooks, the per-run values (port, run id) and the two differences on purpose
     (no agent store, no torchrun error file or signal list: cfrun.supervisor.launcher's
-    local_rank_env); OMP_NUM_THREADS is 1 in both when unset. Both join gloo and train."""
+    local_rank_env); OMP_NUM_THREADS is 1 in both when unset with two ranks, and unset in both
+    with one. Both join gloo and train; no torchrun runs under cfrun."""
     probe = str(SCRIPTS / "dist_env_probe.py")
     env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", "2", probe, "plain"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=240)
+                            "--nproc-per-node", str(nproc), probe, "plain"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=240)
     # torch 2.13 with gloo may abort a rank in C++ teardown after the script ended
     # (conftest.plain_run): the run is complete when both ranks printed their last line
     torn_down = "terminate called without an active exception" in plain.stderr \
-        and plain.stdout.count("FINAL done") == 2
+        and plain.stdout.count("FINAL done") == nproc
     assert plain.returncode == 0 or torn_down, plain.stderr[-3000:]
-    got = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python",
-                          "--nproc-per-node", "2", "--job-dir", "j", probe, "got"],
+    chosen = ["--launcher", launcher] if launcher else []
+    got = subprocess.run([sys.executable, "-m", "cfrun", *chosen,
+                          "--nproc-per-node", str(nproc), "--job-dir", "j", probe, "got"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert got.returncode == 0, got.stderr[-3000:]
-    assert got.stdout.count("FINAL done") == 2
-    for rank in (0, 1):
+    assert got.stdout.count("FINAL done") == nproc
+    config = json.loads((tmp_path / "j" / "config.json").read_text())
+    assert config["launcher"] == (launcher or "local")
+    [start] = job_events(tmp_path / "j", "attempt_start")
+    assert start["argv"][1:] == [probe, "got"], start  # the script itself: no torchrun
+    for rank in range(nproc):
         want = json.loads((tmp_path / f"plain-{rank}.json").read_text())
         have = json.loads((tmp_path / f"got-{rank}.json").read_text())
-        assert want["OMP_NUM_THREADS"] == have["OMP_NUM_THREADS"] == "1"
+        assert want.get("OMP_NUM_THREADS") == have.get("OMP_NUM_THREADS") == (
+            "1" if nproc > 1 else None)
         assert have["RANK"] == have["LOCAL_RANK"] == str(rank)
         assert want.pop("TORCHELASTIC_USE_AGENT_STORE") == "True"
         assert have.pop("TORCHELASTIC_USE_AGENT_STORE") == "False"

@@ -32,7 +32,7 @@ from conftest import (
 
 from cfrun.contract import faults
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launched]  # as users launch
 DDP = str(SCRIPTS / "train_ddp.py")
 
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import SCRIPTS, assert_bit_identical, clean_env, ddp_reference
 from test_multinode import kill_tree, saved
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.launched]  # as users launch
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:

@@ -33,7 +33,7 @@ from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.jobdir import step_dir_name
 
 # one xdist worker runs both kinds, so the module's plain torchrun reference runs once
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.torchrun,
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.launched,
               pytest.mark.xdist_group("reshard")]
 
 SCRIPT = str(SCRIPTS / "train_reshard.py")

@@ -181,18 +181,20 @@ def test_an_unknown_module_is_refused_in_one_line(package: Path, flag: str) -> N
 def test_module_spellings_resolve_without_running_it(package: Path) -> None:
     """``-m pkg.train``, ``--module pkg.train``, ``-mpkg.train`` and ``--module=pkg.train``
     (``cfrun --dry-run``): the module's file recorded, the module's name in the job dir's name,
-    torchrun's ``--module`` in the launch; ``--launcher python``: ``python -m pkg.train``.
-    Words after the module are the script's, ``-m`` among them."""
+    each rank's ``python -m pkg.train`` in the launch (the one-node default, cfrun's own
+    launcher), torchrun's ``--module`` under ``--launcher torchrun``; ``--launcher python``:
+    ``python -m pkg.train``. Words after the module are the script's, ``-m`` among them."""
     for words in (["-m", "pkg.train"], ["--module", "pkg.train"], ["-mpkg.train"],
                   ["--module=pkg.train"]):
-        run = run_cfrun(["--dry-run", "--nproc-per-node", "2", *words, "--out", "o", "-m"],
-                        cwd=package)
-        assert run.returncode == 0, run.stderr
-        doc = json.loads(run.stdout)
-        assert doc["config"]["module"] == "pkg.train"
-        assert doc["config"]["script"] == str((package / "pkg" / "train.py").resolve())
-        assert Path(doc["config"]["job_dir"]).name.startswith("pkg.train-")
-        assert doc["launch"][-5:] == ["--module", "pkg.train", "--out", "o", "-m"]
+        for launcher, launch in (("auto", [sys.executable, "-m"]), ("torchrun", ["--module"])):
+            run = run_cfrun(["--dry-run", "--launcher", launcher, "--nproc-per-node", "2", *words,
+                             "--out", "o", "-m"], cwd=package)
+            assert run.returncode == 0, run.stderr
+            doc = json.loads(run.stdout)
+            assert doc["config"]["module"] == "pkg.train"
+            assert doc["config"]["script"] == str((package / "pkg" / "train.py").resolve())
+            assert Path(doc["config"]["job_dir"]).name.startswith("pkg.train-")
+            assert doc["launch"][-4 - len(launch):] == [*launch, "pkg.train", "--out", "o", "-m"]
     run = run_cfrun(["--dry-run", "--launcher", "python", "-m", "pkg.train", "--out", "o"],
                     cwd=package)
     assert run.returncode == 0, run.stderr

@@ -17,7 +17,7 @@ from test_multinode import free_port, saved
 
 from cfrun.contract import faults
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(420), pytest.mark.launched]  # as users launch
 
 
 def _srun_node(tmp_path: Path, node: int, port: int, job_id: str) -> subprocess.Popen[str]:

@@ -137,13 +137,17 @@ def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
+@pytest.mark.parametrize("launcher", ["python", "auto"])
+def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher):
     """Each SIGKILL of the rank after a spare said it was ready: the next attempt is the spare
     (no new interpreter: the process existed before the attempt started), resumes from the
-    newest committed step, and the run ends with the plain run's weights and final line."""
+    newest committed step, and the run ends with the plain run's weights and final line;
+    under ``--launcher python`` and the one-node default (``auto``: ``local``, the rank with
+    torchrun's variables)."""
     plain = _plain(tmp_path)
     job = tmp_path / "j"
-    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
+                  launcher=launcher)
     try:
         spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
         _commit_after_the_resume(job, proc)
@@ -171,9 +175,10 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path):
 @pytest.mark.slow
 @pytest.mark.torchrun
 def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_path):
-    """Under torchrun (the default launcher) the spare is the next attempt's torchrun, torch's
-    launcher imported: each SIGKILL of the rank once it is ready restarts from it (the new
-    rank is the spare's child: torchrun ran in the process that existed before the attempt),
+    """Under torchrun (``--launcher torchrun``; several nodes) the spare is the next attempt's
+    torchrun, torch's launcher imported: each SIGKILL of the rank once it is ready restarts
+    from it (the new rank is the spare's child: torchrun ran in the process that existed
+    before the attempt),
     from the newest committed step, and the run ends with the plain run's weights and line."""
     plain = _plain(tmp_path)
     job = tmp_path / "j"

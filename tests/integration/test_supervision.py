@@ -26,7 +26,7 @@ from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract import faults
 from cfrun.contract.jobdir import JobDir
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launched]  # as users launch
 SLOW = str(SCRIPTS / "slow_steps.py")
 DDP_SLOW = str(SCRIPTS / "train_ddp_slow.py")
 DEFAULT_GRACE_S = 25.0

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 
 import pytest
 from conftest import SCRIPTS, cfrun_in_process, run_cfrun
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(240), pytest.mark.launched]  # as users launch
 
 ACCEPTED = [
     # single node, multi worker
@@ -70,13 +71,17 @@ def cwd(tmp_path):
 
 
 @pytest.mark.parametrize("line", ACCEPTED)
-def test_torchrun_line_resolves(line, cwd):
-    run = cfrun_in_process(["--dry-run", *_as_cfrun(line)], cwd=cwd)
+@pytest.mark.parametrize("launcher", [[], ["--launcher", "torchrun"]], ids=["default", "torchrun"])
+def test_torchrun_line_resolves(line, launcher, cwd):
+    run = cfrun_in_process(["--dry-run", *launcher, *_as_cfrun(line)], cwd=cwd)
     assert run.returncode == 0, run.stderr
-    launch = json.loads(run.stdout)["launch"]
+    doc = json.loads(run.stdout)
+    launch = doc["launch"]
     script_at = launch.index(str(cwd / "train.py"))
     nnodes = 2 if "--nnodes=2" in line else 1
-    if nnodes == 1:
+    if nnodes == 1 and not launcher:  # the default on one node: cfrun starts each rank
+        assert launch[:script_at] == [sys.executable] and doc["config"]["launcher"] == "local"
+    elif nnodes == 1:
         assert "--standalone" in launch[:script_at]  # cfrun's one-node rendezvous, its port
     else:
         assert f"--nnodes={nnodes}" in launch[:script_at] and \
@@ -94,10 +99,8 @@ def test_torchrun_module_line_resolves(line, cwd):
     doc = json.loads(run.stdout)
     assert doc["config"]["module"] == "train"
     assert doc["config"]["script"] == str((cwd / "train.py").resolve())
-    launch = doc["launch"]
-    at = launch.index("--module")
-    assert "--standalone" in launch[:at]
-    assert launch[at + 1:] == ["train", *(["--arg1"] if "--arg1" in line else [])]
+    launch = doc["launch"]  # the default on one node: each rank is python -m MODULE
+    assert launch == [sys.executable, "-m", "train", *(["--arg1"] if "--arg1" in line else [])]
 
 
 @pytest.mark.parametrize(("line", "flag"), REFUSED)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, clean_env
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.torchrun]  # as users launch
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launched]  # as users launch
 
 PLANTED = """\
 import importlib, os, sys

@@ -29,7 +29,7 @@ def _unprotected(tmp_path: Path, kind: str, word: str, where: str) -> str:
     return str(events[0]["error"])
 
 
-@pytest.mark.torchrun  # one rank of a process group: RANK and MASTER_* from torchrun
+@pytest.mark.launched  # one rank of a process group: RANK and MASTER_* as torchrun sets them
 def test_fsdp1_makes_the_job_unprotected_in_one_line(tmp_path: Path):
     """FSDP1 on CPU (gloo): refused at the first step, no checkpoint taken."""
     why = _unprotected(tmp_path, "fsdp1", "FullyShardedDataParallel", "FSDP1")

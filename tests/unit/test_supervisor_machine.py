@@ -605,11 +605,15 @@ PYTHON_LINE = "cfrun --launcher python --job-dir j train.py --lr 0.1"
     before_first_step("RuntimeError", "init_process_group: backend nccl failed"),
     before_first_step("KeyError", "RANK"),
 ], ids=["nccl-missing", "no-gpu", "init-process-group", "rank"])
-def test_a_one_rank_script_that_went_distributed_under_torchrun_stops_at_once(outcome) -> None:
-    """Deterministic (issue 37, item 1): one attempt, and the --launcher python line."""
-    [stop] = drive([outcome], replace(POLICY, python_command=PYTHON_LINE))
+@pytest.mark.parametrize("launcher, who", [("torchrun", "torchrun set RANK"),
+                                           ("local", "cfrun, as torchrun does, set RANK")])
+def test_a_one_rank_script_that_went_distributed_under_torchrun_stops_at_once(
+        outcome, launcher, who) -> None:
+    """Deterministic (issue 37, item 1): one attempt, and the --launcher python line, under
+    torchrun and under the one-node default (``local``: the same variables)."""
+    [stop] = drive([outcome], replace(POLICY, python_command=PYTHON_LINE, launcher=launcher))
     assert stop.kind is ActionKind.STOP and stop.exit_code == EXIT_FATAL
-    assert stop.error is not None and "went distributed because torchrun" in stop.error
+    assert stop.error is not None and f"went distributed because {who}" in stop.error
     assert outcome.detail in stop.error and "--launcher python" in stop.error
     assert stop.hint == f"run it as plain python under cfrun: {PYTHON_LINE}"
     assert stop.events[0][0] == "failure"
