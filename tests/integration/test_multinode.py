@@ -145,7 +145,11 @@ def test_one_node_killed_both_resume_from_the_same_committed_step(tmp_path, tmp_
         if ranks and max(beats) >= 35:
             break
         time.sleep(0.01)
-    assert ranks, "node 1's rank was not found"
+    if not ranks:
+        for p in (node0, node1):
+            kill_tree(p)
+        said = [p.communicate()[1][-1500:] for p in (node0, node1)]
+        pytest.fail(f"node 1's rank was not found; node 0 said: {said[0]!r}; node 1: {said[1]!r}")
     for r in ranks:
         r.send_signal(signal.SIGSTOP)
     kill_tree(node1)
