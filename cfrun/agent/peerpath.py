@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import commit, committed_steps, staging_dir
 from cfrun.contract.config import job_identity
-from cfrun.contract.errors import CheckpointCorruptError
+from cfrun.contract.errors import CheckpointCorruptError, ForeignCheckpointError
 from cfrun.contract.jobdir import JobDir
 from cfrun.contract.manifest import FileEntry, ManifestKeys, dumps_json
 from cfrun.contract.messages import Persisted, PersistFailed, PersistRequest
@@ -207,7 +207,7 @@ class PeerPath:
         meta = manifest.get("meta") if isinstance(manifest, dict) else None
         return self.identity.refusal(meta)
 
-    def install_newest(self) -> None:
+    def install_newest(self) -> str | None:
         """Install the newest complete checkpoint of peer RAM / level 2 if newer than ours.
 
         A checkpoint of another job (another job id in its manifest, none, or a command this
@@ -215,11 +215,19 @@ class PeerPath:
         reason; the next older one is tried. A final checkpoint (taken at the script's end,
         ``meta.final``: no position to resume at, issue 27 item 2) is installed and the next
         older one too, the newest a resume can start from. Listing (:meth:`_candidates`) ->
-        fetching and checking one (:meth:`_fetch`) -> committing it into the job dir."""
+        fetching and checking one (:meth:`_fetch`) -> committing it into the job dir.
+
+        Returns why the job must not start over, or None: the job dir has no checkpoint, none
+        a resume can start from was installed, and one or more of this job's checkpoints were
+        refused for a seal under another key (:class:`ForeignCheckpointError`: the job moved
+        to a new machine without its ``--job-key-file``, or with one it never used). Starting
+        over would crowd them out of the peer's and level 2's retention; the caller stops the
+        job (``fatal.json``, exit 5) with this one line, which names the fix."""
         local = committed_steps(self.jobdir.checkpoints)
         newest_local = local[0] if local else -1
         installed: int | None = None
         refused = 0
+        unsealed: list[int] = []  # steps sealed under another key
         for step, _, source in self._candidates(newest_local):
             if step == installed:
                 continue  # the final one, installed from the other source
@@ -240,6 +248,8 @@ class PeerPath:
                                    step, source, error)
                 refused += 1
                 self.jobdir.emit_event("fetch_failed", step=step, source=source, error=error)
+                if isinstance(e, ForeignCheckpointError):
+                    unsealed.append(step)
                 continue
             nbytes = sum(f.nbytes for f in files)
             logger.warning("cfrun agent: installed checkpoint step %d from %s (%d bytes, newer "
@@ -247,11 +257,18 @@ class PeerPath:
             self.jobdir.emit_event("fetched", step=step, source=source, bytes=nbytes,
                                    fetch_s=round(time.monotonic() - t0, 6))
             if (manifest.get("meta") or {}).get("final") is not True:
-                break
+                return None  # a resume starts from it
             installed = step
         if refused > 1:
             logger.warning("cfrun agent: %d more checkpoints from the peer or level 2 were "
                            "refused (each a fetch_failed event in events.jsonl)", refused - 1)
+        if newest_local >= 0 or not unsealed:
+            return None
+        hint = self.seal_keys.hint if self.seal_keys is not None else "--job-key-file"
+        return (f"not starting over, which would crowd out {len(unsealed)} checkpoint(s) of "
+                f"job {self.job} at the peer or level 2 (the newest step {unsealed[0]}) that "
+                f"this job cannot verify ({hint}); or give another --job-name to train from "
+                "scratch beside them")
 
     def _candidates(self, newest_local: int) -> list[tuple[int, int, str]]:
         """``(step, 1 for the peer or 0 for level 2, source)`` of the complete checkpoints at

@@ -68,6 +68,7 @@ from cfrun.agent.local import (  # noqa: F401  (WRITE_CHUNK_BYTES re-exported)
     SpaceGuard,
 )
 from cfrun.agent.peerpath import PeerPath
+from cfrun.contract import coordination as co
 from cfrun.contract import ipc, slots
 from cfrun.contract.checkpoints import remove_staging
 from cfrun.contract.jobdir import JobDir, best_effort
@@ -285,10 +286,13 @@ class PersistAgent:
                 self.peer_path.drain()
                 if self.peer is not None or self.level2 is not None:
                     try:
-                        self.peer_path.install_newest()
+                        refusal = self.peer_path.install_newest()
                     except Exception as e:  # resume from the job dir then
                         logger.warning("cfrun agent: looking for newer checkpoints failed: %r",
                                        e)
+                    else:
+                        if refusal is not None:  # the rank stops the job on reading it
+                            co.write(co.fatal_path(self.jobdir.root), co.Fatal(message=refusal))
             finally:
                 self._reply(conn, Ready(self.commits.last_committed))
             return

@@ -86,7 +86,7 @@ from typing import Any, TypeGuard
 import xxhash
 
 from cfrun.contract import wire
-from cfrun.contract.errors import BadInputError, CheckpointCorruptError
+from cfrun.contract.errors import BadInputError, CheckpointCorruptError, ForeignCheckpointError
 from cfrun.contract.jobkey import ensure_job_key, existing_job_key
 from cfrun.storage.tiers import FILE_RE, MANIFEST
 
@@ -389,15 +389,17 @@ def verify_job_seals(key: bytes | SealKeys, manifest: Any, step: int, *, job: st
     committing them; the files' sizes were bounded by the manifest meanwhile.
 
     Raises:
-        CheckpointCorruptError: a rank without a job seal, or a seal that does not match
-            (written under another key: another tenant's token, another job's key, a forger, a
-            moved job without its ``--job-key-file``; or bytes changed since they were
-            sealed). One line.
+        ForeignCheckpointError: a rank's seal does not match over ``sha256`` (written under
+            another key: another tenant's token, another job's key, a forger, a moved job
+            without its ``--job-key-file``); one line. A subclass of:
+        CheckpointCorruptError: not a manifest of ``step``, a rank without a job seal, a file
+            of no rank. One line.
     """
     keys = key if isinstance(key, SealKeys) else SealKeys(key, (key,))
 
-    def refuse(why: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(
+    def refuse(why: str, error: type[CheckpointCorruptError] = CheckpointCorruptError
+               ) -> CheckpointCorruptError:
+        return error(
             f"{job} step {step} is not sealed by this job ({why}); not installed: {keys.hint}")
 
     if not isinstance(manifest, dict) or manifest.get("step") != step:
@@ -423,7 +425,7 @@ def verify_job_seals(key: bytes | SealKeys, manifest: Any, step: int, *, job: st
         if not any(hmac.compare_digest(tag, job_seal_tag(
                 k, step=step, world_size=world_size, rank=rank, files=by_rank[rank],
                 meta=manifest.get("meta"))) for k in keys.accept):
-            raise refuse(f"rank {rank}'s job seal does not match")
+            raise refuse(f"rank {rank}'s job seal does not match", ForeignCheckpointError)
 
 
 def verify_job_seals_before_read(key: bytes | SealKeys, manifest: Any, step: int, *,

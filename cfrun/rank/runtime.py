@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from cfrun.contract import coordination as co
 from cfrun.contract.errors import FatalJobError
 from cfrun.contract.jobdir import JobDir
 from cfrun.rank.boundary import Boundary, Wrap
@@ -101,11 +102,17 @@ class Runtime:
     def connect_agent(self) -> None:
         """Connect to the node's persist agent (the supervisor started it) and wait until it has
         committed what an earlier attempt of this rank handed it. If it does not answer, each
-        checkpoint tries again (and is reported lost if it still cannot)."""
+        checkpoint tries again (and is reported lost if it still cannot). If the agent wrote
+        ``fatal.json`` meanwhile (it refused to let the job start over beside checkpoints sealed
+        under another key, :meth:`cfrun.agent.peerpath.PeerPath.install_newest`), stops the
+        job with that message (exit 5)."""
         t0 = time.monotonic()
         if not self.snap.ready():
             say("WARNING: the persist agent does not answer; each checkpoint tries again")
         self.resume.agent_wait_s = time.monotonic() - t0
+        refusal = co.read(co.fatal_path(self.jobdir.root), co.Fatal)
+        if refusal is not None:  # the agent refused to let the job start over
+            self.marks.fatal(refusal.message)
 
     def load_plan(self) -> None:
         """Find the newest verified checkpoint and prepare to fast-forward to it."""

@@ -23,6 +23,7 @@ from test_peer import Peer, wait_event, write_token
 from cfrun.codec.checkpoint import committed_steps
 from cfrun.contract.errors import EXIT_BAD_INPUT
 from cfrun.contract.jobdir import step_dir_name
+from cfrun.peer.protocol import PeerClient
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -263,7 +264,9 @@ def test_two_jobs_with_one_job_dir_name_stay_apart_on_a_peer(tmp_path, peer):
 def test_a_job_with_a_key_of_its_own_installs_only_its_key_s_seals(tmp_path, peer):
     """--job-key-file with a peer (issue 32): the job's checkpoints are sealed under that key,
     not the token's. Its node lost, the same command with the token alone refuses each of them
-    (one fetch_failed line naming --job-key-file) and starts over; with the key file it resumes."""
+    (fetch_failed events naming --job-key-file) and stops with exit 5 before its first step,
+    instead of starting over and crowding them out of the peer's retention (a CI run saw the
+    token-only run's steps evict the keyed ones); with the key file it resumes."""
     p, token = peer
     script = _script(tmp_path)
     key = tmp_path / "job.secret"
@@ -274,13 +277,23 @@ def test_a_job_with_a_key_of_its_own_installs_only_its_key_s_seals(tmp_path, pee
     first = run_cfrun(["--job-key-file", str(key), *argv], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (tmp_path / "j" / "job.key").read_text().strip() == "5a" * 32
+    job = _identity(tmp_path / "j")["job_name"]
     shutil.rmtree(tmp_path / "j")
+
+    def held() -> list[int]:  # the steps the peer holds of the job
+        c = PeerClient(("127.0.0.1", p.port), token.read_text().strip().encode())
+        return sorted(e["step"] for e in c.list(job)["checkpoints"])
+
+    peer_steps = held()
     token_only = run_cfrun(argv, cwd=tmp_path)
-    assert token_only.returncode == 0, token_only.stderr[-3000:]
+    assert token_only.returncode == 5, token_only.stderr[-3000:]
+    error = token_only.stderr.strip().splitlines()[-1]
+    assert "not starting over" in error and "--job-key-file" in error, error
     failed = _events(tmp_path / "j", "fetch_failed")
     assert failed and all("not sealed by this job" in e["error"]
                           and "--job-key-file" in e["error"] for e in failed), failed
-    assert not _events(tmp_path / "j", "fetched") and not _events(tmp_path / "j", "resumed")
+    assert not _events(tmp_path / "j", "fetched") and not _events(tmp_path / "j", "first_step")
+    assert held() == peer_steps  # nothing crowded out
     shutil.rmtree(tmp_path / "j")
     with_key = run_cfrun(["--job-key-file", str(key), *argv], cwd=tmp_path)
     assert with_key.returncode == 0, with_key.stderr[-3000:]
