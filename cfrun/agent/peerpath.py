@@ -221,8 +221,9 @@ class PeerPath:
         a resume can start from was installed, and one or more of this job's checkpoints were
         refused for a seal under another key (:class:`ForeignCheckpointError`: the job moved
         to a new machine without its ``--job-key-file``, or with one it never used). Starting
-        over would crowd them out of the peer's and level 2's retention; the caller stops the
-        job (``fatal.json``, exit 5) with this one line, which names the fix."""
+        over would crowd them out of the peer's retention and silently redo the training they
+        hold; the caller stops the job (``fatal.json``, exit 5) with this one line, which names
+        the fix."""
         local = committed_steps(self.jobdir.checkpoints)
         newest_local = local[0] if local else -1
         installed: int | None = None
@@ -265,10 +266,9 @@ class PeerPath:
         if newest_local >= 0 or not unsealed:
             return None
         hint = self.seal_keys.hint if self.seal_keys is not None else "--job-key-file"
-        return (f"not starting over, which would crowd out {len(unsealed)} checkpoint(s) of "
-                f"job {self.job} at the peer or level 2 (the newest step {unsealed[0]}) that "
-                f"this job cannot verify ({hint}); or give another --job-name to train from "
-                "scratch beside them")
+        return (f"not starting over beside {len(unsealed)} checkpoint(s) of job {self.job} at "
+                f"the peer or level 2 (the newest step {unsealed[0]}) that this job cannot "
+                f"verify ({hint}); or give another --job-name to train from scratch beside them")
 
     def _candidates(self, newest_local: int) -> list[tuple[int, int, str]]:
         """``(step, 1 for the peer or 0 for level 2, source)`` of the complete checkpoints at

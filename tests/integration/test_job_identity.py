@@ -302,6 +302,43 @@ def test_a_job_with_a_key_of_its_own_installs_only_its_key_s_seals(tmp_path, pee
 
 
 @pytest.mark.slow
+def test_a_new_job_dir_beside_level2_steps_it_cannot_verify_stops_and_keeps_them(tmp_path, peer):
+    """A job with --job-key-file and a peer, whose peer flushed its steps to level 2 and is
+    gone. On a new machine the same command without the key file (--persist-to level 2 and
+    the token) can verify none of them: it stops with exit 5 before its first step, in a line
+    naming --job-key-file, and level 2 keeps every file as it was; with the key file it
+    resumes from level 2."""
+    p, token = peer
+    key = tmp_path / "job.secret"
+    key.write_text("3c" * 32 + "\n")
+    key.chmod(0o600)
+    script = _script(tmp_path)
+    l2 = tmp_path / "l2"
+    first = run_cfrun(["--interval", "5", "--job-dir", "j", "--job-key-file", str(key), "--peer",
+                       p.address, "--peer-token-file", str(token), str(script), "--steps", "30"],
+                      cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    job = _identity(tmp_path / "j")["job_name"]
+    p.stop()  # flushed what it held
+    assert committed_steps(l2 / job)
+    shutil.rmtree(tmp_path / "j")
+    before = _listing(l2)
+    argv = ["--interval", "5", "--job-dir", "j", "--peer-token-file", str(token), "--persist-to",
+            str(l2), str(script), "--steps", "30"]
+    again = run_cfrun(argv, cwd=tmp_path)
+    assert again.returncode == 5, again.stderr[-3000:]
+    [error] = _errors(again.stderr)
+    assert "not starting over" in error and "--job-key-file" in error, error
+    assert not _events(tmp_path / "j", "first_step") and not _events(tmp_path / "j", "fetched")
+    assert {e["source"] for e in _events(tmp_path / "j", "fetch_failed")} == {"level2"}
+    assert _listing(l2) == before
+    shutil.rmtree(tmp_path / "j")
+    with_key = run_cfrun(["--job-key-file", str(key), *argv], cwd=tmp_path)
+    assert with_key.returncode == 0, with_key.stderr[-3000:]
+    assert _events(tmp_path / "j", "fetched") and _events(tmp_path / "j", "resumed")
+
+
+@pytest.mark.slow
 def test_a_level2_checkpoint_of_another_job_id_is_not_installed(tmp_path, peer):
     """Job a's flushed checkpoints copied under job b's name at level 2 (a mixed-up store):
     b's agent refuses each with a fetch_failed event naming the job ids, and b trains from
