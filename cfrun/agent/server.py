@@ -291,8 +291,8 @@ class PersistAgent:
                         logger.warning("cfrun agent: looking for newer checkpoints failed: %r",
                                        e)
                     else:
-                        if refusal is not None:  # the rank stops the job on reading it
-                            co.write(co.fatal_path(self.jobdir.root), co.Fatal(message=refusal))
+                        if refusal is not None:
+                            self._stop_the_job(refusal)
             finally:
                 self._reply(conn, Ready(self.commits.last_committed))
             return
@@ -312,6 +312,17 @@ class PersistAgent:
             self.peer_path.submit(conn, req)
             return
         self._persist_local(conn, req)
+
+    def _stop_the_job(self, message: str) -> None:
+        """``fatal.json`` with ``message``: the rank that sent the ``hello`` reads it before its
+        first step and stops the job (exit 5). A write the disk refuses is said once and
+        dropped (:data:`best_effort`): the job then starts over, as without the refusal; it
+        never raises, so the ``hello`` is answered once."""
+        path = co.fatal_path(self.jobdir.root)
+        try:
+            co.write(path, co.Fatal(message=message))
+        except OSError as e:
+            best_effort.failure("fatal", path, e)
 
     def _persist_local(self, conn: socket.socket, req: PersistRequest) -> None:
         """Write ``req``'s shard into the job dir and commit its step when complete (the writer

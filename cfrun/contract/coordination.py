@@ -9,6 +9,7 @@ their fields::
       stop_step.json                           rank 0 -> ranks: the step every rank stops at
       stop_decision.json                       rank 0 -> ranks: final checkpoint or not
       fatal.json                               a rank -> supervisor: resuming would be wrong
+                                               (the agent -> ranks: starting over would be)
       checkpoint_gate.json                     rank 0 -> ranks: from which step no checkpoint
                                                is in flight (a due one is deferred till then)
       heartbeat-rank-00000                     a rank -> supervisor: its step, rewritten each step
