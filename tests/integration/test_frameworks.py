@@ -154,14 +154,18 @@ def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, 3), resumed, 3), resumed
 
 
-def _assert_same_checkpoints(plain_dir, cf_dir) -> list[str]:
+def _assert_same_checkpoints(plain_dir, cf_dir,
+                             left_over: set[str] = frozenset()) -> list[str]:
     """The user's own ``ModelCheckpoint`` files in ``cf_dir`` are those in ``plain_dir``, with
     the same weights, loops, optimizer and scheduler states, epoch and global step, and the
-    same callbacks; returns their names."""
+    same callbacks, besides any of ``left_over`` (files a lost attempt wrote that a restart from
+    scratch cannot know); returns their names."""
     def load(d):
         return {p.name: torch.load(p, weights_only=False) for p in sorted(d.glob("*.ckpt"))}
 
     saved, got = load(plain_dir), load(cf_dir)
+    assert set(got) - set(saved) <= set(left_over), (list(got), list(saved))
+    got = {name: ckpt for name, ckpt in got.items() if name in saved}
     assert list(got) == list(saved)
     for name, ckpt in saved.items():
         assert got[name]["callbacks"].keys() == ckpt["callbacks"].keys()
@@ -232,7 +236,12 @@ def test_lightning_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert _lines(run.stdout, "log ") == _lines(plain.stdout, "log ")
     assert final_line(run.stdout) == final_line(plain.stdout).replace("plain_ck", "cf_ck") \
         and "step 15" in final_line(plain.stdout)
-    _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck")
+    # A restart from scratch (rank 1 stopped before it handed off its shard of step 4) cannot
+    # know the best-step files the lost attempt wrote, as a restarted torchrun could not (files
+    # are outside the guarantee: docs/resume-semantics.md); its ModelCheckpoint writes "-v1"
+    # beside them and rotates only its own.
+    left_over = {f"best-step={n}.ckpt" for n in range(1, 5)} if resumed[0] == 0 else set()
+    _assert_same_checkpoints(tmp_path / "plain_ck", tmp_path / "cf_ck", left_over)
     assert not over_recompute_bound(run, _landed(run, 4), resumed, 3), resumed
 
 
