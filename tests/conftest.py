@@ -55,10 +55,37 @@ class Run:
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process a test starts: this one's less every ``CFRUN_*`` variable,
+    one OMP thread, ``CFRUN_STANDBY=0`` unless the test keeps warm spares (:func:`_spares`),
+    then ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CFRUN_")}
     env["OMP_NUM_THREADS"] = "1"
+    if not SPARES["on"]:
+        env["CFRUN_STANDBY"] = "0"
     env.update(extra or {})
     return env
+
+
+SPARES = {"on": False}
+"""Whether the jobs of the running test keep warm spares (:func:`_spares`)."""
+
+
+@pytest.fixture(autouse=True)
+def _spares(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests and modules marked ``spares`` run cfrun's jobs as users do, with warm spares
+    (:mod:`cfrun.supervisor.standby`: each job keeps an interpreter with torch imported for its
+    next restart); the others with ``CFRUN_STANDBY=0``. A spare is free on a user's machine,
+    whose cores wait on the GPU, but costs every job ~5 CPU-seconds here (3 to 8 per restart
+    and per rank of a DDP job), a quarter of an end-to-end test's CPU time on 2 cores
+    (``test_crash_resume.py -m slow``: 324 vs 241 CPU-s). What a spare changes, a restart that
+    starts the script in an interpreter made ahead, is tested where it is the subject
+    (test_standby.py: exact on every launcher, killed spares, torchrun's spare) and where the
+    promise is (test_transparency.py: equal to the plain run after kills; the README's demo).
+    ``TESTS_SPARES=1`` gives every test spares."""
+    SPARES["on"] = (request.node.get_closest_marker("spares") is not None
+                    or os.environ.get("TESTS_SPARES") == "1")
+    yield
+    SPARES["on"] = False
 
 
 ONE_RANK_LAUNCHER = {"launcher": "python"}

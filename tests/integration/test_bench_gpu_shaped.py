@@ -18,8 +18,8 @@ def test_gpu_shaped_bench_reports_the_per_checkpoint_cost_part_by_part(tmp_path:
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_shaped.py"), "--steps", "40",
                         "--policy-steps", "70", "--state-mb", "8", "--device-ms", "20",
-                        "--out", str(out)], cwd=tmp_path, env=clean_env(), capture_output=True,
-                       text=True, timeout=550)
+                        "--launches", "40", "--out", str(out)], cwd=tmp_path, env=clean_env(),
+                       capture_output=True, text=True, timeout=550)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "per-checkpoint cost in steps" in p.stdout, p.stdout
     summary = json.loads(out.read_text())["summary"]

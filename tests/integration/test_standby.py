@@ -36,6 +36,8 @@ from conftest import (
 
 from cfrun.contract import faults
 
+pytestmark = pytest.mark.spares  # the subject (tests/conftest.py, _spares)
+
 TINY = str(SCRIPTS / "train_tiny.py")
 # 0.1 s a step (cfrun's hook sleeps; the plain run computes the same): ~16 s an epoch, time
 # for the spare to import torch on a busy machine before the test kills the rank

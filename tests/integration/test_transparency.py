@@ -25,7 +25,8 @@ from cfrun.codec.checkpoint import MANIFEST
 from cfrun.contract import faults
 from cfrun.contract.manifest import FileEntry, Manifest, read_manifest
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.launched]  # as users launch
+pytestmark = [pytest.mark.timeout(400), pytest.mark.launched,  # as users launch
+              pytest.mark.spares]
 
 SCRIPT = str(SCRIPTS / "train_augment.py")
 EPOCHS = 3

@@ -3,7 +3,7 @@
 Draws from the torch, numpy and python RNGs in the workers' augmentation and in the main loop.
 Writes the final model + optimizer state to --out, prints per-epoch metrics, appends one line per
 training iteration to $ITER_LOG and one per training sample loaded to $GETITEM_LOG (the loading
-worker's parent pid, the sample index), and SIGKILLs itself once inside the validation loop of epoch
+worker's training process's pid, the sample index), and SIGKILLs itself once inside the validation loop of epoch
 $DIE_IN_VAL_EPOCH (marker file $DIE_MARKER makes it once per job).
 """
 
@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 best_acc = 0.0
 GETITEM_LOG = os.environ.get("GETITEM_LOG")
+# the training process (a loader worker inherits it): a worker orphaned by its rank's
+# SIGKILL, reparented to a subreaper, logs the same pid for the samples it still loads
+TRAINING_PID = os.getpid()
 
 
 class Augmented(TensorDataset):
@@ -28,7 +31,7 @@ class Augmented(TensorDataset):
         x, y = super().__getitem__(i)
         if GETITEM_LOG:  # which process loaded which sample
             with open(GETITEM_LOG, "a") as f:
-                f.write(f"{os.getppid()} {i}\n")
+                f.write(f"{TRAINING_PID} {i}\n")
         # all three RNGs a worker has: torch, numpy, python
         shift = 0.05 * float(np.random.rand()) + 0.05 * random.random()
         return x + 0.1 * torch.randn_like(x) + shift, y
