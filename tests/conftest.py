@@ -75,9 +75,10 @@ def _spares(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests and modules marked ``spares`` run cfrun's jobs as users do, with warm spares
     (:mod:`cfrun.supervisor.standby`: each job keeps an interpreter with torch imported for its
     next restart); the others with ``CFRUN_STANDBY=0``. A spare is free on a user's machine,
-    whose cores wait on the GPU, but costs every job ~5 CPU-seconds here (3 to 8 per restart
-    and per rank of a DDP job), a quarter of an end-to-end test's CPU time on 2 cores
-    (``test_crash_resume.py -m slow``: 324 vs 241 CPU-s). What a spare changes, a restart that
+    whose cores wait on the GPU, but costs a one-rank job ~5 CPU-seconds here, and as much
+    again after each restart: a quarter of an end-to-end test's CPU time on 2 cores
+    (``test_crash_resume.py -m slow``: 324 vs 241 CPU-s; no change measured for the FSDP2 and
+    reshard tests of several ranks). What a spare changes, a restart that
     starts the script in an interpreter made ahead, is tested where it is the subject
     (test_standby.py: exact on every launcher, killed spares, torchrun's spare) and where the
     promise is (test_transparency.py: equal to the plain run after kills; the README's demo).
