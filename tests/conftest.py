@@ -534,6 +534,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (3, 0) if "unit" in Path(str(item.fspath)).parts else (2, 0)
 
     items.sort(key=rank)  # stable: collection order within each rank
+    _leave_the_extended_tier_out(config, items)
+
+
+def _leave_the_extended_tier_out(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``extended`` belongs to the extended tier whatever tier its module or its
+    function names besides (a case of a ``slow`` module or parametrization): it runs only when
+    ``-m`` names ``extended`` (``-m extended``, ``-m 'slow or extended'``) or is empty
+    (``-m ''``: every tier). So ``-m slow``, CI's slow tier, leaves it out."""
+    markexpr = config.getoption("markexpr", "") or ""
+    if not markexpr.strip() or "extended" in markexpr:
+        return
+    kept, left = [], []
+    for item in items:
+        (left if item.get_closest_marker("extended") else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
 
 
 OTHER_TESTS_NICE = 10

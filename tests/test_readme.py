@@ -30,7 +30,7 @@ def test_ci_runs_exactly_the_readme_commands():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow
+@pytest.mark.extended  # CI runs the same script as its first command, which fails on a mismatch
 @pytest.mark.spares  # as the README's command runs it
 def test_quickstart_demo_crashes_resumes_and_matches(tmp_path):
     """The demo script of the README's first command, with this interpreter's cfrun."""

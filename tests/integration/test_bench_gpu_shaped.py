@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.extended,  # a bench's smoke run (docs/tests.md)
+              pytest.mark.timeout(600)]
 
 
 def test_gpu_shaped_bench_reports_the_per_checkpoint_cost_part_by_part(tmp_path: Path):

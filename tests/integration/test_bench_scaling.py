@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT, clean_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.extended  # a bench's smoke run (docs/tests.md)
 
 
 @pytest.mark.timeout(900)  # four contenders' runs: ten minutes beside busy loops

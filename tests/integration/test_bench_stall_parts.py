@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, clean_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.extended  # a bench's smoke run (docs/tests.md)
 
 
 @pytest.mark.timeout(600)

@@ -160,7 +160,7 @@ def test_export_to_a_missing_directory_is_one_line_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.torchrun  # torchrun's logs are the point
-@pytest.mark.parametrize("log_format", ["auto", "json"])
+@pytest.mark.parametrize("log_format", ["auto", pytest.param("json", marks=pytest.mark.extended)])
 @pytest.mark.slow
 def test_a_crash_and_restart_off_a_terminal_is_one_line_each_and_torchrun_logs_go_to_the_job_dir(
         tmp_path, log_format):

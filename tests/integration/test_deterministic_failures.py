@@ -36,7 +36,7 @@ def test_a_bug_before_any_checkpoint_costs_one_attempt(tmp_path):
     assert again.returncode == 4 and len(again.events("attempt_start")) == 2  # asked for
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a bench's smoke run (docs/tests.md)
 @pytest.mark.timeout(900)
 def test_the_bench_prints_every_case_against_torchrun():
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "early_failure.py"), "--rounds",

@@ -104,6 +104,7 @@ def test_hf_trainer_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
+@pytest.mark.extended  # verify's kills: test_verify.py; this script's resume: the test above
 def test_cfrun_verify_says_exact_on_the_hf_trainer_script(tmp_path):
     """``cfrun verify --interval 3 train_hf_trainer.py out.pt out_dir 4`` (README,
     "Frameworks"): the Trainer's state at the stop step after 3 kills (inside an epoch, right
@@ -137,6 +138,7 @@ def _two_ranks_killed(tmp_path: Path, script: str, out: str, kills: str, persist
     return plain, run, resumed
 
 
+@pytest.mark.extended  # DDP under a framework: Lightning's and Fabric's (test_no_replay.py)
 def test_hf_trainer_ddp_two_ranks_resumes_bit_identical(tmp_path):
     """The same Trainer script under DDP on 2 ranks (gloo; 4 batches per rank and epoch, 2
     optimizer steps), 5 epochs, SIGKILLed during the persist of step 3, inside epoch 2 (step
@@ -206,6 +208,7 @@ def test_lightning_trainer_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
+@pytest.mark.extended  # verify's kills: test_verify.py; this script's resume: the test above
 def test_cfrun_verify_says_exact_on_the_lightning_trainer_script(tmp_path):
     """``cfrun verify --interval 3 train_lightning.py out.pt ck`` (README, "Frameworks"). The
     stop step it chooses (12) is an epoch's last step, whose boundary Lightning's loop puts
@@ -270,6 +273,7 @@ def test_accelerate_gradient_accumulation_resumes_bit_identical(tmp_path):
     assert not over_recompute_bound(run, _landed(run, kills[0]), resumed, 3), resumed
 
 
+@pytest.mark.extended  # verify's kills: test_verify.py; this script's resume: the test above
 def test_cfrun_verify_says_exact_on_the_accelerate_script(tmp_path):
     """``cfrun verify --interval 3 train_accelerate.py out.pt 4`` (README, "Frameworks"):
     with ``gradient_accumulation_steps=2``, the position recorded one batch before
@@ -281,6 +285,7 @@ def test_cfrun_verify_says_exact_on_the_accelerate_script(tmp_path):
     assert report.count("SIGKILLed") == 3, report
 
 
+@pytest.mark.extended  # Fabric DDP killed twice against torchrun: test_no_replay.py
 def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
     """Lightning Fabric, DDP on 2 ranks (gloo), ``fabric.setup_dataloaders`` and
     ``for batch_idx, (data, target) in enumerate(train_loader)`` (the README's example):
@@ -309,7 +314,7 @@ def test_fabric_ddp_two_ranks_resumes_bit_identical(tmp_path):
     assert got == want
 
 
-@pytest.mark.parametrize("mode", ["for", "while"])
+@pytest.mark.parametrize("mode", ["for", pytest.param("while", marks=pytest.mark.extended)])
 def test_next_from_a_held_iterator_resumes_bit_identical(tmp_path, mode):
     """A step loop (``for step in range`` / ``while step < n``) that draws 2 batches per step
     with ``next(it)`` from an iterator it keeps in a variable and makes again at StopIteration:

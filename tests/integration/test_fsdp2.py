@@ -133,12 +133,13 @@ def _check_export(tmp_path: Path, step: int) -> None:
     assert_bit_identical(want, loaded)
 
 
-@pytest.mark.parametrize("kind", ["fsdp2-mp", "tp"])
+@pytest.mark.parametrize("kind", [pytest.param("fsdp2-mp", marks=pytest.mark.extended), "tp"])
 def test_sharded_two_ranks_resume_bit_identical_after_two_kills(tmp_path, kind):
     """FSDP2 with bf16 parameters and fp32 reduce; tensor parallelism (colwise, rowwise)."""
     _killed_run(tmp_path, kind, 2)
 
 
+@pytest.mark.extended  # FSDP2 and TP each: the tests above
 def test_fsdp2_over_tensor_parallel_on_a_2x2_mesh_resumes_bit_identical(tmp_path):
     """4 ranks, a ``dp`` x ``tp`` mesh: TP's colwise/rowwise shards inside, FSDP2 across (its
     parameters placed ``_StridedShard`` x ``Shard``)."""

@@ -187,7 +187,8 @@ def test_verify_takes_the_launcher(tmp_path):
     (1, None),
     pytest.param(2, None, marks=pytest.mark.slow),
     # tests/unit/test_local_ranks.py checks it against torch's source, quickly
-    pytest.param(2, "python", marks=pytest.mark.slow)], ids=["default-1", "default-2", "python-2"])
+    pytest.param(2, "python", marks=pytest.mark.extended)],
+    ids=["default-1", "default-2", "python-2"])
 def test_the_ranks_see_the_environment_torchrun_standalone_gives_its_ranks(
         tmp_path, nproc, launcher):
     """The one-node default (``local``: no ``--launcher``, no ``CFRUN_LAUNCHER``), one rank or

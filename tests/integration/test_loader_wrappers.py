@@ -91,8 +91,8 @@ def references(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("wrapper, inject, kills", [
     ("prefetcher", "20,37@1", [20, 37]),
     ("generator", "20,37@1", [20, 37]),
-    ("both", "15,47@1", [15, 47]),
-    ("library", "20,37@1", [20, 37]),
+    pytest.param("both", "15,47@1", [15, 47], marks=pytest.mark.extended),
+    pytest.param("library", "20,37@1", [20, 37], marks=pytest.mark.extended),
 ])
 def test_wrapped_loader_in_a_per_epoch_function_resumes_bit_identical(
         references, tmp_path, wrapper, inject, kills):

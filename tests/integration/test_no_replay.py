@@ -96,6 +96,7 @@ def test_timm_train_py_resumes_without_validating_or_saving_completed_epochs(tmp
         assert final_line(runs[name].stdout) == final_line(runs["plain"].stdout)
 
 
+@pytest.mark.extended  # a library's generator: test_loader_wrappers.py; the jump: the other two
 def test_a_library_generator_wrapper_resumes_without_validating_or_saving_again(tmp_path):
     """train_wrapped.py's ``library`` wrapper (a generator of another module, as a framework's)
     with an epoch loop that calls validate() and save() (torch.save to a temporary file, then

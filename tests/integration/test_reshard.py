@@ -107,7 +107,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], P
     return losses, cwd / "plain.pt"
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp2"])
 def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, kind):
     first = run_cfrun(["--nproc-per-node", "4", "--interval", "4", "--max-restarts", "0",
                        "--job-dir", "job", "--inject-crash", KILLS, SCRIPT, kind, "got.pt"],

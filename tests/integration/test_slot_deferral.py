@@ -25,7 +25,8 @@ FAULTS = json.dumps({"rank.slot_ready_after_steps": 5})
 
 
 @pytest.mark.parametrize("script, args, kills", [
-    ("train_gan.py", ["{out}"], "30@0,60@1"),                 # a loader, two GradScalers
+    pytest.param("train_gan.py", ["{out}"], "30@0,60@1",     # a loader, two GradScalers
+                 marks=pytest.mark.extended),
     ("train_steps_for.py", ["90", "{out}"], "30@0,60@1"),     # a step loop (range)
 ], ids=["gan-loader", "step-loop"])
 def test_checkpoints_due_while_the_slot_is_prepared_are_deferred_and_exact(

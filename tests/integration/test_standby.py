@@ -139,7 +139,7 @@ def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["python", "auto"])
+@pytest.mark.parametrize("launcher", [pytest.param("python", marks=pytest.mark.extended), "auto"])
 def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher):
     """Each SIGKILL of the rank after a spare said it was ready: the next attempt is the spare
     (no new interpreter: the process existed before the attempt started), resumes from the
@@ -174,7 +174,7 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher
     _ends_as_plain(tmp_path, Run(0, out, err, job), plain)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a spare as the next attempt: the tests of the local launcher
 @pytest.mark.torchrun
 def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_path):
     """Under torchrun (``--launcher torchrun``; several nodes) the spare is the next attempt's
@@ -524,7 +524,7 @@ def test_two_ranks_started_by_cfrun_restart_from_a_spare_each_twice_as_plain_tor
     assert len(failures) == 2, failures
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a killed spare: test_a_killed_spare_is_replaced_and_the_restart_is_exact
 def test_a_killed_spare_of_one_rank_starts_that_rank_cold_and_the_run_is_exact(tmp_path):
     """Both spares ready, then local rank 1's spare SIGKILLed just before rank 0 is: the
     restart promotes rank 0's spare and starts rank 1 cold (``warm_ranks`` [0]; rank 1's

@@ -100,7 +100,8 @@ def _lines(stdout: str, prefix: str) -> list[str]:
     return [l for l in stdout.splitlines() if l.startswith(prefix)]
 
 
-@pytest.mark.parametrize("shape", ["enumerate", "zip", "range"])
+@pytest.mark.parametrize("shape", ["enumerate", pytest.param("zip", marks=pytest.mark.extended),
+                                   pytest.param("range", marks=pytest.mark.extended)])
 @pytest.mark.slow
 def test_lm_loop_over_tensor_slices_resumes_bit_identical(tmp_path, shape):
     """``for batch, i in enumerate(range(0, n, bptt))`` (and ``zip(count(), range(...))``,

@@ -346,7 +346,8 @@ def ddp_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.extended),
+                                      "python"])
 def test_sigterm_with_two_ranks_one_stop_step_and_one_final_checkpoint(ddp_reference, tmp_path,
                                                                         launcher):
     """Both ranks stop at the same step and the final checkpoint holds both shards; no rank is

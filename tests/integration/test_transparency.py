@@ -63,8 +63,9 @@ def _metrics(stdout: str) -> list[str]:
 
 
 @pytest.mark.parametrize("args, why, uninterrupted", [
-    ((), "2 workers, global seeds", True),
-    (("--generator",), "2 workers, generator= passed to the DataLoader", False),
+    pytest.param((), "2 workers, global seeds", True, marks=pytest.mark.extended),
+    pytest.param(("--generator",), "2 workers, generator= passed to the DataLoader", False,
+                 marks=pytest.mark.extended),  # workers' streams: the persistent case's
     (("--persistent",), "2 persistent workers: their streams carry over epochs", False),
     (("--workers", "0"), "no workers: the issue's first batch differed", True),
 ])
