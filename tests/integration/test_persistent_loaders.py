@@ -116,6 +116,7 @@ def tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.extended  # verify: test_verify.py; these loaders: test_timm_loader_defaults_resume_*
 def test_verify_says_exact_for_timm_loader_defaults(tmp_path, tmp):
     """``cfrun verify`` (its own 3 kills: before the first checkpoint, right after epoch 0's
     last step, during a persist in epoch 1) to step 11, in epoch 3: exact. Before, the state

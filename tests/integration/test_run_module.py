@@ -126,6 +126,7 @@ def test_module_run_one_rank_killed_resumes_bit_identical(package: Path) -> None
     assert json.loads(status.stdout)["module"] == "pkg.train", status.stderr
 
 
+@pytest.mark.slow  # -m killed and resumed: the one-rank test above; two ranks: its own kind
 @pytest.mark.torchrun
 def test_module_run_two_ranks_killed_then_cfrun_resume_bit_identical(package: Path) -> None:
     """``--nproc-per-node 2 -m pkg.train`` under torchrun (its own ``--module``), gloo, DDP, a
