@@ -505,9 +505,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return 2 * len(os.sched_getaffinity(0))
 
 
-# Files whose tests run the longest jobs (two nodes, peers, restarts with sleeping steps, the
-# README demo; in the slow tier the benches, the frameworks and FSDP2), started first so that no
-# long test is the run's tail (measured on 2 cores: CI's slowest 30 of stop 41).
+# Files whose tests run the longest jobs (two nodes, peers, restarts with sleeping steps; in the
+# slow tier the frameworks and FSDP2; in the extended tier the benches and the README demo),
+# started first so that no long test is the run's tail (measured on 2 cores: CI's slowest 30 of
+# stop 41).
 LONG_FILES_FIRST = ["test_multinode.py", "test_no_replay.py", "test_fsdp2.py",
                     "test_bench_scaling.py", "test_frameworks.py", "test_bench_gpu_overhead.py",
                     "test_peer.py", "test_readme.py", "test_deterministic_failures.py",
