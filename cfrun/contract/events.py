@@ -55,7 +55,8 @@ EVENTS: dict[str, EventKind] = {
     # supervisor (cfrun.supervisor.core, .monitor, .machine)
     "state": _k("supervisor", ["state"], open=True),
     "attempt_start": _k("supervisor", ["attempt", "argv"], ["warm", "warm_ranks"]),
-    "standby_ready": _k("supervisor", ["pid", "warmup_s"], ["local_rank"]),
+    "attempt_pids": _k("supervisor", ["attempt", "pids"]),
+    "standby_ready": _k("supervisor", ["pid", "warmup_s"], ["local_rank", "forked"]),
     "attempt_end": _k("supervisor", ["attempt", "returncode", "duration_s"]),
     "hang": _k("supervisor", ["attempt", "hang_timeout_s"]),
     "signal_forwarded": _k("supervisor", ["signal", "ranks"]),

@@ -52,33 +52,130 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.utils.data", "cfrun.rank.in
 runs no hook: cfrun's install is armed only at the go)."""
 
 WARM_DISTRIBUTED_MODULES = ("torch._dynamo",)
-"""Imported ahead too by the spare of one of several ranks (``FD ranks``, a ``--launcher
-python --nproc-per-node N`` job's): DistributedDataParallel's constructor imports
-``torch._dynamo`` (torch 2.13, ``get_optimize_ddp_mode``), with sympy ~800 modules, 1.1-2.4 s
-of every DDP rank's start here (1.1 s of DDP's 1.25 s). The import makes no CUDA call, starts
-no thread and draws from no random generator (checked on torch 2.13); ~75 MB more per spare."""
+"""Imported ahead too by a rank's spare: always by the spare of one of several ranks (``FD
+ranks``, a ``--launcher python --nproc-per-node N`` job's), whose DistributedDataParallel
+constructor imports ``torch._dynamo`` (torch 2.13, ``get_optimize_ddp_mode``); by the one
+rank's unless ``CFRUN_STANDBY_IMPORTS=0`` (:func:`_import_ahead`), since the first optimizer
+imports it too. With sympy ~800 modules: 1.1-2.4 s of every rank's start here. The import makes
+no CUDA call, starts no thread and draws from no random generator (checked on torch 2.13);
+~75 MB more per spare, shared with the spares forked from it."""
 
 
-def _recv_go(sock: socket.socket) -> dict[str, Any] | None:
+def _recv_go(sock: socket.socket) -> tuple[dict[str, Any] | None, int | None]:
     """The go message (one JSON object, the sender closes its side after it), or None when
-    the socket closed without one."""
+    the socket closed without one; and the descriptor that came with its first bytes (the
+    socket of the next spare to fork, :func:`_fork_next_spare`), or None."""
     chunks: list[bytes] = []
     size = 0
+    next_fd: int | None = None
     while True:
         try:
-            chunk = sock.recv(1 << 16)
+            if chunks or next_fd is not None:
+                chunk = sock.recv(1 << 16)
+            else:
+                chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+                for fd in fds[1:]:
+                    os.close(fd)
+                next_fd = fds[0] if fds else None
         except OSError:
-            return None
+            break
         if not chunk:
             break
         size += len(chunk)
         if size > GO_MAX_BYTES:
-            return None
+            break
         chunks.append(chunk)
-    if not chunks:
+    try:
+        msg = json.loads(b"".join(chunks)) if chunks and size <= GO_MAX_BYTES else None
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict):
+        if next_fd is not None:
+            os.close(next_fd)
+        return None, None
+    return msg, next_fd
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (``/proc/self/task``); 0 where unknown."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _die_with(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (the supervisor, whose only thread is its main
+    one) dies, as :func:`cfrun.supervisor.launcher.die_with_parent` does for a ``Popen``
+    child; exits at once where the parent is already gone. No-op without ``prctl``."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _fork_next_spare(next_fd: int) -> socket.socket | None:
+    """Fork the next warm spare from this one at its go, before it becomes the rank: a copy
+    made before anything of the job ran, with torch and cfrun imported, so the next restart
+    costs a fork instead of an interpreter's start and import (~5 CPU-s here).
+
+    Returns None in this process (it goes on to become the rank), and in the new spare the
+    socket ``next_fd`` on which it said ``ready PID`` (it then waits for its own go). The new
+    spare is forked twice over and starts a session of its own, so it is no child of the rank
+    (a script's ``os.wait`` never sees it) and no signal to the rank's group reaches it; the
+    supervisor, a child subreaper (``PR_SET_CHILD_SUBREAPER``), becomes its parent and reaps
+    it (:class:`cfrun.supervisor.standby.AdoptedProcess`). It says ready only once it is the
+    supervisor's child, and gets the supervisor's death signal as a spare started by
+    ``Popen`` does. Nothing is forked where the process runs a second thread (a fork keeps
+    only the calling one): the supervisor then starts the next spare cold, as before.
+
+    Where the idea comes from: Android's zygote, CPython's ``forkserver`` start method.
+    """
+    supervisor_pid = os.getppid()
+    for stream in (sys.stdout, sys.stderr):  # no buffered bytes written twice
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if _threads() != 1:
+        os.close(next_fd)
         return None
-    msg = json.loads(b"".join(chunks))
-    return msg if isinstance(msg, dict) else None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(next_fd)
+        return None
+    if pid:
+        os.close(next_fd)
+        try:
+            os.waitpid(pid, 0)  # the go-between, which exits at once
+        except ChildProcessError:
+            pass
+        return None
+    try:  # the go-between
+        if os.fork():
+            os._exit(0)
+    except BaseException:
+        os._exit(1)
+    try:  # the new spare
+        os.setsid()
+        deadline_s = time.monotonic() + 5.0
+        while os.getppid() != supervisor_pid:  # re-parented once the go-between exits
+            if time.monotonic() > deadline_s:  # not a subreaper: nobody would reap us
+                os._exit(0)
+            time.sleep(0.001)
+        _die_with(supervisor_pid)
+        _import_ahead()  # what the ranks imported since (only what is not imported yet)
+        sock = socket.socket(fileno=next_fd)
+        sock.sendall(b"ready %d\n" % os.getpid())
+        return sock
+    except BaseException:
+        os._exit(1)
 
 
 def _fresh_main(path: str | None) -> types.ModuleType:
@@ -130,13 +227,17 @@ def _report(exc: BaseException, first_file: str | None) -> None:
 def become_rank(go: dict[str, Any]) -> None:
     """Take the go message's environment, ``argv`` and script (``script`` or ``module``) and run
     it as the rank. Returns when the script returns; raises SystemExit as the script does.
+    A go with ``cold`` came before the spare was ready (a cold attempt's rank started as a
+    spare, :meth:`cfrun.supervisor.standby.Standby.start_rank`): no warm start, so
+    :data:`go_unix_s` stays None and the ``resumed`` event says neither ``warm`` nor the go.
 
     Raises:
         SystemExit: the script's own, or 1 after an uncaught exception was printed.
     """
     import cfrun.rank.spare as this  # this file runs as __main__: its importable twin
 
-    this.go_unix_s = time.time()
+    if not go.get("cold"):  # a cold rank's spare imported after its go: not a warm start
+        this.go_unix_s = time.time()
     env = go["env"]
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in env.items()})
@@ -192,20 +293,29 @@ def become_launcher(go: dict[str, Any]) -> None:
 
 
 def _import_ahead() -> None:
-    """What the last rank of this node imported (:mod:`cfrun.rank.warm_imports`), unless
-    ``CFRUN_STANDBY_IMPORTS=0``; the job dir and node come from the job's marks in this
-    process's environment. Never raises."""
+    """Unless ``CFRUN_STANDBY_IMPORTS=0``: ``torch._dynamo``, which the first optimizer a
+    script constructs imports (torch 2.13's ``_disable_dynamo`` wrappers; with sympy ~800
+    modules, 2.4 CPU-s here), and what the last rank of this node imported
+    (:mod:`cfrun.rank.warm_imports`; the job dir and node come from the job's marks in this
+    process's environment). Importing ``torch._dynamo`` makes no CUDA call, starts no thread
+    and draws from no random generator (checked on torch 2.13). Never raises."""
     from cfrun.contract import settings as E
     from cfrun.rank import warm_imports
 
     job_dir = os.environ.get(E.RANK_JOB_DIR)
     try:
-        if not job_dir or not E.get_flag(E.STANDBY_IMPORTS):
+        if not E.get_flag(E.STANDBY_IMPORTS):
             return
         node_rank = int(os.environ.get(E.NODE_RANK, "0"))
     except Exception:  # a bad value: the rank says so itself at the go
         return
-    warm_imports.import_ahead(Path(job_dir), node_rank)
+    for name in WARM_DISTRIBUTED_MODULES:
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    if job_dir:
+        warm_imports.import_ahead(Path(job_dir), node_rank)
 
 
 def _hold_at_go() -> None:
@@ -235,15 +345,28 @@ def main(argv: list[str]) -> None:
         __import__(name)
     if not launcher:
         _import_ahead()
-    sock.sendall(b"ready\n")
-    go = _recv_go(sock)
-    sock.close()
-    if go is not None:
+    try:
+        sock.sendall(b"ready\n")
+    except OSError:  # a go sent at once (a cold rank's spare) and its sender's side closed
+        pass
+    while True:
+        go, next_fd = _recv_go(sock)
+        sock.close()
+        if go is None:
+            return
+        if next_fd is not None and not launcher:
+            new_spare = _fork_next_spare(next_fd)
+            if new_spare is not None:  # this process is the next spare: wait for its go
+                sock = new_spare
+                continue
+        elif next_fd is not None:
+            os.close(next_fd)
         _hold_at_go()
         if launcher:
             become_launcher(go)
         else:
             become_rank(go)
+        return
 
 
 if __name__ == "__main__":

@@ -197,25 +197,32 @@ def start_attempt(cfg: RunConfig, argv: list[str], env: dict[str, str], *, warm:
                   warm_ranks: tuple[int, ...] = ()) -> Any:
     """Start an attempt's process (supervisor, main thread): with :func:`uses_local_ranks`
     every rank (:func:`start_local_ranks`), each local rank of ``warm_ranks`` from its warm
-    spare (those the ``attempt_start`` event names; a spare ready only since then is kept for
-    the next restart); else the ready warm spare (``warm``:
-    :meth:`cfrun.supervisor.standby.Standby.promote`), or ``spawn_fn(argv, env, cwd,
-    **stdio)`` (torchrun, or the one rank). ``standby``: the
-    :class:`cfrun.supervisor.standby.Standby`, or None.
+    spare (those the ``attempt_start`` event names), the others through a spare too
+    (:meth:`cfrun.supervisor.standby.Standby.start_rank`: it then forks the next one); else
+    the ready warm spare (``warm``: :meth:`cfrun.supervisor.standby.Standby.promote`), or
+    for the one rank of ``--launcher python`` a spare started now, or ``spawn_fn(argv, env,
+    cwd, **stdio)`` (torchrun, a job without spares, or a spare that failed). ``standby``:
+    the :class:`cfrun.supervisor.standby.Standby`, or None.
 
     Raises:
         OSError: a process could not be started.
     """
     if uses_local_ranks(cfg):
         def promote(local_rank: int, rank_env: dict[str, str]) -> Any:
-            if standby is None or local_rank not in warm_ranks:
+            if standby is None:
                 return None
-            return standby.promote_rank(local_rank, rank_env)
+            if local_rank in warm_ranks:
+                proc = standby.promote_rank(local_rank, rank_env)
+                if proc is not None:
+                    return proc
+            return standby.start_rank(local_rank, env, rank_env) if standby.forks() else None
 
         ranks, _ = start_local_ranks(cfg, argv, env, spawn_fn=spawn_fn, stdio=stdio,
                                      promote=promote)
         return ranks
     proc = standby.promote(env, argv) if warm and standby is not None else None
+    if proc is None and standby is not None and standby.forks():
+        proc = standby.start_rank(0, env, env)
     return proc if proc is not None else spawn_fn(argv, env, cfg.cwd, **stdio)
 
 

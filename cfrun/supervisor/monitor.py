@@ -209,6 +209,10 @@ class Monitor:
         self.proc = start_attempt(self.cfg, argv, env, warm=warm, standby=self.standby,
                                   spawn_fn=self.spawn_fn, stdio=self.console.popen_kwargs(),
                                   warm_ranks=tuple(warm_ranks))
+        # the attempt's own processes by local rank (its ranks, or its torchrun): a rank
+        # started through a spare shows the spare's command line, not the script's
+        self.jobdir.emit_event("attempt_pids", attempt=attempt,
+                               pids=list(getattr(self.proc, "pids", (self.proc.pid,))))
         _slow_finalizer(faults.value("supervisor.finalizer_delay_s"))
         rc, hung, agent_error = self._wait(attempt, started_unix_s)
         self.console.drain()  # the ranks' last lines before the supervisor's own

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import select
+import signal
 import socket
 import subprocess
 import time
@@ -48,7 +50,85 @@ from cfrun.supervisor.launcher import TORCHRUN_LOG, die_with_parent, module_argv
 
 logger = logging.getLogger("cfrun")
 
-READY = b"ready\n"
+READY = b"ready"
+"""How a spare's ready line starts (``ready\n``; ``ready PID\n`` from a forked spare)."""
+
+FORK_READY_S = 30.0
+"""How long a spare forked at a go may take to say ready before it is given up."""
+
+
+class AdoptedProcess:
+    """A warm spare forked by the previous one at its go (:func:`cfrun.rank.spare.
+    _fork_next_spare`) and re-parented to the supervisor, a child subreaper: the part of
+    ``subprocess.Popen`` the supervisor uses (``pid``, ``args``, ``returncode``, ``poll``,
+    ``wait``, ``send_signal``, ``terminate``, ``kill``). The supervisor reaps it with
+    ``waitpid`` as ``Popen`` would; :meth:`cfrun.supervisor.monitor.Monitor.reap_orphans`
+    leaves it alone (it is among the supervisor's own processes). Supervisor's main thread.
+
+    Args:
+        pid: the spare's pid, which it said once it was the supervisor's child.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.args = ["cfrun.rank.spare", "(forked)"]
+        self.returncode: int | None = None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        """Its exit status once it exited (negative: the killing signal), else None; never
+        blocks. A pid that is no longer ours to reap counts as exited with status 1."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 1 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                self._close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status, waiting at most ``timeout`` seconds (None: for ever).
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+        """
+        deadline_s = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left_s = 0.05 if deadline_s is None else deadline_s - time.monotonic()
+            if left_s <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            if self._pidfd is not None:
+                select.select([self._pidfd], [], [], min(left_s, 0.05))
+            else:
+                time.sleep(min(left_s, 0.01))
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` unless it was reaped (until then the pid stays its own)."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        """SIGTERM it."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+        self.send_signal(signal.SIGKILL)
+
+    def _close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def standby_wanted(cfg: RunConfig) -> bool:
@@ -62,6 +142,10 @@ def standby_wanted(cfg: RunConfig) -> bool:
     return E.get_flag(E.STANDBY) and not cfg.profile_only
 
 
+SpareProcess = subprocess.Popen[bytes] | AdoptedProcess
+"""A spare's process: started by the supervisor, or forked by the previous spare."""
+
+
 class _Spare:
     """One warm spare process (:mod:`cfrun.rank.spare`) and its socket. Supervisor's main
     thread only (the spare's parent-death signal is tied to it).
@@ -73,7 +157,7 @@ class _Spare:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: SpareProcess | None = None
         self.sock: socket.socket | None = None
         self.is_ready = False
         self.started_s = 0.0
@@ -84,7 +168,7 @@ class _Spare:
     def start(self, env: dict[str, str], stdio: dict[str, int]) -> None:
         """Start it with ``env`` less the rank settings (so cfrun's hook does not arm in it);
         no-op while it is alive. A machine out of processes or memory: none (logged)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.pending() or self.proc is not None and self.proc.poll() is None:
             return
         self.stop()
         ours, theirs = socket.socketpair()
@@ -115,47 +199,96 @@ class _Spare:
             return ("launcher",)
         return () if self.cfg.one_python_rank else ("ranks",)
 
+    def forks(self) -> bool:
+        """True where each spare forks the next at its go (a rank's spare; not torchrun's)."""
+        return self.cfg.launcher != "torchrun"
+
+    def pending(self) -> bool:
+        """True while a spare forked at the last go has not said ready yet (given up after
+        :data:`FORK_READY_S`)."""
+        if self.proc is not None or self.sock is None:
+            return False
+        if time.monotonic() - self.started_s > FORK_READY_S:
+            logger.debug("cfrun: the forked warm spare did not say ready")
+            self.stop()
+            return False
+        return True
+
     def wanted(self) -> bool:
-        """True when it is not alive (never started, or died)."""
+        """True when it is not alive (never started, or died) and none is being forked."""
+        if self.pending():
+            return False
         return self.proc is None or self.proc.poll() is not None
 
     def ready(self) -> bool:
         """True once it said it is ready and is alive (never blocks)."""
-        if self.proc is None or self.sock is None or self.proc.poll() is not None:
+        if self.sock is None or (self.proc is None and not self.pending()):
+            return False
+        if self.proc is not None and self.proc.poll() is not None:
             return False
         if not self.is_ready:
             readable, _, _ = select.select([self.sock], [], [], 0)
             if readable:
                 try:
-                    self.is_ready = self.sock.recv(len(READY)) == READY
+                    line = self.sock.recv(64)
                 except OSError:
+                    line = b""
+                words = line.split()
+                if not words or words[0] != READY:
+                    self.stop()
                     return False
+                if self.proc is None:  # forked: its pid, now the supervisor's child
+                    try:
+                        self.proc = AdoptedProcess(int(words[1]))
+                    except (IndexError, ValueError):
+                        self.stop()
+                        return False
+                self.is_ready = True
         return self.is_ready
 
-    def go(self, message: dict[str, Any]) -> subprocess.Popen[bytes] | None:
+    def go(self, message: dict[str, Any], *, now: bool = False
+           ) -> SpareProcess | None:
         """Send the go ``message`` (:mod:`cfrun.rank.spare`); returns the process, now the
         attempt's (no longer this spare's), or None when it is not ready or cannot take it (it
-        is stopped)."""
-        if not self.ready():
+        is stopped). ``now``: send it to a spare just started, which reads it once its
+        imports are done (a cold attempt's rank started as a spare, so that it forks the
+        next one). A rank's spare forks the next spare at its go (:meth:`forks`): this
+        object then waits for that one's ready."""
+        if not now and not self.ready():
             logger.warning("cfrun: the warm spare died before its go; its rank starts cold")
             self.stop()
             return None
-        assert self.sock is not None and self.proc is not None
+        if self.sock is None or self.proc is None:
+            return None
+        payload = json.dumps({**message, "cold": True} if now else message).encode()
+        ours = theirs = None
         try:
-            self.sock.sendall(json.dumps(message).encode())
+            if self.forks():
+                ours, theirs = socket.socketpair()
+                sent = socket.send_fds(self.sock, [payload], [theirs.fileno()])
+                self.sock.sendall(payload[sent:])
+            else:
+                self.sock.sendall(payload)
             self.sock.shutdown(socket.SHUT_WR)
         except OSError as e:  # it died after saying ready
             logger.warning("cfrun: the warm spare did not take its go (%s); its rank starts "
                            "cold", e)
+            if ours is not None:
+                ours.close()
             self.stop()
             return None
+        finally:
+            if theirs is not None:
+                theirs.close()
         proc = self.proc
         self.sock.close()
-        self.sock, self.proc, self.is_ready = None, None, False
+        self.sock, self.proc, self.is_ready, self.said_ready = ours, None, False, False
+        self.started_s = time.monotonic()
         return proc
 
     def stop(self) -> None:
-        """End it (SIGKILL, then reap it); no-op without one."""
+        """End it (SIGKILL, then reap it; a forked one not yet ready ends when its socket
+        closes); no-op without one."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -188,7 +321,7 @@ class Standby:
         """The spares, by local rank (one for a torchrun)."""
 
     @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
+    def proc(self) -> SpareProcess | None:
         """The first spare's process (local rank 0's, or the torchrun's)."""
         return self.spares[0].proc
 
@@ -196,8 +329,9 @@ class Standby:
              emit: Callable[..., None]) -> None:
         """The attempt's housekeeping (every second): start the spares that are not alive
         once the attempt made a step (``stepped``), with ``next_env()``; event
-        ``standby_ready`` (``warmup_s``: its start to ready; ``local_rank`` with several
-        spares) once each is."""
+        ``standby_ready`` (``warmup_s``: its start, or for one forked at a go that go, to
+        ready; ``forked``: forked by the spare that became the rank; ``local_rank`` with
+        several spares) once each is."""
         if self.wanted() and stepped():
             env = next_env()
             for spare in self.spares:
@@ -209,6 +343,7 @@ class Standby:
                 assert spare.proc is not None
                 emit("standby_ready", pid=spare.proc.pid,
                      warmup_s=round(time.monotonic() - spare.started_s, 3),
+                     **({"forked": True} if isinstance(spare.proc, AdoptedProcess) else {}),
                      **({"local_rank": local_rank} if len(self.spares) > 1 else {}))
 
     def start(self, env: dict[str, str]) -> None:
@@ -228,7 +363,7 @@ class Standby:
         """The local ranks whose spare is ready now (never blocks)."""
         return [r for r, spare in enumerate(self.spares) if spare.ready()]
 
-    def promote(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen[bytes] | None:
+    def promote(self, env: dict[str, str], argv: list[str]) -> SpareProcess | None:
         """Make the ready spare the new attempt's process with environment ``env`` (that of
         :func:`cfrun.supervisor.launcher.build_worker_env`): its rank, or under torchrun its
         torchrun, given the attempt's cold command ``argv``
@@ -239,16 +374,41 @@ class Standby:
                                       "run_module": argv[argv.index(TORCHRUN_LOG):]})
         return self.promote_rank(0, env)
 
+    def forks(self) -> bool:
+        """True where the spares are ranks' and fork their successors (not torchrun's)."""
+        return self.spares[0].forks()
+
     def promote_rank(self, local_rank: int, env: dict[str, str]
-                     ) -> subprocess.Popen[bytes] | None:
+                     ) -> SpareProcess | None:
         """Make local rank ``local_rank``'s spare (``--launcher python``) that rank of the new
         attempt, with the rank's environment ``env``
         (:func:`cfrun.supervisor.launcher.local_rank_env` with several ranks). Returns its
         process, now the rank; None when it was not ready (it is stopped; start the rank
         cold)."""
-        return self.spares[local_rank].go({
-            "env": env, "script": self.cfg.script, "module": self.cfg.module,
-            "args": list(self.cfg.script_args)})
+        return self.spares[local_rank].go(self._rank_go(env))
+
+    def start_rank(self, local_rank: int, attempt_env: dict[str, str],
+                   env: dict[str, str]) -> SpareProcess | None:
+        """Start local rank ``local_rank`` of an attempt that found no ready spare through a
+        spare (``--launcher python``): the one still importing, or a new one started with the
+        attempt's environment ``attempt_env`` less the rank settings (as :meth:`tend` starts
+        one); it takes the go with the rank's ``env`` at once and reads it once its imports
+        are done. It imports what a cold rank imports, then becomes the rank and forks the
+        next spare (:func:`cfrun.rank.spare._fork_next_spare`): every later restart of the job
+        costs a fork, not an interpreter's start and import. Returns the process, now the
+        rank; None where the spare could not start or take the go (start the rank cold)."""
+        spare = self.spares[local_rank]
+        deadline_s = time.monotonic() + 2.0
+        while spare.pending() and not spare.ready() and time.monotonic() < deadline_s:
+            time.sleep(0.005)  # forked a moment ago: it says ready within milliseconds
+        if spare.wanted():  # none alive: a new one (else the one still importing)
+            spare.start(attempt_env, self.stdio)
+        return spare.go(self._rank_go(env), now=True)
+
+    def _rank_go(self, env: dict[str, str]) -> dict[str, Any]:
+        """A rank's go message with the rank's environment ``env``."""
+        return {"env": env, "script": self.cfg.script, "module": self.cfg.module,
+                "args": list(self.cfg.script_args)}
 
     def stop(self) -> None:
         """End every spare (SIGKILL, then reap it)."""

@@ -71,20 +71,20 @@ def _ready_spare(job: Path, proc: subprocess.Popen[str], seen: int) -> int:
     return ready[0]["pid"]  # type: ignore[index]
 
 
-def _cold_rank(proc: subprocess.Popen[str]) -> psutil.Process:
-    """The first attempt's rank, once started: cfrun's child running the script as ``python
-    SCRIPT`` (argv[1]; a child cfrun forked and has not exec'd yet still shows cfrun's own
-    command line, which names the script too: the reaper was stopped that way once)."""
-    def find() -> psutil.Process | None:
-        for c in psutil.Process(proc.pid).children():
-            try:
-                if c.cmdline()[1:2] == [TINY]:
-                    return c
-            except psutil.Error:
-                continue
-        return None
+def _attempt_pids(job: Path, proc: subprocess.Popen[str], attempt: int = 0) -> list[int]:
+    """The pids of an attempt's ranks by local rank (the ``attempt_pids`` event), once
+    logged: a rank started through a spare shows the spare's command line, not the
+    script's."""
+    def find() -> list[int] | None:
+        return next((e["pids"] for e in job_events(job, "attempt_pids")
+                     if e["attempt"] == attempt), None)
 
     return _wait(find, proc)  # type: ignore[return-value]
+
+
+def _cold_rank(proc: subprocess.Popen[str], job: Path) -> psutil.Process:
+    """The first attempt's rank, once started."""
+    return psutil.Process(_attempt_pids(job, proc)[0])
 
 
 def _torchrun_rank(proc: subprocess.Popen[str], after: int | None = None) -> psutil.Process:
@@ -151,7 +151,7 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
                   launcher=launcher)
     try:
-        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
+        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc, job), 0, 1)
         _commit_after_the_resume(job, proc)
         _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
         out, err = proc.communicate(timeout=300)
@@ -207,15 +207,16 @@ def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_pat
 @pytest.mark.slow
 def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path):
     """The spare SIGKILLed after it took the go, before it became the rank (held there by the
-    fault point ``rank.spare_go_delay_s``): that attempt fails without a step, the next starts
-    cold (no spare is ready: a new one starts only once an attempt made a step), resumes from
-    the newest committed step, and the run ends with the plain run's weights and line."""
+    fault point ``rank.spare_go_delay_s``): that attempt fails without a step; the next starts
+    from the spare the killed one forked at its go, before the hold (a copy made before
+    anything of the job ran), resumes from the newest committed step, and the run ends with
+    the plain run's weights and line."""
     plain = _plain(tmp_path)
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
                   env=faults.arm(SLOW, **{"rank.spare_go_delay_s": 120}))
     try:
-        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc), 0, 1)
+        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc, job), 0, 1)
         out1 = job / "logs" / "attempt-1-output.log"  # the spare says it took the go
         _wait(lambda: out1.exists() and "took the go" in out1.read_text(), proc)
         os.kill(spare, signal.SIGKILL)  # in the hand-over: it holds the go for 120 s
@@ -225,7 +226,7 @@ def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     starts = job_events(job, "attempt_start")
-    assert [bool(s.get("warm")) for s in starts] == [False, True, False], (
+    assert [bool(s.get("warm")) for s in starts] == [False, True, True], (
         [(e["event"], e.get("pid"), e.get("attempt")) for e in job_events(job)], err[-2000:])
     resumed = job_events(job, "resumed")
     assert [r["attempt"] for r in resumed] == [2], resumed
@@ -245,7 +246,7 @@ def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
     try:
-        rank = _cold_rank(proc)
+        rank = _cold_rank(proc, job)
         _wait(lambda: job_events(job, "commit"), proc)
         rank.send_signal(signal.SIGSTOP)  # no step until the test is done with the spares
         first = _ready_spare(job, proc, 0)
@@ -272,7 +273,7 @@ def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
             [sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j",
              "--interval", "10", TINY, "--epochs", "2", "--out", "got.pt"],
             cwd=tmp_path, env=clean_env(SLOW), stdout=out, stderr=err)
-    rank = _cold_rank(proc)
+    rank = _cold_rank(proc, job)
     _wait(lambda: job_events(job, "commit"), proc)
     rank.send_signal(signal.SIGSTOP)
     spare = _ready_spare(job, proc, 0)
@@ -432,20 +433,9 @@ def _start_ddp(tmp_path: Path) -> subprocess.Popen[str]:
     return _start(tmp_path, ["--nproc-per-node", "2", "--interval", "10", DDP, "got.pt"])
 
 
-def _cold_ranks(proc: subprocess.Popen[str]) -> dict[int, psutil.Process]:
-    """The first attempt's two ranks by RANK, once both run the script as ``python SCRIPT``
-    (cfrun's own children: no torchrun between)."""
-    def find() -> dict[int, psutil.Process] | None:
-        found = {}
-        for c in psutil.Process(proc.pid).children():
-            try:
-                if c.cmdline()[1:2] == [DDP]:
-                    found[int(c.environ()["RANK"])] = c
-            except (psutil.Error, KeyError):
-                continue
-        return found if len(found) == 2 else None
-
-    return _wait(find, proc)  # type: ignore[return-value]
+def _cold_ranks(proc: subprocess.Popen[str], job: Path) -> dict[int, psutil.Process]:
+    """The first attempt's two ranks by RANK (local rank on one node), once started."""
+    return {r: psutil.Process(pid) for r, pid in enumerate(_attempt_pids(job, proc))}
 
 
 def _ready_spares(job: Path, proc: subprocess.Popen[str], seen: int) -> dict[int, int]:
@@ -497,7 +487,7 @@ def test_two_ranks_started_by_cfrun_restart_from_a_spare_each_twice_as_plain_tor
     job = tmp_path / "j"
     proc = _start_ddp(tmp_path)
     try:
-        first = _stop_then_kill(job, proc, _cold_ranks(proc)[1], 0, 0)
+        first = _stop_then_kill(job, proc, _cold_ranks(proc, job)[1], 0, 0)
         _wait(lambda: len(_resumed_by_attempt(job).get(1, {})) == 2, proc)
         # a spare not promoted is killed at the attempt's start: these live on as its ranks,
         # and no rank was started cold
@@ -533,7 +523,7 @@ def test_a_killed_spare_of_one_rank_starts_that_rank_cold_and_the_run_is_exact(t
     job = tmp_path / "j"
     proc = _start_ddp(tmp_path)
     try:
-        ranks = _cold_ranks(proc)
+        ranks = _cold_ranks(proc, job)
         _wait(lambda: job_events(job, "commit"), proc)
         ranks[0].send_signal(signal.SIGSTOP)
         spares = _ready_spares(job, proc, 0)
