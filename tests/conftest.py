@@ -56,7 +56,7 @@ class Run:
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process a test starts: this one's less every ``CFRUN_*`` variable,
-    one OMP thread, ``CFRUN_STANDBY=0`` unless the test keeps warm spares (:func:`_spares`),
+    one OMP thread, ``CFRUN_STANDBY=0`` where the test keeps no warm spares (:func:`_spares`),
     then ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CFRUN_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -66,27 +66,29 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-SPARES = {"on": False}
-"""Whether the jobs of the running test keep warm spares (:func:`_spares`)."""
+SPARES = {"on": os.environ.get("TESTS_SPARES") != "0"}
+"""Whether the jobs of the running test keep warm spares (:func:`_spares`); outside a test
+(a fixture shared by a module), unless ``TESTS_SPARES=0``."""
 
 
 @pytest.fixture(autouse=True)
 def _spares(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Tests and modules marked ``spares`` run cfrun's jobs as users do, with warm spares
-    (:mod:`cfrun.supervisor.standby`: each job keeps an interpreter with torch imported for its
-    next restart); the others with ``CFRUN_STANDBY=0``. A spare is free on a user's machine,
-    whose cores wait on the GPU, but costs a one-rank job ~5 CPU-seconds here, and as much
-    again after each restart: a quarter of an end-to-end test's CPU time on 2 cores
-    (``test_crash_resume.py -m slow``: 324 vs 241 CPU-s; no change measured for the FSDP2 and
-    reshard tests of several ranks). What a spare changes, a restart that
-    starts the script in an interpreter made ahead, is tested where it is the subject
-    (test_standby.py: exact on every launcher, killed spares, torchrun's spare) and where the
-    promise is (test_transparency.py: equal to the plain run after kills; the README's demo).
-    ``TESTS_SPARES=1`` gives every test spares."""
-    SPARES["on"] = (request.node.get_closest_marker("spares") is not None
-                    or os.environ.get("TESTS_SPARES") == "1")
+    """cfrun's jobs run as users run them, with warm spares (:mod:`cfrun.supervisor.standby`),
+    except under torchrun. A rank's spare costs nothing after the first: the first attempt's
+    rank starts as a spare, which forks the next spare at its go, before the script runs, so
+    a job imports torch once however often it restarts (measured here: a one-rank job killed
+    twice, 14.5 CPU-s against 21.4 CPU-s with a cold interpreter per attempt). A torchrun
+    spare is a new interpreter per attempt (~3 CPU-s each on 2 cores): tests marked
+    ``torchrun`` run with ``CFRUN_STANDBY=0`` unless also marked ``spares``. The cold path
+    (``CFRUN_STANDBY=0``) is tested where it is the subject (test_standby.py) and by
+    ``TESTS_SPARES=0``, which gives no test spares (``TESTS_SPARES=1``: every test)."""
+    marked = request.node.get_closest_marker("spares") is not None
+    torchrun = request.node.get_closest_marker("torchrun") is not None \
+        or os.environ.get("TESTS_LAUNCHER") == "torchrun"
+    choice = os.environ.get("TESTS_SPARES")
+    SPARES["on"] = choice == "1" or choice != "0" and (marked or not torchrun)
     yield
-    SPARES["on"] = False
+    SPARES["on"] = choice != "0"
 
 
 ONE_RANK_LAUNCHER = {"launcher": "python"}
@@ -246,6 +248,16 @@ def final_line(stdout: str) -> str:
 def job_events(job: Path, kind: str | None = None) -> list[dict]:
     """The events of job dir ``job`` (``kind``'s only when given); [] before the file exists."""
     return Run(0, "", "", job).events(kind)
+
+
+def rank_pids(job: Path, attempt: int | None = None) -> list[int]:
+    """The pids of an attempt's own processes by local rank (the newest attempt's by default),
+    from its ``attempt_pids`` event; [] before it is logged. cfrun's one-node ranks start as
+    warm spares, whose command line and environment (``/proc``) are the spare's, not the
+    script's: find them here, not by ``cmdline()`` or ``environ()``."""
+    logged = [e for e in job_events(job, "attempt_pids")
+              if attempt is None or e["attempt"] == attempt]
+    return list(logged[-1]["pids"]) if logged else []
 
 
 ARGPARSE_SCRIPT = """\

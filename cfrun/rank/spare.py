@@ -331,11 +331,13 @@ def _hold_at_go() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``cfrun.rank.spare FD [launcher|ranks]``: warm up, say ready on socket FD, wait for the
-    go, run the rank (or, with ``launcher``, torchrun, which starts the ranks; ``ranks``: one
-    of several ranks, :data:`WARM_DISTRIBUTED_MODULES` imported too). Returns when
-    stopped before a go, or when the script returns (the interpreter then ends as after
-    ``python SCRIPT``: no ``sys.exit``, which cfrun's runtime notes as the script's)."""
+    """``cfrun.rank.spare FD [launcher|ranks] [-- SCRIPT ARGS]``: warm up, say ready on socket
+    FD, wait for the go, run the rank (or, with ``launcher``, torchrun, which starts the ranks;
+    ``ranks``: one of several ranks, :data:`WARM_DISTRIBUTED_MODULES` imported too); a rank's
+    spare forks the next spare at its go (:func:`_fork_next_spare`). Returns when stopped
+    before a go, or when the script returns (the interpreter then ends as after ``python
+    SCRIPT``: no ``sys.exit``, which cfrun's runtime notes as the script's). What follows
+    ``--`` is only shown (``ps``): the go message says what to run."""
     sock = socket.socket(fileno=int(argv[0]))
     launcher = argv[1:2] == ["launcher"]
     warm: tuple[str, ...] = WARM_LAUNCHER_MODULES if launcher else WARM_MODULES

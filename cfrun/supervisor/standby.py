@@ -175,7 +175,8 @@ class _Spare:
         spare_env = {k: v for k, v in env.items() if k != E.RANK_SETTINGS}
         try:
             self.proc = subprocess.Popen(
-                module_argv("cfrun.rank.spare", str(theirs.fileno()), *self._kind()),
+                module_argv("cfrun.rank.spare", str(theirs.fileno()), *self._kind(),
+                            *self._shown()),
                 env=spare_env,
                 cwd=self.cfg.cwd, start_new_session=True, preexec_fn=die_with_parent(),
                 pass_fds=(theirs.fileno(),), stdout=stdio.get("stdout"),
@@ -213,6 +214,16 @@ class _Spare:
             self.stop()
             return False
         return True
+
+    def _shown(self) -> tuple[str, ...]:
+        """What a rank's spare adds to its command line after ``--`` (it reads none of it): the
+        script and its arguments, as ``python SCRIPT ARGS`` shows them, so that ``ps``,
+        ``pkill -f SCRIPT`` and the like find the rank it becomes, and the spares forked from
+        it. None for a torchrun's spare."""
+        if self.cfg.launcher == "torchrun":
+            return ()
+        what = ("-m", self.cfg.module) if self.cfg.module else (self.cfg.script,)
+        return ("--", *(str(w) for w in what), *(str(a) for a in self.cfg.script_args))
 
     def wanted(self) -> bool:
         """True when it is not alive (never started, or died) and none is being forked."""

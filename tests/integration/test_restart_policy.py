@@ -28,7 +28,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, run_cfrun, shared_run
+from conftest import (
+    SCRIPTS,
+    Run,
+    assert_bit_identical,
+    clean_env,
+    rank_pids,
+    run_cfrun,
+    shared_run,
+)
 
 from cfrun.codec.checkpoint import committed_steps
 
@@ -81,15 +89,11 @@ def _wait_past_decision(cwd: Path, proc: subprocess.Popen, timeout_s: float = 12
     raise AssertionError("the policy did not decide in time")
 
 
-def _rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process:
-    """The training process of ``rank`` among cfrun's descendants."""
-    for p in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if p.environ().get("RANK") == str(rank) and DDP_SLOW in p.cmdline():
-                return p
-        except psutil.Error:
-            continue
-    raise AssertionError(f"rank {rank} not found")
+def _rank_process(job: Path, rank: int) -> psutil.Process:
+    """The training process of ``rank`` in the newest attempt (one node: local rank = rank)."""
+    pids = rank_pids(job)
+    assert len(pids) > rank, f"rank {rank} not found"
+    return psutil.Process(pids[rank])
 
 
 def _wait_for_commit_after(job: Path, step: int, proc: subprocess.Popen,
@@ -126,7 +130,7 @@ def test_sigkill_of_a_rank_then_sigterm_and_resume_keep_checkpoints_committing(r
     proc = _start(tmp_path)
     try:
         _wait_past_decision(tmp_path, proc)
-        _rank_process(proc, 1).kill()
+        _rank_process(job, 1).kill()
         while len([e for e in Run(0, "", "", job).events("resumed")]) < 2:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.05)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from conftest import (
     clean_env,
     final_line,
     job_events,
+    run_cfrun,
 )
 
 from cfrun.contract import faults
@@ -538,3 +540,49 @@ def test_a_killed_spare_of_one_rank_starts_that_rank_cold_and_the_run_is_exact(t
         (False, None), (False, [0])], starts
     resumed = _resumed_by_attempt(job)[1]
     assert resumed[0].get("warm") and not resumed[1].get("warm"), resumed
+
+
+CPU_AT_IMPORT = ("\nimport torch\nimport time as _t\nwith open(os.environ['CPU_LOG'], 'a') as _f:\n"
+                 "    _f.write(f'{os.getpid()} {_t.process_time()}\\n')\ndel _t, _f\n")
+"""Put after ``import torch`` in a copy of train_tiny.py: the CPU seconds its process had spent
+once torch was imported, appended to ``$CPU_LOG``."""
+
+
+@pytest.mark.launched  # the one-node default launcher (local), as users launch
+def test_a_job_imports_torch_once_however_often_it_restarts(tmp_path):
+    """Issue 36 (and 35): a rank's restarts cost a fork, not an interpreter's start and import.
+    Two SIGKILLs at chosen steps (``--inject-crash``) under the default launcher: once the
+    script's ``import torch`` ran, the first attempt's rank had spent about the CPU time the
+    plain run had (importing torch); the next two had spent almost none: they ran the script
+    in processes forked from the spare before anything of the job ran (CPU time is per
+    process, and starts at 0 in a fork), with pids of their own; ``standby_ready`` says
+    ``forked``; each resume came from the newest commit; the run ends with the plain
+    ``python`` run's weights and line."""
+    for name in ("train_tiny.py", "digits.py"):
+        shutil.copy(SCRIPTS / name, tmp_path / name)
+    script = tmp_path / "train_tiny.py"
+    script.write_text(script.read_text().replace("\nimport torch\n", CPU_AT_IMPORT, 1))
+    plain_log, log = tmp_path / "plain-cpu.txt", tmp_path / "cpu.txt"
+    plain = subprocess.run([sys.executable, "train_tiny.py", "--epochs", "2", "--out",
+                            "plain.pt"], cwd=tmp_path, env=clean_env({"CPU_LOG": str(plain_log)}),
+                           capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = run_cfrun(["--interval", "5", "--inject-crash", "12@0,30@1", "--job-dir", "j",
+                     "train_tiny.py", "--epochs", "2", "--out", "got.pt"], cwd=tmp_path,
+                    env={"CPU_LOG": str(log)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    starts = [line.split() for line in log.read_text().splitlines()]
+    assert len(starts) == 3 and len({pid for pid, _ in starts}) == 3, starts
+    cpu_s = [float(cpu) for _, cpu in starts]
+    plain_cpu_s = float(plain_log.read_text().split()[1])
+    # a process that imported torch itself: as the plain run's (1.3-4 CPU-s on the machines
+    # seen); a fork of the spare: its page faults, the script's compile and first imports
+    assert plain_cpu_s >= 0.5 and cpu_s[0] >= 0.5 * plain_cpu_s, (plain_cpu_s, cpu_s)
+    assert all(c < 0.25 * plain_cpu_s for c in cpu_s[1:]), (plain_cpu_s, cpu_s)
+    ready = job_events(run.job_dir, "standby_ready")
+    assert ready and all(e.get("forked") for e in ready), ready
+    assert [int(pid) for pid, _ in starts[1:]] == [
+        e["pids"][0] for e in job_events(run.job_dir, "attempt_pids")][1:]
+    assert_resumed_from_newest(run, 2)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(run.stdout) == final_line(plain.stdout)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, clean_env
+from conftest import SCRIPTS, clean_env, rank_pids
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.launched]  # as users launch
 
@@ -116,10 +116,9 @@ def test_a_job_dir_swapped_while_the_job_runs_is_never_loaded(tmp_path):
             time.sleep(0.1)
         (tmp_path / "j").rename(tmp_path / "j-moved")
         shutil.copytree(tmp_path / "j-moved", tmp_path / "j", symlinks=True)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "slow_steps.py" in " ".join(p.cmdline())]
+        ranks = rank_pids(tmp_path / "j")
         assert ranks
-        ranks[0].send_signal(signal.SIGKILL)
+        psutil.Process(ranks[0]).send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
