@@ -505,7 +505,7 @@ def test_monitor_reads_a_peer_error_and_a_silent_death_as_a_kill(tmp_path: Path)
     assert (outcome.returncode, outcome.kind, outcome.last_step) == (1, OutcomeKind.KILLED, 9)
     assert outcome.failure.error.message == "Connection closed by peer [ADDR]:PORT"
     events = [e["event"] for e in JobDir(tmp_path / "attempt-0" / "job").read_events()]
-    assert events == ["attempt_start", "attempt_end"]
+    assert events == ["attempt_start", "attempt_pids", "attempt_end"]
 
 
 def test_monitor_reads_an_exception_and_a_sys_exit_as_the_scripts(tmp_path: Path) -> None:
