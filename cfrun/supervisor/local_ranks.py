@@ -215,13 +215,14 @@ def start_attempt(cfg: RunConfig, argv: list[str], env: dict[str, str], *, warm:
                 proc = standby.promote_rank(local_rank, rank_env)
                 if proc is not None:
                     return proc
-            return standby.start_rank(local_rank, env, rank_env) if standby.forks() else None
+            return standby.start_rank(local_rank, env, rank_env) if standby.forks(env) \
+                else None
 
         ranks, _ = start_local_ranks(cfg, argv, env, spawn_fn=spawn_fn, stdio=stdio,
                                      promote=promote)
         return ranks
     proc = standby.promote(env, argv) if warm and standby is not None else None
-    if proc is None and standby is not None and standby.forks():
+    if proc is None and standby is not None and standby.forks(env):
         proc = standby.start_rank(0, env, env)
     return proc if proc is not None else spawn_fn(argv, env, cfg.cwd, **stdio)
 

@@ -385,9 +385,14 @@ class Standby:
                                       "run_module": argv[argv.index(TORCHRUN_LOG):]})
         return self.promote_rank(0, env)
 
-    def forks(self) -> bool:
-        """True where the spares are ranks' and fork their successors (not torchrun's)."""
-        return self.spares[0].forks()
+    def forks(self, env: dict[str, str]) -> bool:
+        """True where a rank's spare started with the attempt's environment ``env`` can fork
+        its successor at its go: a rank's (not torchrun's), and ``OMP_NUM_THREADS=1`` (cfrun's
+        default for several ranks per node, as torchrun's). Otherwise ``import torch`` starts
+        OpenMP's threads, a fork keeps only the calling one, and the spare does not fork
+        (:func:`cfrun.rank.spare._fork_next_spare`): starting a cold rank as a spare would
+        then gain nothing."""
+        return self.spares[0].forks() and env.get("OMP_NUM_THREADS") == "1"
 
     def promote_rank(self, local_rank: int, env: dict[str, str]
                      ) -> SpareProcess | None:
