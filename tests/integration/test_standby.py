@@ -49,11 +49,13 @@ SLOW = faults.arm({}, **{"rank.step_delay_s": 0.1})
 
 
 def _start(tmp_path: Path, args: list[str], env: dict[str, str] | None = None,
-           launcher: str = "python") -> subprocess.Popen[str]:
+           launcher: str = "python", unset: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    full = clean_env({**SLOW, **(env or {})})
+    for name in unset:
+        full.pop(name, None)
     return subprocess.Popen(
         [sys.executable, "-m", "cfrun", "--launcher", launcher, "--job-dir", "j", *args],
-        cwd=tmp_path, env=clean_env({**SLOW, **(env or {})}), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait(cond, proc: subprocess.Popen, timeout_s: float = 180) -> object:
@@ -263,6 +265,39 @@ def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
     starts = job_events(job, "attempt_start")
     assert [bool(s.get("warm")) for s in starts] == [False, True], starts
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+
+
+@pytest.mark.slow
+def test_where_torch_starts_threads_the_spare_does_not_fork_and_the_restart_is_exact(tmp_path):
+    """Without ``OMP_NUM_THREADS`` (one rank on a user's machine) ``import torch`` starts
+    OpenMP's threads, and a fork would keep only one: the first rank starts cold, a spare
+    started once it made a step (no ``forked``) takes the restart, it does not fork the next
+    (a thread of its own), and the run ends bit-identical with the plain run (run with the same
+    environment)."""
+    plain = subprocess.run([sys.executable, TINY, "--epochs", "3", "--out", "plain.pt"],
+                           cwd=tmp_path, env={k: v for k, v in clean_env().items()
+                                              if k != "OMP_NUM_THREADS"},
+                           capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    job = tmp_path / "j"
+    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
+                  unset=("OMP_NUM_THREADS",))
+    try:
+        rank = _cold_rank(proc, job)
+        assert rank.cmdline()[1:2] == [TINY]  # started as python SCRIPT, not as a spare
+        spare = _kill_when_spare_ready(job, proc, rank, 0, 1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    ready = job_events(job, "standby_ready")
+    assert ready and not any(e.get("forked") for e in ready), ready
+    assert [e["pids"] for e in job_events(job, "attempt_pids")][1] == [spare]
+    assert [bool(s.get("warm")) for s in job_events(job, "attempt_start")] == [False, True]
+    assert_resumed_from_newest(Run(0, out, err, job), 1)
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
+    assert final_line(out) == final_line(plain.stdout)
 
 
 def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
