@@ -240,13 +240,36 @@ def _hook_exits(rt: Any) -> None:
 
     sys.exit = exit
 
+    done: list[bool] = []
+
     def at_exit() -> None:  # runs when disabled too: the end mark, the last hand-off
+        if done:
+            return
+        done.append(True)
         try:
             rt.at_exit()
         except Exception as e:
             sys.stderr.write(f"[cfrun] WARNING: cfrun's exit handler failed ({e!r})\n")
 
     atexit.register(at_exit)
+    _END_HANDLER[:] = [at_exit]
+
+
+_END_HANDLER: list[Any] = []
+"""cfrun's end-of-script handler once installed (:func:`_hook_exits`), for
+:func:`script_ended`."""
+
+
+def script_ended() -> None:
+    """Run cfrun's end-of-script handler now, once (the ``atexit`` one then does nothing): the
+    end mark, the final checkpoint, the last hand-off. A rank started as a warm spare
+    (:func:`cfrun.rank.spare.become_rank`) calls it when the script's code returns or raises
+    SystemExit: there cfrun's ``atexit`` handler was registered before any of the script's,
+    so it would run after them all, after one that ends the process too (``os.abort``: torch
+    and gloo's destructors sometimes do), where ``python SCRIPT`` runs it before those the
+    script registered before its ``import torch``. No-op before cfrun is installed."""
+    for handler in _END_HANDLER:
+        handler()
 
 
 _REGISTERED: dict[int, Any] = {}

@@ -163,6 +163,8 @@ def _fork_next_spare(next_fd: int) -> socket.socket | None:
     except BaseException:
         os._exit(1)
     try:  # the new spare
+        global _forked
+        _forked = True
         os.setsid()
         deadline_s = time.monotonic() + 5.0
         while os.getppid() != supervisor_pid:  # re-parented once the go-between exits
@@ -238,6 +240,17 @@ def become_rank(go: dict[str, Any]) -> None:
 
     if not go.get("cold"):  # a cold rank's spare imported after its go: not a warm start
         this.go_unix_s = time.time()
+    try:
+        _run_script(go)
+    finally:  # cfrun's end mark before the script's own atexit handlers, as in a cold rank
+        from cfrun.rank import install
+
+        install.script_ended()
+
+
+def _run_script(go: dict[str, Any]) -> None:
+    """The body of :func:`become_rank`: the go's environment, ``argv``, ``sys.path[0]``,
+    ``__main__`` and cfrun's hook, then the script."""
     env = go["env"]
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in env.items()})
@@ -318,11 +331,18 @@ def _import_ahead() -> None:
         warm_imports.import_ahead(Path(job_dir), node_rank)
 
 
+_forked = False
+"""True in a spare forked at a go (:func:`_fork_next_spare`)."""
+
+
 def _hold_at_go() -> None:
     """The fault point ``rank.spare_go_delay_s`` (the spare's environment is the job's: tests
-    make a kill land in the hand-over)."""
+    make a kill land in the hand-over), in a spare the supervisor started, not in those forked
+    from it (which inherit the environment)."""
     from cfrun.contract import faults
 
+    if _forked:
+        return
     delay_s = faults.value("rank.spare_go_delay_s")
     if delay_s:
         sys.stderr.write(f"[cfrun spare] took the go; holding it {delay_s} s (fault point)\n")

@@ -27,6 +27,12 @@ ready one becomes its rank (its go carries that rank's environment), and a rank 
 not ready (it died, or is still importing: then it is kept for the next restart) starts cold
 beside them. So every rank's interpreter start and import are off the recovery path.
 
+A rank's spare forks its successor at its go, before the script runs
+(:func:`cfrun.rank.spare._fork_next_spare`; the supervisor, a child subreaper, adopts it:
+:class:`AdoptedProcess`), where torch's import starts no thread (``OMP_NUM_THREADS=1``); a cold
+attempt's rank then starts as a spare that takes its go at once (:meth:`Standby.start_rank`),
+so a job imports torch once however often it restarts.
+
 ``CFRUN_STANDBY=0`` turns it off (a machine short of memory: the spare holds an interpreter with
 torch imported, ~300 MB here, no GPU memory).
 """

@@ -26,6 +26,7 @@ from conftest import (
     cfrun_in_process,
     clean_env,
     ddp_reference,
+    rank_pids,
     resumable_steps,
     run_cfrun,
 )
@@ -255,7 +256,7 @@ def test_both_ranks_sigkilled_at_a_chosen_step_resume_bit_identical(tmp_path, tm
         beats = [p.read_text().strip() for p in job.glob("heartbeat-rank-*")]
         if len(beats) == 2 and all(beats):
             if len(ranks) != 2:
-                ranks = rank_processes(proc)
+                ranks = [psutil.Process(pid) for pid in rank_pids(job)]
             if all(int(b) >= 40 for b in beats):
                 break
         time.sleep(0.01)

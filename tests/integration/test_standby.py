@@ -529,7 +529,8 @@ def test_two_ranks_started_by_cfrun_restart_from_a_spare_each_twice_as_plain_tor
         # a spare not promoted is killed at the attempt's start: these live on as its ranks,
         # and no rank was started cold
         assert all(psutil.Process(pid).is_running() for pid in first.values())
-        assert not [c for c in psutil.Process(proc.pid).children() if DDP in c.cmdline()]
+        assert not [c for c in psutil.Process(proc.pid).children()
+                    if c.cmdline()[1:2] == [DDP]]
         resumed_at = _resumed_by_attempt(job)[1][0]["step"]
         second = _stop_then_kill(job, proc, psutil.Process(first[0]), 2, resumed_at)
         run = _ddp_ends_as_plain(tmp_path, proc, plain)
