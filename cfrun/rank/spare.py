@@ -163,8 +163,6 @@ def _fork_next_spare(next_fd: int) -> socket.socket | None:
     except BaseException:
         os._exit(1)
     try:  # the new spare
-        global _forked
-        _forked = True
         os.setsid()
         deadline_s = time.monotonic() + 5.0
         while os.getppid() != supervisor_pid:  # re-parented once the go-between exits
@@ -331,23 +329,26 @@ def _import_ahead() -> None:
         warm_imports.import_ahead(Path(job_dir), node_rank)
 
 
-_forked = False
-"""True in a spare forked at a go (:func:`_fork_next_spare`)."""
-
-
-def _hold_at_go() -> None:
+def _hold_at_go(go: dict[str, Any]) -> None:
     """The fault point ``rank.spare_go_delay_s`` (the spare's environment is the job's: tests
-    make a kill land in the hand-over), in a spare the supervisor started, not in those forked
-    from it (which inherit the environment)."""
+    make a kill land in the hand-over): at a warm go (not a cold rank's), once per job dir
+    (the spares forked from this one inherit the environment; the file ``spare-go-held`` in
+    the job dir says it held)."""
     from cfrun.contract import faults
+    from cfrun.contract import settings as E
 
-    if _forked:
-        return
     delay_s = faults.value("rank.spare_go_delay_s")
-    if delay_s:
-        sys.stderr.write(f"[cfrun spare] took the go; holding it {delay_s} s (fault point)\n")
-        sys.stderr.flush()
-        time.sleep(float(delay_s))
+    job_dir = os.environ.get(E.RANK_JOB_DIR)
+    if not delay_s or go.get("cold") or not job_dir:
+        return
+    try:
+        os.close(os.open(os.path.join(job_dir, "spare-go-held"),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError:  # held once already
+        return
+    sys.stderr.write(f"[cfrun spare] took the go; holding it {delay_s} s (fault point)\n")
+    sys.stderr.flush()
+    time.sleep(float(delay_s))
 
 
 def main(argv: list[str]) -> None:
@@ -383,7 +384,7 @@ def main(argv: list[str]) -> None:
                 continue
         elif next_fd is not None:
             os.close(next_fd)
-        _hold_at_go()
+        _hold_at_go(go)
         if launcher:
             become_launcher(go)
         else:
