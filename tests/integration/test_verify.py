@@ -86,7 +86,7 @@ def test_verify_two_ranks_is_exact_and_equals_the_plain_script(tmp_path: Path,
     ("verify_file_position.py", "model0.weight", "numbers", False),
     ("verify_unstorable.py", "optimizer0.param_groups[0].lr", "meter", False),
     ("verify_unseeded.py", "RNG python random", None, True),
-    ("verify_wall_clock.py", "script variable lr", None, False),
+    ("verify_process_id.py", "script variable lr", None, False),
 ])
 @pytest.mark.slow
 def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, tmp: Path, script: str,
