@@ -104,21 +104,6 @@ def _threads() -> int:
         return 0
 
 
-def _die_with(parent_pid: int) -> None:
-    """SIGKILL this process when its parent (the supervisor, whose only thread is its main
-    one) dies, as :func:`cfrun.supervisor.launcher.die_with_parent` does for a ``Popen``
-    child; exits at once where the parent is already gone. No-op without ``prctl``."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def _fork_next_spare(next_fd: int) -> socket.socket | None:
     """Fork the next warm spare from this one at its go, before it becomes the rank: a copy
     made before anything of the job ran, with torch and cfrun imported, so the next restart
@@ -169,7 +154,9 @@ def _fork_next_spare(next_fd: int) -> socket.socket | None:
             if time.monotonic() > deadline_s:  # not a subreaper: nobody would reap us
                 os._exit(0)
             time.sleep(0.001)
-        _die_with(supervisor_pid)
+        from cfrun.contract.lifetime import die_with
+
+        die_with(supervisor_pid, orphan_exit_code=0)  # the supervisor's death signal
         _import_ahead()  # what the ranks imported since (only what is not imported yet)
         sock = socket.socket(fileno=next_fd)
         sock.sendall(b"ready %d\n" % os.getpid())

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cfrun import __version__
-from cfrun.contract import coordination, early_signals, faults, slots
+from cfrun.contract import coordination, early_signals, faults, lifetime, slots
 from cfrun.contract import settings as E
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.config import (
@@ -82,16 +82,6 @@ from cfrun.supervisor.signals import (
 from cfrun.supervisor.standby import Standby, standby_wanted
 
 logger = logging.getLogger("cfrun")
-
-
-def _become_subreaper() -> None:
-    """PR_SET_CHILD_SUBREAPER: orphaned descendants (ranks of a dead torchrun) become ours."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Supervisor:
@@ -181,7 +171,7 @@ class Supervisor:
             raise jd.unwritable(e) from None
         self._kill_leftovers()
         self.reaper = start_reaper(self.cfg.job_dir, self.cfg.node_rank)
-        _become_subreaper()
+        lifetime.become_subreaper()
         start_delay_s = faults.value("supervisor.start_delay_s")
         if start_delay_s:
             time.sleep(float(start_delay_s))

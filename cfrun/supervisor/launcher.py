@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import cfrun
+from cfrun.contract import lifetime
 from cfrun.contract import settings as E
 from cfrun.contract.config import RunConfig
 from cfrun.supervisor.torchrun_log import TORCHRUN
@@ -230,30 +231,22 @@ def build_worker_env(cfg: RunConfig, attempt: int, base: dict[str, str] | None =
     return env
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
-    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies.
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies
+    (:func:`cfrun.contract.lifetime.die_with`; a child whose parent already died exits 1).
 
     Linux sends it when the *thread* that forked the child exits, so call ``Popen`` with it only
     from a thread that lives as long as the parent (the supervisor's main thread: the supervisor
     runs no other threads). libc is looked up here, in the parent; the child only calls
-    ``prctl``. If the parent already died before ``prctl`` ran, the child exits at once.
-    No-op where ``prctl`` is missing (not Linux).
+    ``prctl``. No-op where ``prctl`` is missing (not Linux).
     """
     parent_pid = os.getpid()
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    fn = lifetime.prctl()
+    if fn is None:
         return lambda: None
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+        lifetime.die_with(parent_pid, orphan_exit_code=1, sig=sig, prctl_fn=fn)
 
     return preexec
 
