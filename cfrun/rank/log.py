@@ -41,17 +41,30 @@ class NotExact:
     thread only.
     """
 
-    def __init__(self, jobdir: JobDir, rank: int, step: Callable[[], int]) -> None:
+    def __init__(self, jobdir: JobDir, rank: int, step: Callable[[], int],
+                 verifying: bool = False) -> None:
         self.jobdir = jobdir
         self.rank = rank
         self.step = step
         """The current step (for the event)."""
+        self.verifying = verifying
+        """A run of ``cfrun verify``, whose report answers the doubt: no hint to run it."""
         self.reasons: list[str] = []
 
     def flag(self, reason: str) -> None:
-        """Record and loudly report (once) that the resume of this run may not be exact."""
+        """Record and loudly report (once) that the resume of this run may not be exact; after
+        the first reason, rank 0 says once how to settle it (:data:`VERIFY_HINT`)."""
         if reason not in self.reasons:
             self.reasons.append(reason)
             say(f"WARNING: resume may not be exact: {reason}")
             if self.rank == 0:
+                if len(self.reasons) == 1 and not self.verifying:
+                    say(VERIFY_HINT)
                 self.jobdir.emit_event("not_exact", reason=reason, step=self.step())
+
+
+VERIFY_HINT = ("to know whether it is, run `cfrun verify` with this job's script and arguments: "
+               "it kills a copy of the job and compares it bit for bit with an uninterrupted "
+               "run (docs: troubleshooting, \"cfrun says not exact\")")
+"""Said once by rank 0 after its first ``resume may not be exact`` (the warning is a doubt:
+a script can resume exactly although cfrun cannot prove it, e.g. minGPT's ``Trainer`` loop)."""

@@ -50,7 +50,8 @@ class Runtime:
     def __init__(self, settings: RankSettings, wrap: Wrap) -> None:
         self.s = settings
         self.jobdir = JobDir(settings.job_dir)
-        self.not_exact = NotExact(self.jobdir, settings.rank, lambda: self.boundary.step)
+        self.not_exact = NotExact(self.jobdir, settings.rank, lambda: self.boundary.step,
+                                  verifying=bool(settings.verify))
         self.found = Discovery(self.not_exact.flag)
         self.capture = Capture(settings, self.found, self.not_exact.flag)
         self.snap = Snapshotter(settings.job_dir, settings.rank, settings.world_size,

@@ -20,6 +20,8 @@ from conftest import (
     slow_but,
 )
 
+from cfrun.rank.log import VERIFY_HINT
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -88,6 +90,9 @@ def test_an_inexact_resume_is_said_at_run_time(tmp_path, mode, crash):
     for needle in NOT_EXACT[mode]:
         assert sum(needle in w for w in warned) == 1, (needle, run.stderr[-3000:])
         assert sum(needle in r for r in reasons) == 1, (needle, reasons)
+    # how to settle the doubt, said once after the first reason, however many follow
+    hints = [l for l in run.stderr.splitlines() if "run `cfrun verify` with this job's" in l]
+    assert hints == [f"[cfrun rank 0] {VERIFY_HINT}"], run.stderr[-3000:]
 
 
 LM = str(SCRIPTS / "train_lm_bptt.py")

@@ -96,6 +96,7 @@ def test_verify_says_not_exact_with_the_first_difference(tmp_path: Path, tmp: Pa
                              "5", "--kills", "1", str(SCRIPTS / script))
     assert code == 6, json.dumps(rep, indent=1) + err[-3000:]
     assert rep["verdict"] == "not exact" and rep["kills"][0]["landed"]
+    assert "run `cfrun verify`" not in err  # the hint of a cfrun run's not_exact warning
     assert rep["first_difference"]["entry"] == first, json.dumps(rep, indent=1)
     assert rep["differ_before_the_first_kill"] is before_kill
     step = rep["first_differing_step"]["step"]
