@@ -66,12 +66,12 @@ def test_the_dockerfile_installs_cfrun_and_runs_the_example(tmp_path: Path) -> N
     assert re.search(r"^cfrun \S+$", run.stdout.strip().splitlines()[-1])
     dry = subprocess.run([str(venv / "bin" / "cfrun"), "--dry-run", "--interval", "20",
                           "examples/digits_train.py", "--epochs", "2"], cwd=workdir, env=env,
-                         text=True, capture_output=True, timeout=120)
+                         text=True, capture_output=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert json.loads(dry.stdout)["config"]["script"] == str(workdir / "examples" /
                                                              "digits_train.py")
     hooks = subprocess.run([str(venv / "bin" / "python"), "-c",
                             "import cfrun.supervisor.launcher as l; print(l.hooks_dir())"],
-                           cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+                           cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
     assert hooks.returncode == 0, hooks.stderr
     assert (Path(hooks.stdout.strip()) / "sitecustomize.py").is_file()

@@ -15,7 +15,7 @@ FILE = "tests/integration/test_master_weights.py"  # a slow module; its fp32 cas
 def _collected(*marks: str) -> set[str]:
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
                         "-p", "no:cacheprovider", *marks, FILE], cwd=ROOT, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode in (0, 5), p.stdout[-2000:] + p.stderr[-2000:]
     return {line.rsplit("[", 1)[-1].rstrip("]") for line in p.stdout.splitlines()
             if "::" in line}

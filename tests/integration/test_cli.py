@@ -125,7 +125,7 @@ def test_second_cfrun_on_live_job_dir_is_refused(tmp_path):
         assert second.returncode == 3 and "in use by another cfrun" in second.stderr
         assert not (tmp_path / "started2").exists()
         release.touch()
-        out, err = first.communicate(timeout=60)
+        out, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
             first.kill()
@@ -270,7 +270,7 @@ def test_as_pid_1_hup_quit_usr1_usr2_reach_the_script(tmp_path):
         for name in names:
             pid1.send_signal(getattr(signal, name))
             time.sleep(0.3)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -31,7 +31,7 @@ STEPS = 30
 def _plain(tmp_path: Path, writer: str) -> dict:
     p = subprocess.run([sys.executable, SCRIPT, "--writer", writer, "--steps", str(STEPS),
                         "--out", "plain.pt"], cwd=tmp_path, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return torch.load(tmp_path / "plain.pt", weights_only=True)
 

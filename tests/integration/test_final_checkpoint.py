@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _export(cwd: Path) -> tuple[str, dict]:
-    run = run_cfrun(["export", "job", "out.pt"], cwd=cwd, timeout=120)
+    run = run_cfrun(["export", "job", "out.pt"], cwd=cwd, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.strip(), torch.load(cwd / "out.pt", weights_only=True)
 

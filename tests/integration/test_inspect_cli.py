@@ -303,7 +303,7 @@ def test_bad_job_dir_for_every_command(job, tmp_path, cmd, case, code, needle):
         args += ["--step", "7"]
     try:
         if holder is not None:
-            run = run_cfrun(args, cwd=tmp_path, timeout=60)
+            run = run_cfrun(args, cwd=tmp_path, timeout=300)
         else:
             run = cfrun_in_process(args, cwd=tmp_path)
     finally:

@@ -252,7 +252,7 @@ def test_the_resume_line_after_a_sigterm_resumes(tmp_path):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     resumed = run_cfrun(_hint(err, "resume with:"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -149,7 +149,7 @@ def test_a_finished_jobs_edited_script_starts_over_with_its_checkpoints_kept_asi
     assert _identity(job)["fingerprints"] == [changed["fingerprint"]]
     plain = subprocess.run([sys.executable, str(script), "--steps", "12", "--out", "plain.pt"],
                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                           timeout=120)
+                           timeout=300)
     assert plain.returncode == 0, plain.stderr[-2000:]
     import torch
     from conftest import assert_bit_identical

@@ -146,7 +146,7 @@ def test_sighup_while_cfrun_starts_is_held_and_reported_as_a_stop(tmp_path: Path
     while not (tmp_path / "j").is_dir() and time.monotonic() < deadline:  # cfrun holds it now
         time.sleep(0.05)
     proc.send_signal(signal.SIGHUP)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     run = Run(proc.returncode, out, err, tmp_path / "j")
     assert run.returncode == 75, (run.returncode, err[-2000:])
     assert not run.events("attempt_start")

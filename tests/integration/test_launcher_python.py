@@ -27,7 +27,7 @@ def reference(tmp_path_factory) -> dict:
     """The script run as plain ``python script.py``: its final model and optimizer."""
     cwd = tmp_path_factory.mktemp("plain")
     p = subprocess.run([sys.executable, PLAIN, STEPS, "ref.pt", "0"], cwd=cwd,
-                       env=clean_env(), capture_output=True, text=True, timeout=120)
+                       env=clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     return torch.load(cwd / "ref.pt", weights_only=True)
 
@@ -85,7 +85,7 @@ def test_sigterm_preempts_with_exit_75_then_resume_finishes(reference, tmp_path)
             pass
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     first = Run(proc.returncode, out, err, tmp_path / "j")
     assert first.returncode == 75, err[-3000:]
     [pre] = first.events("preempted")

@@ -99,7 +99,7 @@ def test_status_watch_follows_a_running_job_until_it_ends(tmp_path):
         watch = subprocess.run([sys.executable, "-m", "cfrun", "status", "j", "--watch"],
                                cwd=tmp_path, env=clean_env(), text=True, capture_output=True,
                                timeout=180)
-        job.communicate(timeout=60)
+        job.communicate(timeout=300)
     finally:
         if job.poll() is None:
             job.kill()

@@ -30,7 +30,7 @@ def test_saved_state_dicts_carry_no_cfrun_mark(tmp_path: Path) -> None:
     plain.mkdir()
     under.mkdir()
     p = subprocess.run([sys.executable, str(SCRIPTS / "save_states.py"), str(plain)],
-                       cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     run = run_cfrun(["--interval", "2", "--job-dir", "job", str(SCRIPTS / "save_states.py"),
                      str(under)], cwd=tmp_path)
@@ -47,7 +47,7 @@ def test_script_variables_of_common_types_survive_a_kill(tmp_path: Path) -> None
     containers, a datetime and a Path as script variables come back after a SIGKILL."""
     script = str(SCRIPTS / "script_vars.py")
     p = subprocess.run([sys.executable, script], cwd=tmp_path, env=clean_env(),
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     run = run_cfrun(["--interval", "5", "--job-dir", "job", "--inject-crash", "33", script],
                     cwd=tmp_path)

@@ -56,16 +56,16 @@ def test_an_xid_during_an_attempt_is_a_hardware_fault_not_a_crash_loop(tmp_path)
     assert [e["attempt"] for e in events if e["event"] == "attempt_start"] == [0, 1]
     assert "restart 1 of 5" in err and "XID 79 on GPU 1" in err
     status = subprocess.run([sys.executable, "-m", "cfrun", "status", "j", "--json"],
-                            cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+                            cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
     st = json.loads(status.stdout)
     assert st["restarts"][0]["cause"].startswith("GPU hardware fault")
     assert [g["uuid"] for g in st["gpus"]] == ["GPU-fake-0", "GPU-fake-1"]
     assert st["gpus"][0]["memory_used_bytes"] == 40 * 10**9
     table = subprocess.run([sys.executable, "-m", "cfrun", "status", "j"], cwd=tmp_path,
-                           env=env, text=True, capture_output=True, timeout=60)
+                           env=env, text=True, capture_output=True, timeout=300)
     assert "Fake H100: 40.0/80.0 GB, 97% busy" in table.stdout.replace("\n", "")
     metrics = subprocess.run([sys.executable, "-m", "cfrun", "status", "j", "--metrics"],
-                             cwd=tmp_path, env=env, text=True, capture_output=True, timeout=60)
+                             cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
     assert 'cfrun_restarts_total{cause="hardware"} 1.0' in metrics.stdout
     assert 'cfrun_gpu_utilization_ratio{gpu="0",uuid="GPU-fake-0"} 0.97' in metrics.stdout
 

@@ -339,7 +339,7 @@ def test_peer_killed_mid_flush_training_continues_locally_then_reconnects(tmp_pa
         up = wait_event(job, "peer_reconnected", proc=proc)
         wait_event(job, "durable", lambda e: e["t_unix_s"] > up["t_unix_s"], proc=proc)
         (tmp_path / "stop").touch()  # the script ends at its next step (5000 would be 200 s)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -653,7 +653,7 @@ def test_peer_bad_input_is_one_line_with_a_distinct_exit_code(tmp_path, case, co
         blocker.listen(1)
         listen = f"127.0.0.1:{blocker.getsockname()[1]}"
     run = run_cfrun(["peer", "--listen", listen, "--flush-to", str(tmp_path / "l2"),
-                     "--token-file", str(token)], cwd=tmp_path, timeout=60)
+                     "--token-file", str(token)], cwd=tmp_path, timeout=300)
     if blocker is not None:
         blocker.close()
     assert run.returncode == code, run.stderr
@@ -663,12 +663,12 @@ def test_peer_bad_input_is_one_line_with_a_distinct_exit_code(tmp_path, case, co
 
 def test_run_with_peer_but_no_token_file_or_a_bad_job_name_is_refused(tmp_path):
     run = run_cfrun(["--peer", "127.0.0.1:7077", SLOW, "3", "out.pt", "0"], cwd=tmp_path,
-                    timeout=60)
+                    timeout=300)
     assert run.returncode == 2 and "--peer-token-file" in run.stderr
     token = write_token(tmp_path / "token")
     run = run_cfrun(["--peer", "127.0.0.1:7077", "--peer-token-file", str(token), "--job-dir",
                      "my job", "--job-name", "my job", SLOW, "3", "out.pt", "0"], cwd=tmp_path,
-                    timeout=60)
+                    timeout=300)
     assert run.returncode == 2 and "--job-name 'my job'" in run.stderr, run.stderr
     assert not (tmp_path / "cfrun-jobs").exists() and not (tmp_path / "my job").exists()
 

@@ -142,7 +142,7 @@ def test_a_job_goes_4_to_2_to_4_ranks_with_every_sample_once(tmp_path, plain, ki
 
     status = subprocess.run([sys.executable, "-m", "cfrun", "status", "--json", str(job)],
                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                            timeout=120)
+                            timeout=300)
     rows = json.loads(status.stdout)["resharded"]
     assert [(r["from_world_size"], r["to_world_size"]) for r in rows] == [(4, 2), (2, 4)]
 

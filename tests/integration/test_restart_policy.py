@@ -137,7 +137,7 @@ def test_sigkill_of_a_rank_then_sigterm_and_resume_keep_checkpoints_committing(r
         [resumed] = {e["step"] for e in Run(0, "", "", job).events("resumed")}
         _wait_for_commit_after(job, resumed, proc)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -50,7 +50,7 @@ def test_slurm_variables_place_the_nodes_and_a_requeue_after_sigterm_resumes(tmp
     for p in nodes:  # SLURM signals every step of the job (#SBATCH --signal=TERM@60)
         p.send_signal(signal.SIGTERM)
     for p in nodes:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 75, err[-3000:]
     assert "from the environment: nnodes 2 (SLURM_NNODES)" in err
     for node, name in ((0, "config.json"), (1, "config-node1.json")):
@@ -80,7 +80,7 @@ def test_slurm_variables_place_the_nodes_and_a_requeue_after_sigterm_resumes(tmp
 def test_torchrun_pet_variables_are_defaults_that_flags_beat(tmp_path, flags, env, nproc):
     run = subprocess.run([sys.executable, "-m", "cfrun", *flags, "--job-dir", "j",
                           str(SCRIPTS / "print_argv.py"), "x"], cwd=tmp_path,
-                         env=clean_env(env), text=True, capture_output=True, timeout=120)
+                         env=clean_env(env), text=True, capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "j" / "config.json").read_text())["nproc_per_node"] == nproc
     assert run.stdout.count("ARGV") == nproc  # one line per rank

@@ -143,7 +143,7 @@ def test_a_warning_of_a_wrapped_constructor_names_the_scripts_line(tmp_path):
 
     (tmp_path / "scaler.py").write_text(SCALER_WARNS)
     plain = subprocess.run([sys.executable, "scaler.py"], cwd=tmp_path, env=clean_env(),
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=300)
     said = [ln for ln in plain.stderr.splitlines() if "Warning:" in ln]
     assert said and said[0].startswith(f"{tmp_path / 'scaler.py'}:4: UserWarning"), plain.stderr
     run = run_cfrun(["--launcher", "python", "--job-dir", "j", "scaler.py"], cwd=tmp_path)

@@ -315,7 +315,7 @@ def test_cfrun_killed_leaves_no_spare_and_standby_0_keeps_none(tmp_path):
     rank.send_signal(signal.SIGSTOP)
     spare = _ready_spare(job, proc, 0)
     proc.kill()
-    proc.wait(timeout=60)
+    proc.wait(timeout=300)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and psutil.pid_exists(spare) and \
             psutil.Process(spare).status() != psutil.STATUS_ZOMBIE:
@@ -367,7 +367,7 @@ def _spare_run(cwd: Path, script: str, args: list[str], extra_env: dict[str, str
     ours.sendall(json.dumps({"env": env, "script": script, "module": None,
                              "args": args}).encode())
     ours.shutdown(socket.SHUT_WR)
-    out, err = p.communicate(timeout=120)
+    out, err = p.communicate(timeout=300)
     ours.close()
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
@@ -379,7 +379,7 @@ def test_the_spare_runs_a_script_as_python_does(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "probe.py").write_text(PROBE)
     plain = subprocess.run([sys.executable, "sub/probe.py", "x"], cwd=tmp_path, env=clean_env(),
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
     spare = _spare_run(tmp_path, "sub/probe.py", ["x"])
     assert plain.returncode == 1 and spare.returncode == 1
     assert spare.stdout == plain.stdout
@@ -429,7 +429,7 @@ def test_a_spare_stopped_before_its_go_exits_quietly(tmp_path):
     theirs.close()
     assert ours.recv(6) == b"ready\n"
     ours.close()
-    out, err = p.communicate(timeout=60)
+    out, err = p.communicate(timeout=300)
     assert (p.returncode, out, err) == (0, "", "")
 
 
@@ -438,7 +438,7 @@ def test_a_bad_standby_setting_is_one_line_and_exit_2(tmp_path, value):
     p = subprocess.run([sys.executable, "-m", "cfrun", "--launcher", "python", "--job-dir", "j",
                         TINY, "--epochs", "1", "--out", "got.pt"], cwd=tmp_path,
                        env=clean_env({"CFRUN_STANDBY": value}), capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "CFRUN_STANDBY" in p.stderr and value in p.stderr
     assert not (tmp_path / "j" / "checkpoints").exists() or not any(

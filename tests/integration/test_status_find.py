@@ -121,7 +121,7 @@ def test_one_overhead_live_and_after_a_sigterm(tmp_path):
         live = _status_json(tmp_path, job)
         assert live["is_running"] and live["overhead"]["stall_pct"] is not None, live
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 75, proc.stderr.read()
+        assert proc.wait(timeout=300) == 75, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -47,7 +47,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], check=False, cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_the_blocker_blocks(no_torch_env: dict[str, str], tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_no_secret_of_a_running_job_is_on_a_command_line(tmp_path):
                 record = ipc.read_agent_record(str(tmp_path / "j"))
             except OSError:
                 time.sleep(0.2)
-        assert record is not None, proc.communicate(timeout=60)
+        assert record is not None, proc.communicate(timeout=300)
         lines = []  # cfrun's own command is the user's to write (CFRUN_PERSIST_TO keeps it off)
         for p in psutil.Process(proc.pid).children(recursive=True):
             try:
@@ -119,7 +119,7 @@ def test_a_job_dir_swapped_while_the_job_runs_is_never_loaded(tmp_path):
         ranks = rank_pids(tmp_path / "j")
         assert ranks
         psutil.Process(ranks[0]).send_signal(signal.SIGKILL)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -116,12 +116,12 @@ def test_lock_blocks_other_process(tmp_path: Path) -> None:
     jd.lock()
     try:
         held = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=300)
         assert held.returncode == 3, held.stderr
     finally:
         jd.unlock()
     free = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     assert free.returncode == 0, free.stderr
 
 

@@ -118,7 +118,7 @@ WAITS = "import signal, sys; {handler}print('up', flush=True); signal.pause()"
 
 def test_all_ranks_exit_0_is_success() -> None:
     ranks = LocalRanks([subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(3)])
-    assert ranks.wait(timeout=60) == 0
+    assert ranks.wait(timeout=300) == 0
     assert ranks.rank_exits == ()
 
 
@@ -126,7 +126,7 @@ def test_a_failed_rank_gets_the_others_sigtermed_and_the_attempt_fails() -> None
     sleeper = _proc(WAITS.format(handler=""))
     failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     ranks = LocalRanks([sleeper, failing])  # type: ignore[list-item]
-    assert ranks.wait(timeout=60) == 1
+    assert ranks.wait(timeout=300) == 1
     assert ranks.rank_exits == ((1, 3),)
     assert sleeper.returncode == -signal.SIGTERM
 
@@ -138,6 +138,6 @@ def test_a_rank_ignoring_sigterm_is_sigkilled_after_the_grace() -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         ranks.wait(timeout=0.05)  # both still run
     victim.kill()
-    assert ranks.wait(timeout=60) == 1
+    assert ranks.wait(timeout=300) == 1
     assert ranks.rank_exits == ((1, -signal.SIGKILL),)
     assert stubborn.returncode == -signal.SIGKILL

@@ -48,7 +48,7 @@ def _agent(job: Path, slot_dir: Path, world_size: int) -> Iterator[tuple[subproc
         yield proc, address
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=300)
 
 
 def _connect(job: Path, proc: subprocess.Popen, address: str) -> socket.socket:

@@ -39,7 +39,7 @@ def test_exit_status_log_and_atexit(tmp_path: Path, how, extra, status, in_log) 
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
     p = subprocess.run([sys.executable, "-m", "cfrun.supervisor.torchrun_log", str(log),
                         "fake_launcher", str(marker), how, *extra],
-                       env=env, capture_output=True, text=True, timeout=60)
+                       env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == status, p.stderr
     assert marker.read_text() == "atexit ran"
     text = log.read_text()
