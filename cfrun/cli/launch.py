@@ -47,7 +47,21 @@ def one_node_launch(nproc_per_node: str, standalone: bool, rdzv_backend: str,
     from cfrun.contract.cluster import resolve_nproc_per_node
 
     torchrun_rendezvous(standalone, "1", rdzv_backend, None, master_addr, master_port)
+    say_unused_on_one_node(1, master_addr=master_addr, master_port=master_port)
     return resolve_nproc_per_node(nproc_per_node)
+
+
+def say_unused_on_one_node(nnodes: int | str, **given: str | None) -> None:
+    """One INFO line naming the rendezvous options given (``master_addr``, ``master_port``,
+    ``rdzv_endpoint``: torchrun's spellings, accepted so a torchrun line pastes) that a job on
+    one node (``nnodes`` 1, as :func:`cfrun.contract.cluster.fixed_nnodes` gives it) does not
+    use: its rendezvous takes a free port on this machine at each attempt (torchrun's
+    ``--standalone``; cfrun's local launcher), so jobs stacked on one machine never collide on
+    a port. Nothing where ``nnodes`` > 1 or none was given."""
+    unused = [f"--{name.replace('_', '-')} {value}" for name, value in given.items() if value]
+    if str(nnodes).strip() == "1" and unused:
+        log.info("cfrun: %s not used on one node: each attempt's rendezvous takes a free port "
+                 "on this machine", " and ".join(unused))
 
 
 def _cluster_defaults(ctx: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -88,6 +102,7 @@ def run_cluster(ctx: Any, *, standalone: bool, rdzv_backend: str, master_addr: s
             :func:`cfrun.contract.cluster.fixed_nnodes` and
             :func:`cfrun.contract.cluster.resolve_nproc_per_node`.
     """
+    endpoint_given = rdzv_endpoint
     rdzv_endpoint = torchrun_rendezvous(standalone, nnodes, rdzv_backend, rdzv_endpoint,
                                         master_addr, master_port)
     given = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint,
@@ -98,4 +113,6 @@ def run_cluster(ctx: Any, *, standalone: bool, rdzv_backend: str, master_addr: s
 
     taken["nnodes"] = fixed_nnodes(taken["nnodes"])
     taken["nproc_per_node"] = resolve_nproc_per_node(taken["nproc_per_node"])
+    say_unused_on_one_node(taken["nnodes"], master_addr=master_addr, master_port=master_port,
+                           rdzv_endpoint=endpoint_given)
     return taken

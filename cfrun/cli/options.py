@@ -101,7 +101,8 @@ MasterAddrOption = Annotated[str | None, typer.Option(
 
 MasterPortOption = Annotated[str | None, typer.Option(
     "--master-port", "--master_port", metavar="PORT",
-    help="torchrun's static rendezvous port (default 29500), with --master-addr.")]
+    help="torchrun's static rendezvous port (default 29500), with --master-addr; on one node "
+         "not used (cfrun picks a free port at each attempt).")]
 
 RdzvBackendOption = Annotated[str, typer.Option(
     "--rdzv-backend", "--rdzv_backend", metavar="[c10d|static]",

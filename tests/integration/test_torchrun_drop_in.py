@@ -90,6 +90,14 @@ def test_torchrun_line_resolves(line, launcher, cwd):
         assert f"--rdzv-endpoint={endpoint}" in launch[:script_at]
     if "--arg1" in line:
         assert launch[script_at + 1:] == ["--arg1"]
+    # a rendezvous option a one-node job does not use is named once, at INFO
+    given = [w.split("=")[0].replace("_", "-") for w in shlex.split(line)
+             if w.startswith(("--master", "--rdzv-endpoint", "--rdzv_endpoint"))]
+    said = [l for l in run.stderr.splitlines() if "not used on one node" in l]
+    if nnodes == 1 and given:
+        assert len(said) == 1 and all(f"{flag} " in said[0] for flag in given), run.stderr
+    else:
+        assert not said, run.stderr
 
 
 @pytest.mark.parametrize("line", MODULE_LINES)
