@@ -227,10 +227,31 @@ def become_rank(go: dict[str, Any]) -> None:
         this.go_unix_s = time.time()
     try:
         _run_script(go)
-    finally:  # cfrun's end mark before the script's own atexit handlers, as in a cold rank
-        from cfrun.rank import install
+    finally:
+        try:
+            _join_threads()  # as the interpreter does at its end, before any atexit handler
+        finally:  # cfrun's end mark before the script's own atexit handlers, as in a cold rank
+            from cfrun.rank import install
 
-        install.script_ended()
+            install.script_ended()
+
+
+def _join_threads() -> None:
+    """Wait for every non-daemon thread but this one, and those they start, as CPython does at
+    its end before the ``atexit`` handlers run (``threading._shutdown``): a script whose main
+    thread returns while a thread it started still trains ends when that thread does, so
+    cfrun's end mark (:func:`cfrun.rank.install.script_ended`) comes after the training, as
+    in a cold rank. cfrun's own threads are daemons."""
+    import threading
+
+    me = threading.current_thread()
+    while True:
+        alive = [t for t in threading.enumerate()
+                 if t is not me and not t.daemon and t.is_alive()]
+        if not alive:
+            return
+        for t in alive:
+            t.join()
 
 
 def _run_script(go: dict[str, Any]) -> None:

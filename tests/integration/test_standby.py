@@ -622,3 +622,23 @@ def test_a_job_imports_torch_once_however_often_it_restarts(tmp_path):
     assert_resumed_from_newest(run, 2)
     assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "got.pt"))
     assert final_line(run.stdout) == final_line(plain.stdout)
+
+
+@pytest.mark.launched  # the one-node default launcher (local), as users launch
+def test_a_thread_that_trains_after_the_main_thread_returns_ends_the_script(tmp_path):
+    """A script whose main thread starts a non-daemon thread that trains and returns at once
+    (Python ends the process when that thread ends): in a rank started as a spare (the default
+    launcher's first attempt, whose spare forks the next one at its go), cfrun's end mark and
+    the script's last checkpoint come after the thread's last step, as in a cold rank, where
+    the interpreter joins the thread before any ``atexit`` handler
+    (:func:`cfrun.rank.spare._join_threads`). Before, the end mark was written when the main
+    thread's code returned: ``clean`` at step 0, while the thread had not trained yet."""
+    run = run_cfrun(["--interval", "5", "--job-dir", "j", str(SCRIPTS / "train_in_thread.py"),
+                     "out.pt"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FINAL" in run.stdout and (tmp_path / "out.pt").exists()
+    ready = job_events(run.job_dir, "standby_ready")
+    assert any(e.get("forked") for e in ready), ready  # the rank was a spare: it forked one
+    marks = [json.loads(p.read_text()) for p in (run.job_dir / "ended").glob("*.json")]
+    assert marks == [{"clean": True, "preempted": False, "step": 60}], marks
+    assert (run.job_dir / "checkpoints" / "step-000060").is_dir()  # the script's last step

@@ -1,0 +1,28 @@
+"""Trains in a non-daemon thread that the main thread starts and does not join: the main
+thread's code returns at once, and Python ends the process when the thread does.
+
+``train_in_thread.py OUT``: 60 SGD steps of a linear model (a 20 ms sleep each), the final
+weights saved to OUT, ``FINAL <loss>`` printed."""
+
+import sys
+import threading
+import time
+
+import torch
+
+
+def train(out: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(60):
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.02)
+    torch.save(model.state_dict(), out)
+    print("FINAL", loss.item())
+
+
+threading.Thread(target=train, args=(sys.argv[1],)).start()
