@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -45,15 +46,27 @@ class LoopArrival:
 
     def arm(self, loop: F.LoopInfo, arrive: Arrive) -> None:
         """Call ``arrive(frame, loop)`` when the script first reaches the head of ``loop``,
-        once the plan's read is done (no plan left: never). Uses ``sys.settrace`` until then.
+        once the plan's read is done (no plan left: never). Uses ``sys.settrace`` until then,
+        and ``threading.settrace`` for the threads started meanwhile (a script whose loop runs
+        in a thread of its own: the first thread to arrive is the one restored; the others
+        drop the tracer at their next call), unless another tracer is set for new threads.
         A failure of ``arrive`` makes the checkpoint unusable (:func:`unusable`)."""
         key = tuple(loop.code)
         targets = (loop.header_line, loop.body_line)
         read = self._read
+        arrived: list[bool] = []
+        # a thread the script starts before the arrival (one that runs the training loop)
+        # gets the global tracer too, unless someone else's tracer is set for new threads
+        for_threads = threading.gettrace() is None
 
         def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if arrived:
+                return None
             if event == "line" and frame.f_lineno in targets:
+                arrived.append(True)
                 sys.settrace(None)
+                if for_threads and threading.gettrace() is global_tracer:
+                    threading.settrace(None)
                 frame.f_trace = None
                 if not read.await_read():
                     return None
@@ -66,6 +79,9 @@ class LoopArrival:
             return local
 
         def global_tracer(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if arrived:  # another thread arrived: this thread's tracer goes at its next call
+                sys.settrace(None)
+                return None
             code = frame.f_code
             if event == "call" and code.co_name == key[1] and code.co_firstlineno == key[2] \
                     and os.path.realpath(code.co_filename) == key[0]:
@@ -73,6 +89,8 @@ class LoopArrival:
             return None
 
         sys.settrace(global_tracer)
+        if for_threads:
+            threading.settrace(global_tracer)
         f: types.FrameType | None = sys._getframe()
         while f is not None:  # a loop at module level: its frame is already running
             code = f.f_code

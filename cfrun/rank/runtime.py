@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -154,6 +155,8 @@ class Runtime:
         if getattr(tracer, "__module__", None) in ("cfrun.rank.loop_boundary",
                                                    "cfrun.rank.resume_loops"):
             sys.settrace(None)  # a boundary or resume tracer of cfrun's
+        if getattr(threading.gettrace(), "__module__", None) == "cfrun.rank.resume_loops":
+            threading.settrace(None)  # the resume's, for threads the script starts
         self.boundary.cancel()
         self.resume.exit_fast_forward()
         self.snap.quiesce(60.0)

@@ -625,20 +625,32 @@ def test_a_job_imports_torch_once_however_often_it_restarts(tmp_path):
 
 
 @pytest.mark.launched  # the one-node default launcher (local), as users launch
-def test_a_thread_that_trains_after_the_main_thread_returns_ends_the_script(tmp_path):
-    """A script whose main thread starts a non-daemon thread that trains and returns at once
-    (Python ends the process when that thread ends): in a rank started as a spare (the default
-    launcher's first attempt, whose spare forks the next one at its go), cfrun's end mark and
-    the script's last checkpoint come after the thread's last step, as in a cold rank, where
-    the interpreter joins the thread before any ``atexit`` handler
-    (:func:`cfrun.rank.spare._join_threads`). Before, the end mark was written when the main
-    thread's code returned: ``clean`` at step 0, while the thread had not trained yet."""
-    run = run_cfrun(["--interval", "5", "--job-dir", "j", str(SCRIPTS / "train_in_thread.py"),
+def test_a_loop_in_a_thread_resumes_and_ends_the_script_when_the_thread_does(tmp_path):
+    """A script whose main thread starts a non-daemon thread that runs the training loop and
+    returns at once (Python ends the process when that thread ends), SIGKILLed after step 30:
+    the next attempt's resume reaches the loop in the thread (``threading.settrace`` beside
+    ``sys.settrace``: :meth:`cfrun.rank.resume_loops.LoopArrival.arm`) and goes on from the
+    newest commit instead of training from step 0 again; that attempt's rank, a spare forked
+    at the first one's go, writes cfrun's end mark after the thread's last step, as a cold
+    rank does where the interpreter joins the thread before any ``atexit`` handler
+    (:func:`cfrun.rank.spare._join_threads`); the weights and the last line equal the plain
+    ``python`` run's. Before: the resumed attempt trained from step 0 and said at its end that
+    the checkpoint was not restored; the end mark said ``clean`` at step 0, written when the
+    main thread's code returned."""
+    script = str(SCRIPTS / "train_in_thread.py")
+    plain = subprocess.run([sys.executable, script, "plain.pt"], cwd=tmp_path, env=clean_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = run_cfrun(["--interval", "5", "--inject-crash", "30", "--job-dir", "j", script,
                      "out.pt"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "FINAL" in run.stdout and (tmp_path / "out.pt").exists()
+    [resumed] = assert_resumed_from_newest(run, 1)
+    assert "not restored" not in run.stderr, run.stderr[-3000:]
+    again = [e["step"] for e in job_events(run.job_dir, "checkpoint") if e["attempt"] == 1]
+    assert again and min(again) > resumed, (resumed, again)  # no step trained twice over
     ready = job_events(run.job_dir, "standby_ready")
-    assert any(e.get("forked") for e in ready), ready  # the rank was a spare: it forked one
+    assert any(e.get("forked") for e in ready), ready  # attempt 1's rank was a spare
     marks = [json.loads(p.read_text()) for p in (run.job_dir / "ended").glob("*.json")]
     assert marks == [{"clean": True, "preempted": False, "step": 60}], marks
-    assert (run.job_dir / "checkpoints" / "step-000060").is_dir()  # the script's last step
+    assert_bit_identical(torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "out.pt"))
+    assert final_line(run.stdout) == final_line(plain.stdout)
