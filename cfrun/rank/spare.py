@@ -237,14 +237,20 @@ def become_rank(go: dict[str, Any]) -> None:
 
 
 def _join_threads() -> None:
-    """Wait for every non-daemon thread but this one, and those they start, as CPython does at
-    its end before the ``atexit`` handlers run (``threading._shutdown``): a script whose main
-    thread returns while a thread it started still trains ends when that thread does, so
-    cfrun's end mark (:func:`cfrun.rank.install.script_ended`) comes after the training, as
-    in a cold rank. cfrun's own threads are daemons."""
+    """Wait for every non-daemon thread but this one, as CPython does at its end before the
+    ``atexit`` handlers run: ``threading._shutdown`` itself (it first runs the threading
+    ``atexit`` calls, so an idle ``ThreadPoolExecutor``'s workers exit instead of being waited
+    for forever, and it does nothing when called again at the interpreter's end). A script
+    whose main thread returns while a thread it started still trains then ends when that
+    thread does, and cfrun's end mark (:func:`cfrun.rank.install.script_ended`) comes after
+    the training and runs in the state it has in a cold rank. Main thread only."""
     import threading
 
-    me = threading.current_thread()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        return
+    me = threading.current_thread()  # an interpreter without it: join them one by one
     while True:
         alive = [t for t in threading.enumerate()
                  if t is not me and not t.daemon and t.is_alive()]

@@ -1,9 +1,12 @@
 """Trains in a non-daemon thread that the main thread starts and does not join: the main
-thread's code returns at once, and Python ends the process when the thread does.
+thread's code returns at once, and Python ends the process when the thread does. It also
+leaves an idle ``ThreadPoolExecutor`` open (its worker is a non-daemon thread that Python's
+end tells to exit, as ``torch.distributed.checkpoint.async_save``'s would be).
 
 ``train_in_thread.py OUT``: 60 SGD steps of a linear model (a 20 ms sleep each), the final
 weights saved to OUT, ``FINAL <loss>`` printed."""
 
+import concurrent.futures
 import sys
 import threading
 import time
@@ -25,4 +28,6 @@ def train(out: str) -> None:
     print("FINAL", loss.item())
 
 
+pool = concurrent.futures.ThreadPoolExecutor(1)  # never shut down
+pool.submit(print, "pool ready").result()
 threading.Thread(target=train, args=(sys.argv[1],)).start()
