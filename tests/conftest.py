@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -548,6 +549,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=rank)  # stable: collection order within each rank
     _leave_the_extended_tier_out(config, items)
+    _TIMING["left"] = sum(1 for item in items if item.get_closest_marker("timing"))
+    _TIMING["base_nice"] = os.nice(0)
 
 
 def _leave_the_extended_tier_out(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -567,16 +570,46 @@ def _leave_the_extended_tier_out(config: pytest.Config, items: list[pytest.Item]
 
 
 OTHER_TESTS_NICE = 10
+_TIMING = {"left": 0, "base_nice": 0, "niced": 0}
+"""This worker's count of the session's tests marked ``timing`` not yet torn down (every worker
+collects them all; only the one that runs the ``timing`` group counts them down)."""
+
+
+def _timing_done_path(config: pytest.Config) -> Path:
+    """The file the worker that ran the ``timing`` group writes when it has torn down the last
+    one; the other workers of the session look for it (xdist's ``testrunuid`` names the run)."""
+    uid = getattr(config, "workerinput", {}).get("testrunuid", "none")
+    return Path(tempfile.gettempdir()) / f"cfrun-tests-{uid}-timing-done"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, a worker lowers its CPU priority (``nice``, inherited by the processes its
-    tests start) at its first test not marked ``timing``. The timing group is the first work
-    sent out, so its tests run at the normal priority while the other workers' jobs yield the
-    cores to them: a wall-clock bound then measures cfrun, not the other workers."""
-    if (os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("timing")
-            and os.nice(0) < OTHER_TESTS_NICE):
+    tests start) at a test not marked ``timing`` while the session's ``timing`` tests have not
+    all run. The timing group is the first work sent out, so its tests run at the normal
+    priority while the other workers' jobs yield the cores to them: a wall-clock bound then
+    measures cfrun, not the other workers. Once the group is done the priority goes back to
+    where it was where the worker may raise it (root; elsewhere it stays lowered): niced
+    workers beside other work on the machine (two busy loops, docs/tests.md) got a tenth of the
+    cores, and a busy-machine run of the slow tier took about two hours."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("timing"):
+        return
+    timing_left = _TIMING["left"] > 0 and not _timing_done_path(item.config).exists()
+    if timing_left and os.nice(0) < OTHER_TESTS_NICE:
         os.nice(OTHER_TESTS_NICE - os.nice(0))
+        _TIMING["niced"] = 1
+    elif not timing_left and _TIMING["niced"]:
+        _TIMING["niced"] = 0
+        with contextlib.suppress(PermissionError):  # only a privileged worker may raise it
+            os.setpriority(os.PRIO_PROCESS, 0, _TIMING["base_nice"])
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Count down the ``timing`` tests (:func:`pytest_runtest_setup`); after the last, say so
+    to the session's other workers."""
+    if item.get_closest_marker("timing") and _TIMING["left"] > 0:
+        _TIMING["left"] -= 1
+        if _TIMING["left"] == 0 and os.environ.get("PYTEST_XDIST_WORKER"):
+            _timing_done_path(item.config).touch()
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ module runs in the extended tier alone, so CI's ``-m slow`` leaves it out and ``
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -29,3 +31,49 @@ def _collected(*marks: str) -> set[str]:
 ], ids=["quick", "slow", "extended", "all"])
 def test_each_case_runs_in_its_tier_alone(marks, want):
     assert _collected(*marks) == want
+
+
+NICE_PROBE = '''
+import json, os, time
+import pytest
+
+def _log(**kw):
+    with open(os.environ["NICE_LOG"], "a") as f:
+        f.write(json.dumps({"t": time.monotonic(), **kw}) + "\\n")
+
+@pytest.mark.timing
+def test_timing():
+    _log(timing="start")
+    time.sleep(4)
+    _log(timing="end")
+
+@pytest.mark.parametrize("i", range(8))
+def test_other(i):
+    _log(other=i, nice=os.nice(0))
+    time.sleep(1)
+'''
+
+
+def test_workers_yield_to_the_timing_tests_only_while_they_run(tmp_path):
+    """While a ``timing`` test runs, the other workers' tests run niced (their wall-clock bound
+    measures cfrun); once the group is done, a worker that may (root) goes back to its own
+    priority, so the suite beside other work on the machine gets its share of the cores."""
+    (tmp_path / "test_nice_probe.py").write_text(NICE_PROBE)
+    log = tmp_path / "nice.jsonl"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
+                        "no:cacheprovider", "-n", "2", "-m", "", "-q",
+                        str(tmp_path / "test_nice_probe.py")],
+                       cwd=ROOT, env=clean_env({"NICE_LOG": str(log),
+                                                "PYTHONPATH": str(ROOT / "tests")}),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    start = next(x["t"] for x in lines if x.get("timing") == "start")
+    end = next(x["t"] for x in lines if x.get("timing") == "end")
+    during = [x["nice"] for x in lines if "other" in x and start < x["t"] < end]
+    after = [x["nice"] for x in lines if "other" in x and x["t"] > end + 0.5]
+    assert during and after, lines
+    base = os.nice(0)
+    assert all(n >= 10 for n in during), lines
+    if os.geteuid() == 0:  # may raise its priority back
+        assert all(n == base for n in after), lines
