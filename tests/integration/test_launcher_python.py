@@ -10,10 +10,20 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, Run, assert_bit_identical, clean_env, job_events, run_cfrun
+from conftest import (
+    SCRIPTS,
+    Run,
+    assert_bit_identical,
+    clean_env,
+    job_events,
+    plain_run,
+    run_cfrun,
+    shared_run,
+)
 
 from cfrun.contract.config import Command, RunConfig
 
@@ -24,12 +34,14 @@ STEPS = "40"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    """The script run as plain ``python script.py``: its final model and optimizer."""
-    cwd = tmp_path_factory.mktemp("plain")
-    p = subprocess.run([sys.executable, PLAIN, STEPS, "ref.pt", "0"], cwd=cwd,
-                       env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return torch.load(cwd / "ref.pt", weights_only=True)
+    """The script run as plain ``python script.py``: its final model and optimizer; run once
+    per session (:func:`shared_run`: a module fixture runs once per xdist worker)."""
+    def make(cwd: Path) -> Run:
+        p = plain_run([PLAIN, STEPS, "ref.pt", "0"], cwd)
+        return Run(p.returncode, p.stdout, p.stderr, cwd)
+
+    run = shared_run(tmp_path_factory, "plain-only-40", make)
+    return torch.load(Path(run.cwd or "") / "ref.pt", weights_only=True)
 
 
 @pytest.mark.launched  # the default launcher is the point

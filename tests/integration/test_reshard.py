@@ -26,13 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, clean_env, plain_run, run_cfrun
+from conftest import SCRIPTS, Run, clean_env, plain_run, run_cfrun, shared_run
 
 from cfrun.contract import faults
 from cfrun.contract.checkpoints import committed_steps
 from cfrun.contract.jobdir import step_dir_name
 
-# one xdist worker runs both kinds, so the module's plain torchrun reference runs once
+# one xdist worker runs the module's tests (each runs 4 ranks at a time); its plain torchrun
+# reference runs once per session (shared_run: a module fixture ran once per test under xdist)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.launched,
               pytest.mark.xdist_group("reshard")]
 
@@ -98,10 +99,15 @@ def _assert_follows_plain(stdouts: list[str], cwd: Path, plain: tuple[dict[int, 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
-    """The uninterrupted reference: plain torchrun, 4 ranks, DDP."""
-    cwd = tmp_path_factory.mktemp("plain")
-    p = plain_run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                   SCRIPT, "ddp", "plain.pt"], cwd)
+    """The uninterrupted reference: plain torchrun, 4 ranks, DDP; run once per session
+    (:func:`shared_run`: this module's tests run on several xdist workers)."""
+    def make(cwd: Path) -> Run:
+        p = plain_run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                       SCRIPT, "ddp", "plain.pt"], cwd)
+        return Run(p.returncode, p.stdout, p.stderr, cwd)
+
+    p = shared_run(tmp_path_factory, "reshard4-plain", make)
+    cwd = Path(p.cwd or "")
     losses = _losses(p.stdout)
     assert sorted(losses) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
     return losses, cwd / "plain.pt"

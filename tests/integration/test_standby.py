@@ -33,7 +33,9 @@ from conftest import (
     clean_env,
     final_line,
     job_events,
+    plain_run,
     run_cfrun,
+    shared_run,
 )
 
 from cfrun.contract import faults
@@ -134,23 +136,27 @@ def _ends_as_plain(tmp_path: Path, run: Run, plain: subprocess.CompletedProcess[
     assert final_line(run.stdout) == final_line(plain.stdout)
 
 
-def _plain(tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    plain = subprocess.run([sys.executable, TINY, "--epochs", "3", "--out", "plain.pt"],
-                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                           timeout=240)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+def _plain(tmp_path: Path, factory: pytest.TempPathFactory) -> Run:
+    """``python TINY --epochs 3``, run once per session (:func:`shared_run`: four tests compare
+    with it), its ``plain.pt`` copied into ``tmp_path``."""
+    def make(cwd: Path) -> Run:
+        p = plain_run([TINY, "--epochs", "3", "--out", "plain.pt"], cwd)
+        return Run(p.returncode, p.stdout, p.stderr, cwd)
+
+    plain = shared_run(factory, "tiny3-plain", make)
+    shutil.copy(Path(plain.cwd or "") / "plain.pt", tmp_path / "plain.pt")
     return plain
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [pytest.param("python", marks=pytest.mark.extended), "auto"])
-def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher):
+def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, tmp_path_factory, launcher):
     """Each SIGKILL of the rank after a spare said it was ready: the next attempt is the spare
     (no new interpreter: the process existed before the attempt started), resumes from the
     newest committed step, and the run ends with the plain run's weights and final line;
     under ``--launcher python`` and the one-node default (``auto``: ``local``, the rank with
     torchrun's variables)."""
-    plain = _plain(tmp_path)
+    plain = _plain(tmp_path, tmp_path_factory)
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
                   launcher=launcher)
@@ -180,13 +186,14 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, launcher
 
 @pytest.mark.extended  # a spare as the next attempt: the tests of the local launcher
 @pytest.mark.torchrun
-def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_path):
+def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_path,
+                                                                         tmp_path_factory):
     """Under torchrun (``--launcher torchrun``; several nodes) the spare is the next attempt's
     torchrun, torch's launcher imported: each SIGKILL of the rank once it is ready restarts
     from it (the new rank is the spare's child: torchrun ran in the process that existed
     before the attempt),
     from the newest committed step, and the run ends with the plain run's weights and line."""
-    plain = _plain(tmp_path)
+    plain = _plain(tmp_path, tmp_path_factory)
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
                   launcher="torchrun")
@@ -209,13 +216,13 @@ def test_a_torchrun_jobs_next_torchrun_is_the_warm_spare_twice_and_exact(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path):
+def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path, tmp_path_factory):
     """The spare SIGKILLed after it took the go, before it became the rank (held there by the
     fault point ``rank.spare_go_delay_s``): that attempt fails without a step; the next starts
     from the spare the killed one forked at its go, before the hold (a copy made before
     anything of the job ran), resumes from the newest committed step, and the run ends with
     the plain run's weights and line."""
-    plain = _plain(tmp_path)
+    plain = _plain(tmp_path, tmp_path_factory)
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
                   env=faults.arm(SLOW, **{"rank.spare_go_delay_s": 120}))
@@ -242,11 +249,11 @@ def test_a_kill_during_the_hand_over_restarts_cold_and_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path):
+def test_a_killed_spare_is_replaced_and_the_restart_is_exact(tmp_path, tmp_path_factory):
     """SIGKILL the ready spare: the supervisor starts another (a second ``standby_ready`` in the
     same attempt); a kill of the rank then restarts warm, from the second spare, and the run
     ends bit-identical."""
-    _plain(tmp_path)
+    _plain(tmp_path, tmp_path_factory)
     job = tmp_path / "j"
     proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"])
     try:
