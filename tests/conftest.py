@@ -549,7 +549,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=rank)  # stable: collection order within each rank
     _leave_the_extended_tier_out(config, items)
-    _TIMING["left"] = sum(1 for item in items if item.get_closest_marker("timing"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Count the ``timing`` tests this session runs (:data:`_TIMING`), once ``-m`` and ``-k``
+    have deselected theirs: this file's ``pytest_collection_modifyitems`` runs before pytest's
+    own, and a count of the quick tier's timing tests in a slow-tier run never reached 0."""
+    _TIMING["left"] = sum(1 for item in session.items if item.get_closest_marker("timing"))
     _TIMING["base_nice"] = os.nice(0)
 
 

@@ -43,9 +43,14 @@ def _log(**kw):
 
 @pytest.mark.timing
 def test_timing():
-    _log(timing="start")
+    _log(timing="start", nice=os.nice(0))
     time.sleep(4)
     _log(timing="end")
+
+@pytest.mark.slow  # deselected (-m "not slow"): the workers must not wait for it
+@pytest.mark.timing
+def test_timing_of_another_tier():
+    pass
 
 @pytest.mark.parametrize("i", range(8))
 def test_other(i):
@@ -57,11 +62,12 @@ def test_other(i):
 def test_workers_yield_to_the_timing_tests_only_while_they_run(tmp_path):
     """While a ``timing`` test runs, the other workers' tests run niced (their wall-clock bound
     measures cfrun); once the group is done, a worker that may (root) goes back to its own
-    priority, so the suite beside other work on the machine gets its share of the cores."""
+    priority, so the suite beside other work on the machine gets its share of the cores; a
+    ``timing`` test of a tier the run leaves out is not waited for."""
     (tmp_path / "test_nice_probe.py").write_text(NICE_PROBE)
     log = tmp_path / "nice.jsonl"
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
-                        "no:cacheprovider", "-n", "2", "-m", "", "-q",
+                        "no:cacheprovider", "-n", "2", "-m", "not slow", "-q",
                         str(tmp_path / "test_nice_probe.py")],
                        cwd=ROOT, env=clean_env({"NICE_LOG": str(log),
                                                 "PYTHONPATH": str(ROOT / "tests")}),
@@ -74,6 +80,7 @@ def test_workers_yield_to_the_timing_tests_only_while_they_run(tmp_path):
     after = [x["nice"] for x in lines if "other" in x and x["t"] > end + 0.5]
     assert during and after, lines
     base = os.nice(0)
+    assert next(x["nice"] for x in lines if x.get("timing") == "start") == base, lines
     assert all(n >= 10 for n in during), lines
     if os.geteuid() == 0:  # may raise its priority back
         assert all(n == base for n in after), lines
