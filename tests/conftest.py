@@ -583,7 +583,12 @@ collects them all; only the one that runs the ``timing`` group counts them down)
 
 def _timing_done_path(config: pytest.Config) -> Path:
     """The file the worker that ran the ``timing`` group writes when it has torn down the last
-    one; the other workers of the session look for it (xdist's ``testrunuid`` names the run)."""
+    one; the other workers of the session look for it. It lies in the session's temp dir, which
+    pytest removes with the older ones (the tmp_path factory's; xdist's ``testrunuid`` names the
+    run where there is none)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if isinstance(factory, pytest.TempPathFactory):
+        return _shared_root(factory) / "timing-done"
     uid = getattr(config, "workerinput", {}).get("testrunuid", "none")
     return Path(tempfile.gettempdir()) / f"cfrun-tests-{uid}-timing-done"
 
