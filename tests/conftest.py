@@ -4,6 +4,7 @@ runs between tests and xdist workers, compare saved states bit for bit."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -530,11 +531,14 @@ LONG_FILES_FIRST = ["test_multinode.py", "test_no_replay.py", "test_fsdp2.py",
                     "test_two_phase.py", "test_step_loops.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from its marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the run for xdist: tests marked ``timing`` (they assert a wall-clock bound) go into
     one xdist group, so no two of them run at once, and to the front, so that group is not the
     run's tail; then the files of LONG_FILES_FIRST; then the other tests of real processes; the
-    quick unit tests last, to fill the gaps at the end."""
+    quick unit tests last, to fill the gaps at the end. It runs before xdist's own hook, which
+    reads the ``xdist_group`` marks: after it, the ``timing`` tests ran as groups of one each,
+    on every worker at once."""
     for item in items:
         if item.get_closest_marker("timing"):
             item.add_marker(pytest.mark.xdist_group("timing"))
@@ -555,7 +559,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Count the ``timing`` tests this session runs (:data:`_TIMING`), once ``-m`` and ``-k``
     have deselected theirs: this file's ``pytest_collection_modifyitems`` runs before pytest's
     own, and a count of the quick tier's timing tests in a slow-tier run never reached 0."""
-    _TIMING["left"] = sum(1 for item in session.items if item.get_closest_marker("timing"))
+    _TIMING["total"] = sum(1 for item in session.items if item.get_closest_marker("timing"))
     _TIMING["base_nice"] = os.nice(0)
 
 
@@ -576,21 +580,24 @@ def _leave_the_extended_tier_out(config: pytest.Config, items: list[pytest.Item]
 
 
 OTHER_TESTS_NICE = 10
-_TIMING = {"left": 0, "base_nice": 0, "niced": 0}
-"""This worker's count of the session's tests marked ``timing`` not yet torn down (every worker
-collects them all; only the one that runs the ``timing`` group counts them down)."""
+_TIMING = {"total": 0, "base_nice": 0, "niced": 0}
+"""The session's number of tests marked ``timing`` (every worker collects them all), this
+worker's priority before it lowered it, and whether it did."""
 
 
-def _timing_done_path(config: pytest.Config) -> Path:
-    """The file the worker that ran the ``timing`` group writes when it has torn down the last
-    one; the other workers of the session look for it. It lies in the session's temp dir, which
-    pytest removes with the older ones (the tmp_path factory's; xdist's ``testrunuid`` names the
-    run where there is none)."""
+def _timing_done_dir(config: pytest.Config) -> Path:
+    """The directory where each worker leaves a file for each ``timing`` test it has torn down;
+    all workers of the session see it. It lies in the session's temp dir, which pytest removes
+    with the older ones (the tmp_path factory's; xdist's ``testrunuid`` names the run where
+    there is none)."""
     factory = getattr(config, "_tmp_path_factory", None)
     if isinstance(factory, pytest.TempPathFactory):
-        return _shared_root(factory) / "timing-done"
-    uid = getattr(config, "workerinput", {}).get("testrunuid", "none")
-    return Path(tempfile.gettempdir()) / f"cfrun-tests-{uid}-timing-done"
+        path = _shared_root(factory) / "timing-done"
+    else:
+        uid = getattr(config, "workerinput", {}).get("testrunuid", "none")
+        path = Path(tempfile.gettempdir()) / f"cfrun-tests-{uid}-timing-done"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -604,7 +611,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     cores, and a busy-machine run of the slow tier took about two hours."""
     if not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("timing"):
         return
-    timing_left = _TIMING["left"] > 0 and not _timing_done_path(item.config).exists()
+    timing_left = _TIMING["total"] > 0 and \
+        sum(1 for _ in _timing_done_dir(item.config).iterdir()) < _TIMING["total"]
     if timing_left and os.nice(0) < OTHER_TESTS_NICE:
         os.nice(OTHER_TESTS_NICE - os.nice(0))
         _TIMING["niced"] = 1
@@ -615,12 +623,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """Count down the ``timing`` tests (:func:`pytest_runtest_setup`); after the last, say so
-    to the session's other workers."""
-    if item.get_closest_marker("timing") and _TIMING["left"] > 0:
-        _TIMING["left"] -= 1
-        if _TIMING["left"] == 0 and os.environ.get("PYTEST_XDIST_WORKER"):
-            _timing_done_path(item.config).touch()
+    """Say to the session's workers that a ``timing`` test is done (:func:`pytest_runtest_setup`
+    counts them), whichever worker ran it."""
+    if item.get_closest_marker("timing") and os.environ.get("PYTEST_XDIST_WORKER"):
+        name = hashlib.sha1(item.nodeid.encode()).hexdigest()[:16]
+        (_timing_done_dir(item.config) / name).touch()
 
 
 @pytest.fixture
