@@ -520,15 +520,17 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 # Files whose tests run the longest jobs (two nodes, peers, restarts with sleeping steps; in the
-# slow tier the frameworks and FSDP2; in the extended tier the benches and the README demo),
-# started first so that no long test is the run's tail (measured on 2 cores: CI's slowest 30 of
-# stop 41).
+# slow tier the frameworks and FSDP2; in the extended tier the benches and the README demo), and
+# the xdist groups whose tests run one after another on one worker (good_checkpoints: ~6 minutes
+# of the slow tier's), started first so that no long test is the run's tail (measured on 2
+# cores: CI's slowest 30 of stop 41).
 LONG_FILES_FIRST = ["test_multinode.py", "test_no_replay.py", "test_fsdp2.py",
                     "test_bench_scaling.py", "test_frameworks.py", "test_bench_gpu_overhead.py",
                     "test_peer.py", "test_readme.py", "test_deterministic_failures.py",
                     "test_transparency.py", "test_reshard.py", "test_bench_gpu_shaped.py",
                     "test_supervision.py", "test_crash_resume.py", "test_policy_runs.py",
-                    "test_two_phase.py", "test_step_loops.py"]
+                    "test_two_phase.py", "test_good_checkpoints.py", "test_manifest_mac.py",
+                    "test_step_loops.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from its marks
