@@ -129,6 +129,24 @@ def _commit_after_the_resume(job: Path, proc: subprocess.Popen[str]) -> None:
     _wait(lambda: any(e["step"] > resumed_at for e in job_events(job, "commit")), proc)
 
 
+def _two_warm_kills(tmp_path: Path, args: list[str], env: dict[str, str] | None = None,
+                    launcher: str = "python") -> Run:
+    """Start the job (:func:`_start`, job dir ``j``), SIGKILL its rank once the first spare is
+    ready, wait for a commit after the resume, SIGKILL the next rank once the second spare is
+    ready, and wait for the end: its exit code and output."""
+    job = tmp_path / "j"
+    proc = _start(tmp_path, args, env=env, launcher=launcher)
+    try:
+        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc, job), 0, 1)
+        _commit_after_the_resume(job, proc)
+        _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return Run(proc.returncode, out, err, job)
+
+
 def _ends_as_plain(tmp_path: Path, run: Run, plain: subprocess.CompletedProcess[str]) -> None:
     """Two kills: each resume from the newest commit, and the plain run's weights and line."""
     assert_resumed_from_newest(run, 2)
@@ -158,17 +176,10 @@ def test_two_kills_are_recovered_by_warm_spares_bit_identical(tmp_path, tmp_path
     torchrun's variables)."""
     plain = _plain(tmp_path, tmp_path_factory)
     job = tmp_path / "j"
-    proc = _start(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out", "got.pt"],
-                  launcher=launcher)
-    try:
-        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc, job), 0, 1)
-        _commit_after_the_resume(job, proc)
-        _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    run = _two_warm_kills(tmp_path, ["--interval", "10", TINY, "--epochs", "3", "--out",
+                                     "got.pt"], launcher=launcher)
+    out, err = run.stdout, run.stderr
+    assert run.returncode == 0, err[-3000:]
     starts = job_events(job, "attempt_start")
     assert len(starts) == 3 and not starts[0].get("warm"), starts
     assert all(s.get("warm") for s in starts[1:]), starts
@@ -612,19 +623,10 @@ def test_a_job_imports_torch_once_however_often_it_restarts(tmp_path):
                             "plain.pt"], cwd=tmp_path, env=clean_env({"CPU_LOG": str(plain_log)}),
                            capture_output=True, text=True, timeout=240)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    job = tmp_path / "j"
-    proc = _start(tmp_path, ["--interval", "5", "train_tiny.py", "--epochs", "3", "--out",
-                             "got.pt"], env={"CPU_LOG": str(log)}, launcher="auto")
-    try:
-        spare = _kill_when_spare_ready(job, proc, _cold_rank(proc, job), 0, 1)
-        _commit_after_the_resume(job, proc)
-        _kill_when_spare_ready(job, proc, psutil.Process(spare), 1, 1)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    run = Run(0, out, err, job)
+    run = _two_warm_kills(tmp_path, ["--interval", "5", "train_tiny.py", "--epochs", "3",
+                                     "--out", "got.pt"], env={"CPU_LOG": str(log)},
+                          launcher="auto")
+    assert run.returncode == 0, run.stderr[-3000:]
     starts = [line.split() for line in log.read_text().splitlines()]
     assert len(starts) == 3 and len({pid for pid, _ in starts}) == 3, starts
     cpu_s = [float(cpu) for _, cpu in starts]
